@@ -1,0 +1,28 @@
+"""Build of the Cython extension shmeval._ring (everything else is in pyproject.toml).
+
+SHMEVAL_DEBUG=1 builds with -DSHM_DEBUG: state-machine assertions in ring.h.
+"""
+import os
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+debug = os.environ.get("SHMEVAL_DEBUG") == "1"
+
+ext = Extension(
+    "shmeval._ring",
+    sources=["src/shmeval/_ring.pyx"],
+    include_dirs=["src/shmeval/_core", np.get_include()],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), ("_GNU_SOURCE", None)]
+    + ([("SHM_DEBUG", None)] if debug else []),
+    extra_compile_args=["-std=gnu11", "-O2"] + (["-UNDEBUG", "-g"] if debug else []),
+)
+
+setup(
+    ext_modules=cythonize(
+        [ext],
+        language_level=3,
+        compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
+    )
+)

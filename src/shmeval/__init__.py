@@ -1,0 +1,18 @@
+"""shmeval: batched model evaluation for many processes over shared memory.
+
+Worker processes write states into lock-free shared-memory slots; one
+evaluator drains them into large batches for the model and writes results
+back in place.  See README.md and docs/protocol.md.
+"""
+from .client import Client, connect
+from .errors import (ClientTableFull, EvaluatorClosed, EvaluatorDied, ModelError, SegmentError,
+                     ShmevalError)
+from .evaluator import BatchPolicy, Evaluator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Evaluator", "Client", "connect", "BatchPolicy",
+    "ShmevalError", "SegmentError", "ClientTableFull", "EvaluatorClosed", "EvaluatorDied",
+    "ModelError", "__version__",
+]

@@ -1,0 +1,935 @@
+/*
+ * ring.h -- the whole shared-memory protocol of shmeval, in one header.
+ *
+ * Everything that touches the shared segment through a pointer lives here:
+ * the segment layout, the slot state machine, the doorbells (futex words
+ * inside the segment) and the evaluator's gather/scatter loops.  The Cython
+ * layer (_ring.pyx) only calls these functions; Python never does pointer
+ * arithmetic.  The core never allocates: the caller asks shm_layout_compute()
+ * how many bytes a segment needs, maps them, and shm_init() formats them.
+ *
+ * Linux only: doorbells are futex(2) words in the shared mapping (no named
+ * kernel objects to leak), liveness is read from /proc by the Python layer.
+ *
+ * Memory orders: every atomic operation below carries a comment "MO:" naming
+ * its order and the operation it pairs with.  docs/protocol.md explains the
+ * protocol as a whole.
+ *
+ * Define SHM_DEBUG to turn on state-machine assertions.
+ */
+#ifndef SHMEVAL_RING_H
+#define SHMEVAL_RING_H
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef SHM_DEBUG
+#include <assert.h>
+#define SHM_ASSERT(x) assert(x)
+#else
+#define SHM_ASSERT(x) ((void)0)
+#endif
+
+/* ------------------------------------------------------------------ */
+/* Constants                                                           */
+/* ------------------------------------------------------------------ */
+
+#define SHM_MAGIC 0x314C4156454D4853ULL /* "SHMEVAL1" little-endian */
+#define SHM_LAYOUT_VERSION 1u
+#define SHM_LINE 64u
+#define SHM_SPEC_MAX 4096u       /* bytes of JSON spec kept in the header */
+#define SHM_HIST_BINS 256u       /* log-scale latency histogram bins */
+#define SHM_MAX_CLIENTS 4096u
+#define SHM_MAX_SLOTS_PER_CLIENT 64u
+#define SHM_MAX_BATCH 65536u
+#define SHM_MAX_ROW_BYTES (1ull << 30)
+#define SHM_ERRMSG_MIN 512u      /* output area is at least this big: a
+                                    FAILED slot carries the error text there */
+
+/* Status codes returned by the core.  _ring.pyx maps them to exceptions in
+ * one place (_check). */
+enum shm_status {
+    SHM_OK = 0,
+    SHM_E_TOO_SMALL = -1,   /* segment shorter than its header claims */
+    SHM_E_MAGIC = -2,       /* not a shmeval segment */
+    SHM_E_VERSION = -3,     /* another layout version */
+    SHM_E_PARAMS = -4,      /* parameters out of range / inconsistent */
+    SHM_E_SPEC = -5,        /* spec text corrupt (hash mismatch) */
+    SHM_E_FULL = -6,        /* client table full */
+    SHM_TIMEOUT = -7,       /* wait timed out: caller checks liveness */
+    SHM_CLOSED = -8,        /* evaluator closed or closing */
+    SHM_E_STATE = -9,       /* slot not in the expected state */
+};
+
+/* Slot state word (32 bits, also the client's futex doorbell):
+ *   bits 0..6   state (enum shm_slot_state)
+ *   bit  7      WAITER: the client is (about to be) asleep in futex_wait
+ *   bits 8..31  generation, bumped every time the slot returns to FREE   */
+enum shm_slot_state {
+    SLOT_FREE = 0,     /* owned by the client, not in use            */
+    SLOT_WRITING = 1,  /* client is copying its input in             */
+    SLOT_READY = 2,    /* published: evaluator may take it           */
+    SLOT_TAKEN = 3,    /* in the evaluator's current batch           */
+    SLOT_DONE = 4,     /* outputs written: client may read them      */
+    SLOT_FAILED = 5,   /* batch failed: error text in the output area */
+};
+#define SLOT_STATE_MASK 0x7Fu
+#define SLOT_WAITER 0x80u
+#define SLOT_GEN_SHIFT 8
+#define SLOT_GEN_MASK 0xFFFFFFu
+
+static inline uint32_t shm_slot_word(uint32_t state, uint32_t gen) {
+    return ((gen & SLOT_GEN_MASK) << SLOT_GEN_SHIFT) | state;
+}
+static inline uint32_t shm_word_state(uint32_t w) { return w & SLOT_STATE_MASK; }
+static inline uint32_t shm_word_gen(uint32_t w) { return w >> SLOT_GEN_SHIFT; }
+
+/* Statistics counters (header.st[]). */
+enum shm_stat {
+    ST_REQUESTS = 0,
+    ST_BATCHES,
+    ST_PADDED_ROWS,
+    ST_FAILED_REQUESTS,
+    ST_FAILED_BATCHES,
+    ST_MODEL_NS,          /* total time inside the model call */
+    ST_OVERHEAD_NS,       /* serving-loop time outside the model and waits */
+    ST_SERVE_START_NS,    /* CLOCK_MONOTONIC when serving began */
+    ST_MODEL_VERSION,
+    ST_RECLAIMED_CLIENTS,
+    ST_RECLAIMED_WRITING, /* slots found mid-write in a reclaimed client */
+    ST_STALE_COMPLETIONS, /* completions refused by the generation check */
+    ST_WARMUP_NS,
+    SHM_N_STATS = 16,
+};
+
+/* Evaluator lifecycle (header.ev_state). */
+enum shm_ev_state {
+    EV_STARTING = 0,
+    EV_SERVING = 1,
+    EV_CLOSING = 2,   /* close requested: serving loop exits */
+    EV_CLOSED = 3,    /* every waiter has been woken; no more answers */
+    EV_DIED = 4,      /* serving loop crashed (set by the dying loop) */
+};
+
+/* ------------------------------------------------------------------ */
+/* Layout                                                              */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    uint64_t in_bytes;          /* bytes of one input row  */
+    uint64_t out_bytes;         /* bytes of one output row (all outputs) */
+    uint32_t max_clients;
+    uint32_t slots_per_client;  /* K */
+    uint32_t max_batch;
+    uint32_t _pad;
+} shm_params;
+
+typedef struct {
+    uint64_t header_bytes;      /* fixed header + batch-size histogram */
+    uint64_t clients_off;       /* client table */
+    uint64_t client_stride;
+    uint64_t slots_off;         /* slot data */
+    uint64_t slot_stride;
+    uint64_t in_off;            /* within a slot */
+    uint64_t out_off;           /* within a slot */
+    uint64_t out_area;          /* bytes of the output area */
+    uint64_t total;             /* bytes of the whole segment */
+} shm_layout;
+
+typedef struct {
+    /* --- identity: written once by shm_init, read-only after --- */
+    uint64_t magic;
+    uint32_t layout_version;
+    uint32_t spec_len;
+    uint64_t spec_hash;         /* FNV-1a of spec[0..spec_len) */
+    uint64_t total_bytes;
+    shm_params params;
+    int32_t owner_pid;
+    int32_t _pad0;
+    char spec[SHM_SPEC_MAX];
+
+    /* --- evaluator identity and lifecycle --- */
+    _Alignas(SHM_LINE) _Atomic uint32_t ev_state; /* enum shm_ev_state */
+    _Atomic int32_t ev_pid;
+    _Atomic uint64_t ev_starttime;    /* /proc/<pid>/stat field 22 */
+    _Atomic uint64_t heartbeat_ns;    /* CLOCK_MONOTONIC of the last loop */
+
+    /* --- evaluator doorbell: written by every client on every submit --- */
+    _Alignas(SHM_LINE) _Atomic uint32_t submit_seq; /* futex word */
+    _Atomic uint32_t ev_sleeping;     /* 1 while the evaluator may sleep */
+
+    /* --- client table bookkeeping --- */
+    _Alignas(SHM_LINE) _Atomic uint32_t clients_hwm; /* 1 + highest index
+                                                        ever claimed */
+    _Atomic uint32_t n_attached;
+
+    /* --- statistics: single writer (the evaluator), relaxed --- */
+    _Alignas(SHM_LINE) _Atomic uint64_t st[SHM_N_STATS];            /* enum shm_stat */
+    _Atomic uint64_t hist_wait[SHM_HIST_BINS];   /* publish -> taken */
+    _Atomic uint64_t hist_model[SHM_HIST_BINS];  /* model call per batch */
+    /* followed by _Atomic uint64_t batch_hist[max_batch + 1] */
+} shm_header;
+
+/* One client table entry; followed in the same stride by K state words. */
+typedef struct {
+    _Atomic int32_t owner_pid;        /* 0 = free; else the owner's pid */
+    _Atomic uint32_t detached;        /* 1 = owner left; evaluator reclaims */
+    _Atomic uint64_t starttime;       /* owner's start time (pid reuse) */
+    char _pad[SHM_LINE - 16];
+    /* _Atomic uint32_t state[K], on the next cache line(s) */
+} shm_client;
+
+/* Per-slot metadata at the start of each slot's data area. */
+typedef struct {
+    uint64_t publish_ns;        /* written by the client before READY */
+    uint64_t model_version;     /* written by the evaluator before DONE */
+    uint32_t err_len;           /* FAILED: bytes of text in the out area */
+    uint32_t _pad;
+} shm_slot_meta;
+
+static inline uint64_t shm_round_up(uint64_t x, uint64_t a) {
+    return (x + a - 1) / a * a;
+}
+
+/* Computes the layout for params; SHM_E_PARAMS when out of range. */
+static inline int shm_layout_compute(const shm_params *p, shm_layout *l) {
+    if (p->in_bytes == 0 || p->in_bytes > SHM_MAX_ROW_BYTES ||
+        p->out_bytes == 0 || p->out_bytes > SHM_MAX_ROW_BYTES ||
+        p->max_clients == 0 || p->max_clients > SHM_MAX_CLIENTS ||
+        p->slots_per_client == 0 ||
+        p->slots_per_client > SHM_MAX_SLOTS_PER_CLIENT ||
+        p->max_batch == 0 || p->max_batch > SHM_MAX_BATCH)
+        return SHM_E_PARAMS;
+    l->header_bytes = shm_round_up(
+        sizeof(shm_header) + sizeof(uint64_t) * ((uint64_t)p->max_batch + 1),
+        SHM_LINE);
+    l->clients_off = l->header_bytes;
+    l->client_stride =
+        sizeof(shm_client) +
+        shm_round_up(sizeof(uint32_t) * p->slots_per_client, SHM_LINE);
+    l->slots_off = shm_round_up(
+        l->clients_off + l->client_stride * p->max_clients, 4096);
+    l->in_off = shm_round_up(sizeof(shm_slot_meta), SHM_LINE);
+    l->out_off = l->in_off + shm_round_up(p->in_bytes, SHM_LINE);
+    l->out_area = shm_round_up(
+        p->out_bytes > SHM_ERRMSG_MIN ? p->out_bytes : SHM_ERRMSG_MIN,
+        SHM_LINE);
+    l->slot_stride = l->out_off + l->out_area;
+    l->total = l->slots_off + l->slot_stride * (uint64_t)p->max_clients *
+                                  p->slots_per_client;
+    return SHM_OK;
+}
+
+static inline uint64_t shm_fnv1a(const char *s, uint32_t n) {
+    uint64_t h = 1469598103934665603ULL;
+    for (uint32_t i = 0; i < n; i++) {
+        h ^= (unsigned char)s[i];
+        h *= 1099511628211ULL;
+    }
+    return h;
+}
+
+/* A segment as seen by one process: its base address and its layout. */
+typedef struct {
+    char *base;
+    shm_layout l;
+    shm_params p;
+} shm_seg;
+
+static inline shm_header *shm_hdr(const shm_seg *s) {
+    return (shm_header *)s->base;
+}
+static inline _Atomic uint64_t *shm_batch_hist(const shm_seg *s) {
+    return (_Atomic uint64_t *)(s->base + sizeof(shm_header));
+}
+static inline shm_client *shm_client_at(const shm_seg *s, uint32_t c) {
+    return (shm_client *)(s->base + s->l.clients_off + s->l.client_stride * c);
+}
+static inline _Atomic uint32_t *shm_slot_word_at(const shm_seg *s, uint32_t c,
+                                                 uint32_t k) {
+    return (_Atomic uint32_t *)((char *)shm_client_at(s, c) +
+                                sizeof(shm_client)) + k;
+}
+static inline char *shm_slot_data(const shm_seg *s, uint32_t c, uint32_t k) {
+    return s->base + s->l.slots_off +
+           s->l.slot_stride * ((uint64_t)c * s->p.slots_per_client + k);
+}
+static inline shm_slot_meta *shm_slot_meta_at(const shm_seg *s, uint32_t c,
+                                              uint32_t k) {
+    return (shm_slot_meta *)shm_slot_data(s, c, k);
+}
+static inline char *shm_slot_in(const shm_seg *s, uint32_t c, uint32_t k) {
+    return shm_slot_data(s, c, k) + s->l.in_off;
+}
+static inline char *shm_slot_out(const shm_seg *s, uint32_t c, uint32_t k) {
+    return shm_slot_data(s, c, k) + s->l.out_off;
+}
+
+/* Formats a freshly created, zero-filled segment of `size` bytes. */
+static inline int shm_init(shm_seg *s, char *base, uint64_t size,
+                           const shm_params *p, const char *spec,
+                           uint32_t spec_len, int32_t owner_pid) {
+    int rc = shm_layout_compute(p, &s->l);
+    if (rc != SHM_OK) return rc;
+    if (spec_len > SHM_SPEC_MAX) return SHM_E_SPEC;
+    if (size < s->l.total) return SHM_E_TOO_SMALL;
+    s->base = base;
+    s->p = *p;
+    shm_header *h = shm_hdr(s);
+    memset(base, 0, s->l.slots_off); /* header + client table */
+    h->layout_version = SHM_LAYOUT_VERSION;
+    h->spec_len = spec_len;
+    memcpy(h->spec, spec, spec_len);
+    h->spec_hash = shm_fnv1a(spec, spec_len);
+    h->total_bytes = s->l.total;
+    h->params = *p;
+    h->owner_pid = owner_pid;
+    /* MO: release; pairs with the acquire load of magic in shm_attach, so
+     * an attacher that sees the magic sees a fully formatted header. */
+    atomic_store_explicit((_Atomic uint64_t *)&h->magic, SHM_MAGIC,
+                          memory_order_release);
+    return SHM_OK;
+}
+
+/* Validates an existing segment of `size` bytes; never reads out of bounds,
+ * whatever the segment holds. */
+static inline int shm_attach(shm_seg *s, char *base, uint64_t size) {
+    if (size < sizeof(shm_header)) return SHM_E_TOO_SMALL;
+    shm_header *h = (shm_header *)base;
+    /* MO: acquire; pairs with the release store of magic in shm_init. */
+    uint64_t magic = atomic_load_explicit((_Atomic uint64_t *)&h->magic,
+                                          memory_order_acquire);
+    if (magic != SHM_MAGIC) return SHM_E_MAGIC;
+    if (h->layout_version != SHM_LAYOUT_VERSION) return SHM_E_VERSION;
+    shm_params p = h->params;
+    shm_layout l;
+    if (shm_layout_compute(&p, &l) != SHM_OK) return SHM_E_PARAMS;
+    if (h->total_bytes != l.total) return SHM_E_PARAMS;
+    if (size < l.total) return SHM_E_TOO_SMALL;
+    if (h->spec_len > SHM_SPEC_MAX ||
+        shm_fnv1a(h->spec, h->spec_len) != h->spec_hash)
+        return SHM_E_SPEC;
+    s->base = base;
+    s->p = p;
+    s->l = l;
+    return SHM_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* Time, spinning and futexes                                          */
+/* ------------------------------------------------------------------ */
+
+static inline uint64_t shm_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline void shm_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Not FUTEX_PRIVATE: the words live in a mapping shared between processes. */
+static inline int shm_futex_wait(_Atomic uint32_t *w, uint32_t expected,
+                                 uint64_t timeout_ns) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)(timeout_ns / 1000000000ull);
+    ts.tv_nsec = (long)(timeout_ns % 1000000000ull);
+    return (int)syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, expected, &ts,
+                        NULL, 0);
+}
+
+static inline void shm_futex_wake(_Atomic uint32_t *w, int n) {
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, n, NULL, NULL, 0);
+}
+
+static inline uint32_t shm_hist_bin(uint64_t ns) {
+    if (ns < 4) return (uint32_t)ns;
+    uint32_t msb = 63u - (uint32_t)__builtin_clzll(ns);
+    uint32_t b = 4u * (msb - 1u) + (uint32_t)((ns >> (msb - 2u)) & 3u);
+    return b < SHM_HIST_BINS ? b : SHM_HIST_BINS - 1;
+}
+
+/* Single-writer counter bump: a plain load + store is enough (no locked
+ * instruction) because only the evaluator thread writes statistics. */
+static inline void shm_stat_add(_Atomic uint64_t *x, uint64_t v) {
+    /* MO: relaxed; readers only want an eventually consistent figure. */
+    atomic_store_explicit(
+        x, atomic_load_explicit(x, memory_order_relaxed) + v,
+        memory_order_relaxed);
+}
+
+/* ------------------------------------------------------------------ */
+/* Client table                                                        */
+/* ------------------------------------------------------------------ */
+
+/* Claims a free client entry for pid; returns its index or SHM_E_FULL. */
+static inline int shm_client_register(shm_seg *s, int32_t pid,
+                                      uint64_t starttime) {
+    shm_header *h = shm_hdr(s);
+    for (uint32_t c = 0; c < s->p.max_clients; c++) {
+        shm_client *e = shm_client_at(s, c);
+        int32_t expected = 0;
+        /* MO: acq_rel CAS; the acquire half pairs with the release store of
+         * owner_pid = 0 in shm_client_reclaim, so the slot words the
+         * evaluator reset (FREE, new generation) are visible to us. */
+        if (atomic_compare_exchange_strong_explicit(
+                &e->owner_pid, &expected, pid, memory_order_acq_rel,
+                memory_order_relaxed)) {
+            /* MO: relaxed; only read by the evaluator's liveness check, which
+             * treats 0 as "not yet known" and checks again later. */
+            atomic_store_explicit(&e->starttime, starttime,
+                                  memory_order_relaxed);
+            /* MO: relaxed; an entry handed out has detached == 0 already
+             * (reset before owner_pid was released). */
+            SHM_ASSERT(atomic_load_explicit(&e->detached,
+                                            memory_order_relaxed) == 0);
+            uint32_t hwm =
+                atomic_load_explicit(&h->clients_hwm, memory_order_relaxed);
+            /* MO: release CAS; pairs with the acquire load of clients_hwm in
+             * shm_collect so the scan covers our entry. */
+            while (hwm < c + 1 &&
+                   !atomic_compare_exchange_weak_explicit(
+                       &h->clients_hwm, &hwm, c + 1, memory_order_release,
+                       memory_order_relaxed)) {
+            }
+            /* MO: relaxed; a hint for spin decisions and stats. */
+            atomic_fetch_add_explicit(&h->n_attached, 1, memory_order_relaxed);
+            return (int)c;
+        }
+    }
+    return SHM_E_FULL;
+}
+
+/* The owner leaves; the evaluator reclaims the entry between batches. */
+static inline void shm_client_detach(shm_seg *s, uint32_t c) {
+    /* MO: release; pairs with the acquire load in shm_client_info, so the
+     * owner's last slot writes happen before the reclaim. */
+    atomic_store_explicit(&shm_client_at(s, c)->detached, 1,
+                          memory_order_release);
+}
+
+/* Reads an entry for the evaluator's housekeeping. */
+static inline int32_t shm_client_info(shm_seg *s, uint32_t c,
+                                      uint64_t *starttime,
+                                      uint32_t *detached) {
+    shm_client *e = shm_client_at(s, c);
+    /* MO: acquire (all three); pairs with the CAS in register and the
+     * release store in detach. */
+    int32_t pid = atomic_load_explicit(&e->owner_pid, memory_order_acquire);
+    *starttime = atomic_load_explicit(&e->starttime, memory_order_relaxed);
+    *detached = atomic_load_explicit(&e->detached, memory_order_acquire);
+    return pid;
+}
+
+/* Evaluator only, between batches (no slot is TAKEN): resets the slots of a
+ * dead or detached client and frees its entry.  Returns how many slots were
+ * stranded mid-write (the client died between claiming and publishing). */
+static inline int shm_client_reclaim(shm_seg *s, uint32_t c) {
+    shm_header *h = shm_hdr(s);
+    shm_client *e = shm_client_at(s, c);
+    int writing = 0;
+    for (uint32_t k = 0; k < s->p.slots_per_client; k++) {
+        _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
+        /* MO: relaxed; the owner is gone, nobody else writes this word. */
+        uint32_t old = atomic_load_explicit(w, memory_order_relaxed);
+        SHM_ASSERT(shm_word_state(old) != SLOT_TAKEN);
+        if (shm_word_state(old) == SLOT_WRITING) writing++;
+        atomic_store_explicit(
+            w, shm_slot_word(SLOT_FREE, shm_word_gen(old) + 1),
+            memory_order_relaxed);
+    }
+    atomic_store_explicit(&e->detached, 0, memory_order_relaxed);
+    atomic_store_explicit(&e->starttime, 0, memory_order_relaxed);
+    /* MO: relaxed; single writer (the evaluator). */
+    atomic_fetch_sub_explicit(&h->n_attached, 1, memory_order_relaxed);
+    shm_stat_add(&h->st[ST_RECLAIMED_CLIENTS], 1);
+    shm_stat_add(&h->st[ST_RECLAIMED_WRITING], (uint64_t)writing);
+    /* MO: release; pairs with the acquire half of the CAS in
+     * shm_client_register: the resets above are visible to the next owner. */
+    atomic_store_explicit(&e->owner_pid, 0, memory_order_release);
+    return writing;
+}
+
+/* ------------------------------------------------------------------ */
+/* Client side of a slot                                               */
+/* ------------------------------------------------------------------ */
+
+/* FREE -> WRITING.  The client's process-local allocator guarantees that
+ * only one thread uses slot (c, k) at a time, so no CAS is needed. */
+static inline int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k) {
+    _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
+    /* MO: relaxed; we are the only writer of a FREE slot. */
+    uint32_t old = atomic_load_explicit(w, memory_order_relaxed);
+    if (shm_word_state(old) != SLOT_FREE) return SHM_E_STATE;
+    /* MO: relaxed; WRITING is only read by the reclaimer (for counting) and
+     * the evaluator ignores it. */
+    atomic_store_explicit(w, shm_slot_word(SLOT_WRITING, shm_word_gen(old)),
+                          memory_order_relaxed);
+    return SHM_OK;
+}
+
+/* WRITING -> READY, after the input has been copied in. */
+static inline void shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k) {
+    _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
+    shm_slot_meta_at(s, c, k)->publish_ns = shm_now_ns();
+    uint32_t old = atomic_load_explicit(w, memory_order_relaxed);
+    SHM_ASSERT(shm_word_state(old) == SLOT_WRITING);
+    /* MO: release; pairs with the acquire fence after the scan's load in
+     * shm_collect: the evaluator that sees READY sees the input bytes. */
+    atomic_store_explicit(w, shm_slot_word(SLOT_READY, shm_word_gen(old)),
+                          memory_order_release);
+}
+
+/* Rings the evaluator's doorbell after publishing `count` slots. */
+static inline void shm_notify_evaluator(shm_seg *s, uint32_t count) {
+    shm_header *h = shm_hdr(s);
+    /* MO: seq_cst; with the seq_cst exchange below this is one half of the
+     * Dekker pair with shm_collect's seq_cst store of ev_sleeping = 1 and
+     * load of submit_seq: either the evaluator sees the new sequence or we
+     * see it asleep. */
+    atomic_fetch_add_explicit(&h->submit_seq, count, memory_order_seq_cst);
+    /* MO: relaxed pre-check avoids the locked exchange when it is awake. */
+    if (atomic_load_explicit(&h->ev_sleeping, memory_order_seq_cst) &&
+        /* MO: seq_cst; only the client that flips 1 -> 0 pays the syscall. */
+        atomic_exchange_explicit(&h->ev_sleeping, 0, memory_order_seq_cst))
+        shm_futex_wake(&h->submit_seq, 1);
+}
+
+static inline int shm_state_is_final(uint32_t st) {
+    return st == SLOT_DONE || st == SLOT_FAILED;
+}
+
+/* Waits until slot (c, k) is DONE or FAILED.  Spins for at most spin_ns
+ * (callers pass 0 when processes outnumber cores), then sleeps on the slot
+ * word itself, for at most timeout_ns in all.  Returns the final state, or
+ * SHM_TIMEOUT (the caller checks the evaluator's liveness and calls again),
+ * or SHM_CLOSED.  Call without the GIL. */
+static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
+                                uint64_t spin_ns, uint64_t timeout_ns) {
+    shm_header *h = shm_hdr(s);
+    _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
+    uint64_t start = shm_now_ns();
+    uint32_t cur;
+    /* MO (all loads of w here): acquire; pairs with the release exchange in
+     * shm_complete / shm_fail: seeing DONE means seeing the outputs. */
+    if (spin_ns) {
+        for (uint32_t i = 0;; i++) {
+            cur = atomic_load_explicit(w, memory_order_acquire);
+            if (shm_state_is_final(shm_word_state(cur)))
+                return (int)shm_word_state(cur);
+            if ((i & 63) == 63 && shm_now_ns() - start >= spin_ns) break;
+            shm_cpu_relax();
+        }
+    }
+    for (;;) {
+        cur = atomic_load_explicit(w, memory_order_acquire);
+        uint32_t st = shm_word_state(cur);
+        if (shm_state_is_final(st)) return (int)st;
+        SHM_ASSERT(st == SLOT_READY || st == SLOT_TAKEN);
+        /* MO: acquire; pairs with the release store of EV_CLOSED in
+         * shm_close_and_wake. */
+        if (atomic_load_explicit(&h->ev_state, memory_order_acquire) >=
+            EV_CLOSED)
+            return SHM_CLOSED;
+        uint64_t now = shm_now_ns();
+        if (now - start >= timeout_ns) return SHM_TIMEOUT;
+        if (!(cur & SLOT_WAITER)) {
+            /* MO: acquire on success and failure; the evaluator's exchange
+             * either sees WAITER (and wakes us) or makes this CAS fail. */
+            if (!atomic_compare_exchange_strong_explicit(
+                    w, &cur, cur | SLOT_WAITER, memory_order_acquire,
+                    memory_order_acquire))
+                continue;
+            cur |= SLOT_WAITER;
+        }
+        /* Returns at once (EAGAIN) if the word changed since we read it. */
+        shm_futex_wait(w, cur, timeout_ns - (now - start));
+    }
+}
+
+/* DONE/FAILED -> FREE with a new generation, after copying the outputs out.
+ * Returns SHM_E_STATE if the slot was not final. */
+static inline int shm_slot_release(shm_seg *s, uint32_t c, uint32_t k) {
+    _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
+    /* MO: acquire; the output copy the caller made happened after its own
+     * acquire load in shm_slot_wait. */
+    uint32_t old = atomic_load_explicit(w, memory_order_acquire);
+    if (!shm_state_is_final(shm_word_state(old))) return SHM_E_STATE;
+    /* MO: release; our reads of the output area happen before the slot can
+     * be reused (by us, or by the reclaimer). */
+    atomic_store_explicit(w, shm_slot_word(SLOT_FREE, shm_word_gen(old) + 1),
+                          memory_order_release);
+    return SHM_OK;
+}
+
+/* Current state word, for tests and for abandoned-slot bookkeeping. */
+static inline uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k) {
+    /* MO: acquire; same pairing as shm_slot_wait. */
+    return atomic_load_explicit(shm_slot_word_at(s, c, k),
+                                memory_order_acquire);
+}
+
+/* ------------------------------------------------------------------ */
+/* Evaluator side                                                      */
+/* ------------------------------------------------------------------ */
+
+/* One slot of the current batch. */
+typedef struct {
+    uint32_t client;
+    uint32_t slot;
+    uint32_t gen;
+    uint32_t _pad;
+} shm_taken;
+
+/* Scans client entries starting at *cursor and takes READY slots (up to
+ * max_batch in total), gathering their inputs into batch rows [n, ...).
+ * Returns the new n. */
+static inline uint32_t shm_scan(shm_seg *s, char *batch, shm_taken *taken,
+                                uint32_t n, uint32_t max_batch,
+                                uint32_t *cursor, uint64_t now) {
+    shm_header *h = shm_hdr(s);
+    /* MO: acquire; pairs with the release CAS in shm_client_register. */
+    uint32_t hwm = atomic_load_explicit(&h->clients_hwm, memory_order_acquire);
+    uint32_t K = s->p.slots_per_client;
+    if (hwm == 0) return n;
+    uint32_t start = *cursor % hwm;
+    for (uint32_t i = 0; i < hwm && n < max_batch; i++) {
+        uint32_t c = (start + i) % hwm;
+        for (uint32_t k = 0; k < K && n < max_batch; k++) {
+            _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
+            /* MO: relaxed load, then an acquire fence only when READY; the
+             * fence pairs with the client's release store of READY. */
+            uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
+            if (shm_word_state(cur) != SLOT_READY) continue;
+            atomic_thread_fence(memory_order_acquire);
+            /* READY -> TAKEN.  fetch_add keeps a WAITER bit the client may
+             * set concurrently.  MO: relaxed; the data was synchronised by
+             * the fence above and nobody reads TAKEN for data. */
+            atomic_fetch_add_explicit(w, SLOT_TAKEN - SLOT_READY,
+                                      memory_order_relaxed);
+            shm_slot_meta *m = shm_slot_meta_at(s, c, k);
+            uint64_t pub = m->publish_ns;
+            shm_stat_add(&h->hist_wait[shm_hist_bin(now > pub ? now - pub : 0)],
+                         1);
+            memcpy(batch + (uint64_t)n * s->p.in_bytes, shm_slot_in(s, c, k),
+                   s->p.in_bytes);
+            taken[n].client = c;
+            taken[n].slot = k;
+            taken[n].gen = shm_word_gen(cur);
+            n++;
+        }
+    }
+    /* Start the next scan after the last client we looked at, so that a
+     * full batch does not always favour low client indices. */
+    *cursor = start + 1;
+    return n;
+}
+
+/* Waits for requests and gathers up to max_batch of them into `batch`.
+ * Greedy: returns as soon as at least one request is taken, unless
+ * max_wait_ns asks to wait (counted from the first taken request) for a
+ * fuller batch.  Spins up to spin_ns for new submissions before it sleeps
+ * on the doorbell.  Returns n > 0, or 0 when timeout_ns passed with nothing
+ * (housekeeping time), or SHM_CLOSED when close was requested.
+ * Call without the GIL. */
+static inline int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
+                              uint32_t max_batch, uint32_t *cursor,
+                              uint64_t spin_ns, uint64_t max_wait_ns,
+                              uint64_t timeout_ns) {
+    shm_header *h = shm_hdr(s);
+    uint64_t start = shm_now_ns(), first = 0;
+    uint32_t n = 0;
+    for (;;) {
+        /* MO: acquire; pairs with the seq_cst (hence release) fetch_add in
+         * shm_notify_evaluator. */
+        uint32_t seq = atomic_load_explicit(&h->submit_seq,
+                                            memory_order_acquire);
+        uint64_t now = shm_now_ns();
+        /* MO: relaxed; liveness hint for stats, read by anyone. */
+        atomic_store_explicit(&h->heartbeat_ns, now, memory_order_relaxed);
+        uint32_t before = n;
+        n = shm_scan(s, batch, taken, n, max_batch, cursor, now);
+        if (n > before && before == 0) first = now;
+        if (n >= max_batch) return (int)n;
+        if (n > 0 && (max_wait_ns == 0 || now - first >= max_wait_ns))
+            return (int)n;
+        /* MO: acquire; pairs with the release store in shm_request_close. */
+        if (n == 0 && atomic_load_explicit(&h->ev_state,
+                                           memory_order_acquire) !=
+                          EV_SERVING)
+            return SHM_CLOSED;
+        uint64_t deadline = n > 0 ? first + max_wait_ns : start + timeout_ns;
+        if (now >= deadline) return (int)n;
+        /* Spin on the doorbell word while the budget lasts. */
+        uint64_t spin_end = now + spin_ns;
+        int changed = 0;
+        for (uint32_t i = 0; spin_ns; i++) {
+            /* MO: relaxed; a hint only, the rescan does the acquire. */
+            if (atomic_load_explicit(&h->submit_seq, memory_order_relaxed) !=
+                seq) {
+                changed = 1;
+                break;
+            }
+            if ((i & 63) == 63) {
+                now = shm_now_ns();
+                if (now >= spin_end || now >= deadline) break;
+            }
+            shm_cpu_relax();
+        }
+        if (changed) continue;
+        now = shm_now_ns();
+        if (now >= deadline) return (int)n;
+        /* Announce sleep, then re-check (Dekker with shm_notify_evaluator).
+         * MO: seq_cst store and load. */
+        atomic_store_explicit(&h->ev_sleeping, 1, memory_order_seq_cst);
+        if (atomic_load_explicit(&h->submit_seq, memory_order_seq_cst) == seq &&
+            atomic_load_explicit(&h->ev_state, memory_order_acquire) ==
+                EV_SERVING)
+            shm_futex_wait(&h->submit_seq, seq, deadline - now);
+        /* MO: relaxed; a stale 1 only costs one spurious wake syscall. */
+        atomic_store_explicit(&h->ev_sleeping, 0, memory_order_relaxed);
+    }
+}
+
+/* Marks every slot of the batch TAKEN -> DONE (or FAILED) and wakes the
+ * clients asleep on them.  The generation check refuses to complete a slot
+ * that is no longer the one we took (counted in st_stale_completions).
+ * Returns how many slots were completed. */
+static inline uint32_t shm_finish(shm_seg *s, const shm_taken *taken,
+                                  uint32_t n, uint32_t final_state) {
+    shm_header *h = shm_hdr(s);
+    uint32_t done = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        _Atomic uint32_t *w = shm_slot_word_at(s, taken[i].client,
+                                               taken[i].slot);
+        uint32_t want = shm_slot_word(SLOT_TAKEN, taken[i].gen);
+        /* MO: relaxed; the CAS below re-checks. */
+        uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
+        for (;;) {
+            if ((cur & ~SLOT_WAITER) != want) {
+                shm_stat_add(&h->st[ST_STALE_COMPLETIONS], 1);
+                break;
+            }
+            /* MO: release; pairs with the acquire loads in shm_slot_wait:
+             * the outputs written before this are visible to the client.
+             * Clearing WAITER here is fine: we wake the waiter below. */
+            if (atomic_compare_exchange_weak_explicit(
+                    w, &cur, shm_slot_word(final_state, taken[i].gen),
+                    memory_order_release, memory_order_relaxed)) {
+                if (cur & SLOT_WAITER) shm_futex_wake(w, INT_MAX);
+                done++;
+                break;
+            }
+        }
+    }
+    return done;
+}
+
+/* Scatters the outputs of a batch into its slots, stamps the model version
+ * and publishes DONE.  Output field j of row i is copied from
+ * fields[j] + i * field_bytes[j] to offset field_off[j] of the slot's output
+ * area (the caller checked that the fields fit in out_bytes). */
+static inline uint32_t shm_complete_fields(shm_seg *s, const shm_taken *taken,
+                                           uint32_t n, uint32_t nfields,
+                                           const char *const *fields,
+                                           const uint64_t *field_bytes,
+                                           const uint64_t *field_off,
+                                           uint64_t model_version) {
+    for (uint32_t i = 0; i < n; i++) {
+        shm_slot_meta *m = shm_slot_meta_at(s, taken[i].client, taken[i].slot);
+        char *out = shm_slot_out(s, taken[i].client, taken[i].slot);
+        m->model_version = model_version;
+        m->err_len = 0;
+        for (uint32_t j = 0; j < nfields; j++)
+            memcpy(out + field_off[j], fields[j] + (uint64_t)i * field_bytes[j],
+                   field_bytes[j]);
+    }
+    return shm_finish(s, taken, n, SLOT_DONE);
+}
+
+/* The same with one packed result row of out_bytes per request. */
+static inline uint32_t shm_complete(shm_seg *s, const shm_taken *taken,
+                                    uint32_t n, const char *results,
+                                    uint64_t model_version) {
+    uint64_t off = 0;
+    return shm_complete_fields(s, taken, n, 1, &results, &s->p.out_bytes, &off,
+                               model_version);
+}
+
+/* Fails every slot of the batch with the same error text. */
+static inline uint32_t shm_fail(shm_seg *s, const shm_taken *taken,
+                                uint32_t n, const char *msg, uint32_t len) {
+    if (len > s->l.out_area) len = (uint32_t)s->l.out_area;
+    for (uint32_t i = 0; i < n; i++) {
+        shm_slot_meta *m = shm_slot_meta_at(s, taken[i].client, taken[i].slot);
+        m->err_len = len;
+        memcpy(shm_slot_out(s, taken[i].client, taken[i].slot), msg, len);
+    }
+    return shm_finish(s, taken, n, SLOT_FAILED);
+}
+
+/* Per-batch statistics (evaluator only). */
+static inline void shm_record_batch(shm_seg *s, uint32_t n, uint32_t rows,
+                                    uint64_t model_ns, int failed) {
+    shm_header *h = shm_hdr(s);
+    shm_stat_add(&h->st[ST_REQUESTS], n);
+    shm_stat_add(&h->st[ST_BATCHES], 1);
+    shm_stat_add(&h->st[ST_PADDED_ROWS], rows - n);
+    shm_stat_add(&h->st[ST_MODEL_NS], model_ns);
+    shm_stat_add(&h->hist_model[shm_hist_bin(model_ns)], 1);
+    if (n <= s->p.max_batch) shm_stat_add(&shm_batch_hist(s)[n], 1);
+    if (failed) {
+        shm_stat_add(&h->st[ST_FAILED_REQUESTS], n);
+        shm_stat_add(&h->st[ST_FAILED_BATCHES], 1);
+    }
+}
+
+/* Statistics access by index (enum shm_stat). */
+static inline uint64_t shm_stat_get(shm_seg *s, uint32_t i) {
+    /* MO: relaxed; statistics are eventually consistent figures. */
+    return i < SHM_N_STATS ? atomic_load_explicit(&shm_hdr(s)->st[i],
+                                                  memory_order_relaxed)
+                           : 0;
+}
+static inline void shm_stat_put(shm_seg *s, uint32_t i, uint64_t v) {
+    /* MO: relaxed; single writer (the evaluator). */
+    if (i < SHM_N_STATS)
+        atomic_store_explicit(&shm_hdr(s)->st[i], v, memory_order_relaxed);
+}
+static inline void shm_stat_inc(shm_seg *s, uint32_t i, uint64_t v) {
+    if (i < SHM_N_STATS) shm_stat_add(&shm_hdr(s)->st[i], v);
+}
+static inline uint64_t shm_hist_get(shm_seg *s, uint32_t which, uint32_t b) {
+    shm_header *h = shm_hdr(s);
+    /* MO: relaxed; as above. */
+    if (which == 0)
+        return b < SHM_HIST_BINS ? atomic_load_explicit(&h->hist_wait[b],
+                                                        memory_order_relaxed)
+                                 : 0;
+    if (which == 1)
+        return b < SHM_HIST_BINS ? atomic_load_explicit(&h->hist_model[b],
+                                                        memory_order_relaxed)
+                                 : 0;
+    return b <= s->p.max_batch ? atomic_load_explicit(&shm_batch_hist(s)[b],
+                                                      memory_order_relaxed)
+                               : 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Header accessors                                                    */
+/* ------------------------------------------------------------------ */
+
+static inline uint32_t shm_ev_state(shm_seg *s) {
+    /* MO: acquire; pairs with the release stores of ev_state. */
+    return atomic_load_explicit(&shm_hdr(s)->ev_state, memory_order_acquire);
+}
+static inline int32_t shm_ev_pid(shm_seg *s, uint64_t *starttime) {
+    /* MO: acquire; pairs with the release store of ev_pid in
+     * shm_set_evaluator (starttime is written before it). */
+    int32_t pid = atomic_load_explicit(&shm_hdr(s)->ev_pid,
+                                       memory_order_acquire);
+    *starttime = atomic_load_explicit(&shm_hdr(s)->ev_starttime,
+                                      memory_order_relaxed);
+    return pid;
+}
+/* Records which process serves, then STARTING -> SERVING (unless a close was
+ * requested meanwhile).  Returns the resulting state. */
+static inline uint32_t shm_set_serving(shm_seg *s, int32_t pid,
+                                       uint64_t starttime) {
+    shm_header *h = shm_hdr(s);
+    atomic_store_explicit(&h->ev_starttime, starttime, memory_order_relaxed);
+    /* MO: release; pairs with the acquire load in shm_ev_pid. */
+    atomic_store_explicit(&h->ev_pid, pid, memory_order_release);
+    atomic_store_explicit(&h->heartbeat_ns, shm_now_ns(),
+                          memory_order_relaxed);
+    shm_stat_put(s, ST_SERVE_START_NS, shm_now_ns());
+    uint32_t expected = EV_STARTING;
+    /* MO: acq_rel; pairs with the CAS in shm_request_close. */
+    atomic_compare_exchange_strong_explicit(&h->ev_state, &expected,
+                                            EV_SERVING, memory_order_acq_rel,
+                                            memory_order_acquire);
+    return atomic_load_explicit(&h->ev_state, memory_order_acquire);
+}
+static inline uint64_t shm_heartbeat(shm_seg *s) {
+    /* MO: relaxed; a hint. */
+    return atomic_load_explicit(&shm_hdr(s)->heartbeat_ns,
+                                memory_order_relaxed);
+}
+static inline uint32_t shm_n_attached(shm_seg *s) {
+    /* MO: relaxed; a hint for spin decisions. */
+    return atomic_load_explicit(&shm_hdr(s)->n_attached, memory_order_relaxed);
+}
+static inline uint32_t shm_clients_hwm(shm_seg *s) {
+    /* MO: acquire; pairs with the release CAS in shm_client_register. */
+    return atomic_load_explicit(&shm_hdr(s)->clients_hwm,
+                                memory_order_acquire);
+}
+static inline const char *shm_spec(shm_seg *s, uint32_t *len) {
+    *len = shm_hdr(s)->spec_len;
+    return shm_hdr(s)->spec;
+}
+static inline int32_t shm_owner_pid(shm_seg *s) {
+    return shm_hdr(s)->owner_pid;
+}
+static inline shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k) {
+    return shm_slot_meta_at(s, c, k);
+}
+
+/* Requests the serving loop to stop; wakes it if asleep. */
+static inline void shm_request_close(shm_seg *s) {
+    shm_header *h = shm_hdr(s);
+    uint32_t cur = atomic_load_explicit(&h->ev_state, memory_order_relaxed);
+    /* MO: release CAS loop; pairs with the acquire loads in shm_collect. Only
+     * STARTING/SERVING move to CLOSING: CLOSED and DIED stay as they are. */
+    while (cur < EV_CLOSING &&
+           !atomic_compare_exchange_weak_explicit(&h->ev_state, &cur,
+                                                  EV_CLOSING,
+                                                  memory_order_release,
+                                                  memory_order_relaxed)) {
+    }
+    /* MO: seq_cst; a change of submit_seq makes a concurrent futex_wait in
+     * shm_collect return at once. */
+    atomic_fetch_add_explicit(&h->submit_seq, 1, memory_order_seq_cst);
+    shm_futex_wake(&h->submit_seq, INT_MAX);
+}
+
+/* Final state (EV_CLOSED or EV_DIED), then wakes every sleeping client so it
+ * sees the state within one futex round instead of its timeout. */
+static inline void shm_close_and_wake(shm_seg *s, uint32_t final_state) {
+    shm_header *h = shm_hdr(s);
+    /* MO: release; pairs with the acquire load of ev_state in
+     * shm_slot_wait. */
+    atomic_store_explicit(&h->ev_state, final_state, memory_order_release);
+    uint32_t hwm = atomic_load_explicit(&h->clients_hwm, memory_order_acquire);
+    for (uint32_t c = 0; c < hwm; c++)
+        for (uint32_t k = 0; k < s->p.slots_per_client; k++) {
+            _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
+            /* MO: relaxed; the wake is what matters; a client that set
+             * WAITER after this load re-reads ev_state before sleeping
+             * (its CAS and futex_wait compare against the word). */
+            uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
+            if (cur & SLOT_WAITER) {
+                /* Change the word so a client between its CAS and its
+                 * futex_wait gets EAGAIN instead of sleeping a full timeout.
+                 * MO: relaxed fetch_and clears only WAITER. */
+                atomic_fetch_and_explicit(w, ~SLOT_WAITER,
+                                          memory_order_relaxed);
+                shm_futex_wake(w, INT_MAX);
+            }
+        }
+}
+
+#endif /* SHMEVAL_RING_H */

@@ -1,0 +1,485 @@
+# cython: language_level=3
+"""Thin Cython wrappers over the C core (_core/ring.h).
+
+Arguments are checked and converted to C values first, then ``with nogil``
+wraps only the C call.  Status codes become exceptions in one place,
+``_check``.  No protocol logic lives here: it is all in ring.h.
+"""
+from libc.stdint cimport int32_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.math cimport isfinite
+from libc.string cimport memcpy
+from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
+
+cimport numpy as cnp
+
+from shmeval._ring cimport *
+
+from shmeval.errors import SegmentError, ShmevalError, ClientTableFull
+
+cnp.import_array()
+
+LAYOUT_VERSION = SHM_LAYOUT_VERSION
+SPEC_MAX = SHM_SPEC_MAX
+HIST_BINS = SHM_HIST_BINS
+
+# Return values of Segment.wait(); final slot states are positive.
+DONE = SLOT_DONE
+FAILED = SLOT_FAILED
+TIMEOUT = SHM_TIMEOUT
+CLOSED = SHM_CLOSED
+
+# Evaluator lifecycle (ev_state()).
+STARTING = EV_STARTING
+SERVING = EV_SERVING
+CLOSING = EV_CLOSING
+CLOSED_STATE = EV_CLOSED
+DIED = EV_DIED
+
+STAT_NAMES = (
+    "requests", "batches", "padded_rows", "failed_requests", "failed_batches",
+    "model_ns", "overhead_ns", "serve_start_ns", "model_version",
+    "reclaimed_clients", "reclaimed_writing", "stale_completions", "warmup_ns",
+)
+STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
+
+_MESSAGES = {
+    SHM_E_TOO_SMALL: "segment is smaller than its layout requires (truncated?)",
+    SHM_E_MAGIC: "not a shmeval segment (bad magic number)",
+    SHM_E_VERSION: "segment has another layout version (this shmeval speaks version %d)"
+    % SHM_LAYOUT_VERSION,
+    SHM_E_PARAMS: "segment header holds inconsistent or out-of-range parameters",
+    SHM_E_SPEC: "segment spec is corrupt (checksum mismatch)",
+    SHM_E_STATE: "slot is not in the expected state (protocol violation)",
+}
+
+
+cdef int _check(int rc, str what) except -1:
+    """The single mapping from core status codes to exceptions."""
+    if rc >= 0:
+        return rc
+    if rc == SHM_E_FULL:
+        raise ClientTableFull(f"{what}: the client table is full; raise max_clients")
+    raise SegmentError(f"{what}: {_MESSAGES.get(rc, 'error %d' % rc)}")
+
+
+cdef int _params(shm_params *p, object in_bytes, object out_bytes, object max_clients,
+                 object slots_per_client, object max_batch) except -1:
+    if min(in_bytes, out_bytes, max_clients, slots_per_client, max_batch) <= 0:
+        raise ValueError("segment parameters must be positive")
+    p.in_bytes = in_bytes
+    p.out_bytes = out_bytes
+    p.max_clients = max_clients
+    p.slots_per_client = slots_per_client
+    p.max_batch = max_batch
+    return 0
+
+
+def segment_size(in_bytes, out_bytes, max_clients, slots_per_client, max_batch):
+    """Bytes a segment with these parameters needs (the core decides)."""
+    cdef shm_params p
+    cdef shm_layout l
+    _params(&p, in_bytes, out_bytes, max_clients, slots_per_client, max_batch)
+    if shm_layout_compute(&p, &l) != SHM_OK:
+        raise ValueError(
+            "segment parameters out of range: in_bytes=%d out_bytes=%d max_clients=%d "
+            "slots_per_client=%d max_batch=%d" % (in_bytes, out_bytes, max_clients,
+                                                  slots_per_client, max_batch))
+    return l.total
+
+
+def now_ns():
+    """CLOCK_MONOTONIC in ns, the clock the segment's timestamps use."""
+    return shm_now_ns()
+
+
+cdef class Segment:
+    """One mapping of a shared segment in this process.
+
+    The mapping is released only when this object is garbage-collected, never
+    by an explicit close: a thread may still be asleep on a futex word in it.
+    """
+    cdef shm_seg seg
+    cdef char *addr
+    cdef uint64_t size
+    cdef uint32_t n_out
+    cdef uint64_t *out_off
+    cdef uint64_t *out_nbytes
+    cdef readonly object name
+
+    def __dealloc__(self):
+        if self.addr != NULL:
+            munmap(self.addr, self.size)
+        free(self.out_off)
+        free(self.out_nbytes)
+
+    cdef int _map(self, int fd, uint64_t size) except -1:
+        cdef void *a
+        if size == 0:
+            _check(SHM_E_TOO_SMALL, "attach %s" % self.name)
+        with nogil:
+            a = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if a == MAP_FAILED:
+            raise SegmentError("mmap of %s (%d bytes) failed" % (self.name, size))
+        self.addr = <char *>a
+        self.size = size
+        return 0
+
+    @staticmethod
+    def create(int fd, uint64_t size, in_bytes, out_bytes, max_clients, slots_per_client,
+               max_batch, bytes spec, int owner_pid, name):
+        """Maps a new zero-filled segment (fd) and formats it."""
+        cdef Segment self = Segment.__new__(Segment)
+        cdef shm_params p
+        self.name = name
+        _params(&p, in_bytes, out_bytes, max_clients, slots_per_client, max_batch)
+        if len(spec) > SHM_SPEC_MAX:
+            raise ValueError("spec is %d bytes, the header holds %d" % (len(spec), SHM_SPEC_MAX))
+        self._map(fd, size)
+        _check(shm_init(&self.seg, self.addr, size, &p, spec, len(spec), owner_pid),
+               "create %s" % name)
+        return self
+
+    @staticmethod
+    def attach(int fd, uint64_t size, name):
+        """Maps an existing segment and validates its header."""
+        cdef Segment self = Segment.__new__(Segment)
+        self.name = name
+        if size < 4096:
+            _check(SHM_E_TOO_SMALL, "attach %s" % name)
+        self._map(fd, size)
+        _check(shm_attach(&self.seg, self.addr, size), "attach %s" % name)
+        return self
+
+    def set_outputs(self, list offsets):
+        """Output fields of a result row: a list of (offset, nbytes)."""
+        cdef Py_ssize_t j
+        cdef uint64_t off, nb
+        free(self.out_off)
+        free(self.out_nbytes)
+        self.n_out = 0
+        self.out_off = <uint64_t *>malloc(sizeof(uint64_t) * max(1, len(offsets)))
+        self.out_nbytes = <uint64_t *>malloc(sizeof(uint64_t) * max(1, len(offsets)))
+        if self.out_off == NULL or self.out_nbytes == NULL:
+            raise MemoryError()
+        for j, (off, nb) in enumerate(offsets):
+            if off + nb > self.seg.p.out_bytes:
+                raise ValueError("output field exceeds the result row")
+            self.out_off[j] = off
+            self.out_nbytes[j] = nb
+        self.n_out = len(offsets)
+
+    # ---------------------------------------------------------------- header
+    @property
+    def spec(self):
+        cdef uint32_t n
+        cdef const char *p = shm_spec(&self.seg, &n)
+        return p[:n]
+
+    @property
+    def params(self):
+        return dict(in_bytes=self.seg.p.in_bytes, out_bytes=self.seg.p.out_bytes,
+                    max_clients=self.seg.p.max_clients,
+                    slots_per_client=self.seg.p.slots_per_client,
+                    max_batch=self.seg.p.max_batch)
+
+    @property
+    def nbytes(self):
+        return self.size
+
+    @property
+    def owner_pid(self):
+        return shm_owner_pid(&self.seg)
+
+    def ev_state(self):
+        return shm_ev_state(&self.seg)
+
+    def ev_pid(self):
+        """(pid, start time) of the serving process; pid 0 before it starts."""
+        cdef uint64_t st
+        cdef int32_t pid = shm_ev_pid(&self.seg, &st)
+        return pid, st
+
+    def heartbeat_ns(self):
+        return shm_heartbeat(&self.seg)
+
+    def n_attached(self):
+        return shm_n_attached(&self.seg)
+
+    def request_close(self):
+        with nogil:
+            shm_request_close(&self.seg)
+
+    def stat(self, name):
+        return shm_stat_get(&self.seg, STAT_INDEX[name])
+
+    def raw_stats(self):
+        """Counters and histograms, read with relaxed loads (a snapshot)."""
+        cdef uint32_t i
+        cdef cnp.ndarray[cnp.uint64_t, ndim=1] wait = cnp.PyArray_ZEROS(
+            1, [SHM_HIST_BINS], cnp.NPY_UINT64, 0)
+        cdef cnp.ndarray[cnp.uint64_t, ndim=1] model = cnp.PyArray_ZEROS(
+            1, [SHM_HIST_BINS], cnp.NPY_UINT64, 0)
+        cdef cnp.npy_intp nb = self.seg.p.max_batch + 1
+        cdef cnp.ndarray[cnp.uint64_t, ndim=1] batch = cnp.PyArray_ZEROS(
+            1, &nb, cnp.NPY_UINT64, 0)
+        for i in range(SHM_HIST_BINS):
+            wait[i] = shm_hist_get(&self.seg, 0, i)
+            model[i] = shm_hist_get(&self.seg, 1, i)
+        for i in range(self.seg.p.max_batch + 1):
+            batch[i] = shm_hist_get(&self.seg, 2, i)
+        d = {name: shm_stat_get(&self.seg, i) for i, name in enumerate(STAT_NAMES)}
+        d.update(hist_wait=wait, hist_model=model, batch_hist=batch,
+                 clients=shm_n_attached(&self.seg), heartbeat_ns=shm_heartbeat(&self.seg),
+                 now_ns=shm_now_ns(), ev_state=shm_ev_state(&self.seg))
+        return d
+
+    # ---------------------------------------------------------------- client
+    def register(self, int32_t pid, uint64_t starttime):
+        """Claims a client-table entry; returns its index."""
+        return _check(shm_client_register(&self.seg, pid, starttime), "register client")
+
+    def detach(self, uint32_t c):
+        self._client(c)
+        shm_client_detach(&self.seg, c)
+
+    cdef inline int _client(self, uint32_t c) except -1:
+        if c >= self.seg.p.max_clients:
+            raise IndexError("client index out of range")
+        return 0
+
+    cdef inline int _slot(self, uint32_t c, uint32_t k) except -1:
+        if c >= self.seg.p.max_clients or k >= self.seg.p.slots_per_client:
+            raise IndexError("slot index out of range")
+        return 0
+
+    def post(self, uint32_t c, list slots, cnp.ndarray rows, Py_ssize_t row0):
+        """Copies rows[row0 + i] into slots[i], publishes them all, then rings
+        the evaluator's doorbell once.  rows must be C-contiguous with rows of
+        in_bytes each (the client layer guarantees it)."""
+        cdef uint64_t inb = self.seg.p.in_bytes
+        cdef Py_ssize_t i, n = len(slots)
+        cdef uint32_t k
+        cdef char *src = <char *>cnp.PyArray_DATA(rows)
+        if not cnp.PyArray_IS_C_CONTIGUOUS(rows) or \
+                <uint64_t>cnp.PyArray_NBYTES(rows) < <uint64_t>(row0 + n) * inb:
+            raise ValueError("rows buffer too small or not C-contiguous")
+        for i in range(n):
+            k = slots[i]
+            self._slot(c, k)
+            _check(shm_slot_begin(&self.seg, c, k), "post")
+        for i in range(n):
+            k = slots[i]
+            memcpy(shm_slot_in(&self.seg, c, k), src + (row0 + i) * inb, inb)
+            shm_slot_publish(&self.seg, c, k)
+        with nogil:
+            shm_notify_evaluator(&self.seg, <uint32_t>n)
+
+    def wait(self, uint32_t c, uint32_t k, uint64_t spin_ns, uint64_t timeout_ns,
+             uint32_t ncpu):
+        """Waits for slot (c, k) to finish.  Spins only while the attached
+        clients plus the evaluator fit on the cores.  Returns DONE, FAILED,
+        TIMEOUT or CLOSED."""
+        cdef int rc
+        self._slot(c, k)
+        if shm_n_attached(&self.seg) + 1 > ncpu:
+            spin_ns = 0
+        with nogil:
+            rc = shm_slot_wait(&self.seg, c, k, spin_ns, timeout_ns)
+        return rc
+
+    def fetch(self, uint32_t c, uint32_t k, list dst, Py_ssize_t row):
+        """Copies a finished slot's outputs into dst[j][row] and frees the slot.
+        Returns the model version (DONE) or the error text as str (FAILED)."""
+        cdef uint32_t j, st
+        cdef shm_slot_meta *m
+        cdef char *out
+        cdef cnp.ndarray a
+        self._slot(c, k)
+        st = shm_slot_peek(&self.seg, c, k) & SLOT_STATE_MASK
+        m = shm_meta(&self.seg, c, k)
+        out = shm_slot_out(&self.seg, c, k)
+        if st == SLOT_DONE:
+            if len(dst) != self.n_out:
+                raise ValueError("wrong number of output buffers")
+            for j in range(self.n_out):
+                a = dst[j]
+                if not cnp.PyArray_IS_C_CONTIGUOUS(a) or \
+                        <uint64_t>cnp.PyArray_NBYTES(a) < (row + 1) * self.out_nbytes[j]:
+                    raise ValueError("output buffer too small or not C-contiguous")
+                memcpy(<char *>cnp.PyArray_DATA(a) + row * self.out_nbytes[j],
+                       out + self.out_off[j], self.out_nbytes[j])
+            result = m.model_version
+        elif st == SLOT_FAILED:
+            result = out[:min(m.err_len, 1 << 20)].decode("utf-8", "replace")
+        else:
+            _check(SHM_E_STATE, "fetch")
+        _check(shm_slot_release(&self.seg, c, k), "fetch")
+        return result
+
+    def is_final(self, uint32_t c, uint32_t k):
+        self._slot(c, k)
+        return (shm_slot_peek(&self.seg, c, k) & SLOT_STATE_MASK) in (SLOT_DONE, SLOT_FAILED)
+
+    def release(self, uint32_t c, uint32_t k):
+        """Frees a finished slot without reading it (abandoned requests)."""
+        self._slot(c, k)
+        return shm_slot_release(&self.seg, c, k) == SHM_OK
+
+    def slot_state(self, uint32_t c, uint32_t k):
+        """(state, waiter bit, generation) of a slot, for tests and debugging."""
+        self._slot(c, k)
+        cdef uint32_t w = shm_slot_peek(&self.seg, c, k)
+        return w & SLOT_STATE_MASK, bool(w & SLOT_WAITER), w >> 8
+
+    # ------------------------------------------------------------- evaluator
+    def set_serving(self, int32_t pid, uint64_t starttime):
+        return shm_set_serving(&self.seg, pid, starttime)
+
+    def close_and_wake(self, uint32_t final_state):
+        with nogil:
+            shm_close_and_wake(&self.seg, final_state)
+
+    def clients(self):
+        """[(index, pid, starttime, detached)] of every claimed entry."""
+        cdef uint32_t c, det
+        cdef uint64_t st
+        cdef int32_t pid
+        out = []
+        for c in range(shm_clients_hwm(&self.seg)):
+            pid = shm_client_info(&self.seg, c, &st, &det)
+            if pid != 0:
+                out.append((c, pid, st, bool(det)))
+        return out
+
+    def reclaim(self, uint32_t c):
+        """Evaluator only, between batches: frees a dead or detached client's
+        entry and slots; returns how many slots were stranded mid-write."""
+        self._client(c)
+        return shm_client_reclaim(&self.seg, c)
+
+    def stat_put(self, name, uint64_t v):
+        shm_stat_put(&self.seg, STAT_INDEX[name], v)
+
+    def stat_inc(self, name, uint64_t v):
+        shm_stat_inc(&self.seg, STAT_INDEX[name], v)
+
+
+def all_finite(cnp.ndarray a, Py_ssize_t rows):
+    """True when the first `rows` rows of C-contiguous float32/float64 array a
+    hold no NaN or inf; None for other dtypes (the caller uses NumPy)."""
+    cdef Py_ssize_t i, count
+    cdef const float *f
+    cdef const double *d
+    cdef bint ok = True
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_NDIM(a) == 0:
+        return None
+    count = rows * (cnp.PyArray_SIZE(a) // cnp.PyArray_DIM(a, 0)) if cnp.PyArray_DIM(a, 0) else 0
+    if count > cnp.PyArray_SIZE(a):
+        raise ValueError("rows exceeds the array")
+    if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT32:
+        f = <const float *>cnp.PyArray_DATA(a)
+        with nogil:
+            for i in range(count):
+                if not isfinite(f[i]):
+                    ok = False
+                    break
+        return ok
+    if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT64:
+        d = <const double *>cnp.PyArray_DATA(a)
+        with nogil:
+            for i in range(count):
+                if not isfinite(d[i]):
+                    ok = False
+                    break
+        return ok
+    return None
+
+
+cdef class Server:
+    """The evaluator's side: collect a batch, then complete or fail it.
+
+    batch is a preallocated C-contiguous array of at least max_batch rows of
+    in_bytes; collect gathers the inputs of the requests it takes into rows
+    0..n-1.  complete copies row i of each output array into the slot that
+    request i came from.
+    """
+    cdef Segment seg
+    cdef shm_taken *taken
+    cdef char *batch
+    cdef object _keep
+    cdef uint32_t cursor
+    cdef uint32_t n
+    cdef uint32_t cap
+    cdef const char **fields
+
+    def __cinit__(self, Segment seg, cnp.ndarray batch):
+        self.seg = seg
+        self.cap = seg.seg.p.max_batch
+        if not cnp.PyArray_IS_C_CONTIGUOUS(batch):
+            raise ValueError("batch must be C-contiguous")
+        if <uint64_t>cnp.PyArray_NBYTES(batch) < self.cap * seg.seg.p.in_bytes:
+            raise ValueError("batch buffer smaller than max_batch rows")
+        if seg.n_out == 0:
+            raise ValueError("segment outputs not set")
+        self.taken = <shm_taken *>malloc(sizeof(shm_taken) * self.cap)
+        self.fields = <const char **>malloc(sizeof(char *) * seg.n_out)
+        if self.taken == NULL or self.fields == NULL:
+            raise MemoryError()
+        self.batch = <char *>cnp.PyArray_DATA(batch)
+        self._keep = batch
+
+    def __dealloc__(self):
+        free(self.taken)
+        free(self.fields)
+
+    def collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
+                uint64_t timeout_ns):
+        """Returns n > 0 requests gathered, 0 on timeout, or CLOSED."""
+        cdef int rc
+        if self.n:
+            raise ShmevalError("collect() while a batch is outstanding")
+        max_batch = min(max_batch, self.cap)
+        with nogil:
+            rc = shm_collect(&self.seg.seg, self.batch, self.taken, max_batch, &self.cursor,
+                             spin_ns, max_wait_ns, timeout_ns)
+        if rc > 0:
+            self.n = rc
+        return rc
+
+    @property
+    def pending(self):
+        return self.n
+
+    def complete(self, list arrays, uint64_t model_version):
+        """Scatters row i of each output array (C-contiguous, the declared
+        dtype, at least n rows) into request i's slot; marks DONE and wakes."""
+        cdef uint32_t j, done, nf = self.seg.n_out
+        cdef cnp.ndarray a
+        if len(arrays) != nf:
+            raise ValueError("expected %d output arrays" % nf)
+        for j in range(nf):
+            a = arrays[j]
+            if not cnp.PyArray_IS_C_CONTIGUOUS(a) or \
+                    <uint64_t>cnp.PyArray_NBYTES(a) < self.n * self.seg.out_nbytes[j]:
+                raise ValueError("output array %d too small or not C-contiguous" % j)
+            self.fields[j] = <const char *>cnp.PyArray_DATA(a)
+        with nogil:
+            done = shm_complete_fields(&self.seg.seg, self.taken, self.n, nf, self.fields,
+                                       self.seg.out_nbytes, self.seg.out_off, model_version)
+        self.n = 0
+        return done
+
+    def fail(self, str message):
+        """Fails every request of the outstanding batch with message."""
+        cdef bytes b = message.encode("utf-8", "replace")
+        cdef const char *p = b
+        cdef uint32_t ln = len(b)
+        cdef uint32_t done
+        with nogil:
+            done = shm_fail(&self.seg.seg, self.taken, self.n, p, ln)
+        self.n = 0
+        return done
+
+    def record(self, uint32_t n, uint32_t rows, uint64_t model_ns, bint failed):
+        shm_record_batch(&self.seg.seg, n, rows, model_ns, failed)

@@ -1,0 +1,399 @@
+"""The evaluator: the serving loop and the public ``Evaluator`` class.
+
+Serving loop: collect (C, GIL released) -> pad to a bucket -> model ->
+check and cast outputs into the preallocated result rows -> scatter and wake
+(C, GIL released).  Between batches, and whenever it is idle for 100 ms, it
+reclaims the client entries of dead or detached processes.
+"""
+from __future__ import annotations
+
+import bisect
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _ring, segment
+from .client import Client
+from .errors import EvaluatorDied, ModelError, ShmevalError
+from .spec import OutputsLike, ShapeLike, Spec
+
+Model = Callable[[np.ndarray], Any]
+Buckets = Union[None, str, Sequence[int]]
+
+#: The serving loop wakes at least this often to reclaim dead clients.
+IDLE_TIMEOUT_NS = 100_000_000
+#: And checks client liveness at most this often while busy.
+HOUSEKEEPING_NS = 200_000_000
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How the evaluator forms batches.
+
+    Greedy by default: take every ready request (up to ``max_batch``) the
+    moment the model is free.  ``max_wait_us`` waits up to that long after the
+    first request for a fuller batch.  ``buckets`` pads each batch up to the
+    next bucket size (spare rows of the batch buffer, no extra copy) for
+    models that want few distinct shapes.
+    """
+
+    max_batch: int
+    max_wait_us: float = 0.0
+    buckets: Optional[tuple[int, ...]] = None
+    spin_us: float = 50.0
+
+    @classmethod
+    def make(cls, max_batch: int, max_wait_us: float = 0.0, buckets: Buckets = None,
+             spin_us: float = 50.0) -> "BatchPolicy":
+        if max_wait_us < 0 or spin_us < 0:
+            raise ValueError(f"max_wait_us and evaluator_spin_us must be >= 0, "
+                             f"got {max_wait_us} and {spin_us}")
+        b: Optional[tuple[int, ...]]
+        if buckets is None:
+            b = None
+        elif isinstance(buckets, str):
+            if buckets != "pow2":
+                raise ValueError(f"buckets must be None, 'pow2' or a list of ints, got {buckets!r}")
+            b = tuple(sorted({1 << i for i in range(max_batch.bit_length())
+                              if 1 << i < max_batch} | {max_batch}))
+        else:
+            try:
+                b = tuple(sorted({int(x) for x in buckets}))
+            except (TypeError, ValueError):
+                raise TypeError(f"buckets must be a list of ints, got {buckets!r}") from None
+            if not b or b[0] < 1:
+                raise ValueError(f"buckets must be positive ints, got {buckets!r}")
+            if b[-1] < max_batch:
+                raise ValueError(f"the largest bucket ({b[-1]}) must be >= max_batch "
+                                 f"({max_batch})")
+        return cls(max_batch, float(max_wait_us), b, float(spin_us))
+
+    @property
+    def rows(self) -> int:
+        """Rows of the batch buffer."""
+        return max(self.max_batch, self.buckets[-1]) if self.buckets else self.max_batch
+
+    def rows_for(self, n: int) -> int:
+        if self.buckets is None:
+            return n
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+
+class _ServingLoop:
+    def __init__(self, seg: "_ring.Segment", spec: Spec, model: Model, policy: BatchPolicy,
+                 reject_nonfinite: bool) -> None:
+        self.seg = seg
+        self.spec = spec
+        self.model = model
+        self.policy = policy
+        self.reject_nonfinite = reject_nonfinite
+        self.batch = np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype)
+        self.server = _ring.Server(seg, self.batch)
+        self.version = 0
+
+    def run(self) -> None:
+        seg, pol, server = self.seg, self.policy, self.server
+        me = os.getpid()
+        owner = seg.owner_pid
+        seg.set_serving(me, segment.process_starttime(me) or 0)
+        spin_ns = int(pol.spin_us * 1000)
+        wait_ns = int(pol.max_wait_us * 1000)
+        next_housekeeping = 0
+        final = _ring.CLOSED_STATE
+        try:
+            while True:
+                n = server.collect(pol.max_batch, spin_ns, wait_ns, IDLE_TIMEOUT_NS)
+                if n == _ring.CLOSED:
+                    break
+                if n > 0:
+                    self.serve_batch(n)
+                now = time.monotonic_ns()
+                if n == 0 or now >= next_housekeeping:
+                    next_housekeeping = now + HOUSEKEEPING_NS
+                    self.reclaim_dead_clients()
+                    if owner != me and not segment.is_alive(owner):
+                        # Our creator is gone: nobody else will close or unlink.
+                        segment.unlink(seg.name)
+                        break
+        except BaseException:
+            final = _ring.DIED
+            raise
+        finally:
+            if server.pending:
+                server.fail("EvaluatorDied: the serving loop stopped during this batch")
+            seg.close_and_wake(final)
+
+    def serve_batch(self, n: int) -> None:
+        t_in = time.perf_counter_ns()
+        rows = self.policy.rows_for(n)
+        error = None
+        t0 = time.perf_counter_ns()
+        t1 = 0
+        try:
+            out = self.model(self.batch[:rows])
+            t1 = time.perf_counter_ns()
+            arrays = self.check_outputs(out, n, rows)
+        except Exception as e:  # the model's failure fails this batch only
+            t1 = t1 or time.perf_counter_ns()
+            error = e if isinstance(e, ModelError) else ModelError(f"{type(e).__name__}: {e}")
+        if error is None:
+            self.server.complete(arrays, self.version)
+        else:
+            self.server.fail(error.message)
+        self.server.record(n, rows, t1 - t0, error is not None)
+        t_out = time.perf_counter_ns()
+        self.seg.stat_inc("overhead_ns", (t0 - t_in) + (t_out - t1))
+
+    def check_outputs(self, out: Any, n: int, rows: int) -> list[np.ndarray]:
+        """The model's outputs as C-contiguous arrays of the declared dtypes,
+        in declaration order; ModelError when they do not fit the spec."""
+        spec = self.spec
+        names = spec.output_names
+        if isinstance(out, dict):
+            missing = [k for k in names if k not in out]
+            if missing:
+                raise ModelError(f"model output lacks {missing}; it returned keys "
+                                 f"{sorted(map(str, out))}, expected {list(names)}")
+            given = [out[k] for k in names]
+        elif isinstance(out, (tuple, list)):
+            if len(out) != len(names):
+                raise ModelError(f"model returned {len(out)} outputs, expected {len(names)} "
+                                 f"({', '.join(names)})")
+            given = list(out)
+        elif len(names) == 1:
+            given = [out]
+        else:
+            raise ModelError(f"model returned one {type(out).__name__}, expected a dict or "
+                             f"tuple of {len(names)} outputs ({', '.join(names)})")
+        arrays = []
+        for o, arr in zip(spec.outputs, given):
+            a = arr if type(arr) is np.ndarray else np.asarray(arr)
+            if a.shape != (rows,) + o.shape:
+                raise ModelError(f"model output {o.name!r} has shape {a.shape}, expected "
+                                 f"{(rows,) + o.shape} for a batch of {rows}")
+            if a.dtype != o.dtype:
+                if a.dtype.hasobject or not np.can_cast(a.dtype, o.dtype, "same_kind"):
+                    raise ModelError(f"model output {o.name!r} has dtype {a.dtype}, which "
+                                     f"cannot be cast to {o.dtype} under 'same_kind' casting")
+                a = a.astype(o.dtype)
+            elif not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a)
+            if self.reject_nonfinite and o.dtype.kind in "fc":
+                ok = _ring.all_finite(a, n)
+                if ok is None:
+                    ok = bool(np.isfinite(a[:n]).all())
+                if not ok:
+                    raise ModelError(f"model output {o.name!r} holds NaN or infinite values "
+                                     "(pass reject_nonfinite=False to allow them)")
+            arrays.append(a)
+        return arrays
+
+    def reclaim_dead_clients(self) -> None:
+        for c, pid, starttime, detached in self.seg.clients():
+            if detached or not segment.is_alive(pid, starttime):
+                self.seg.reclaim(c)
+
+
+def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, max_batch: int,
+               max_wait_us: float, buckets: Buckets, max_clients: int, slots_per_client: int,
+               evaluator_spin_us: float) -> tuple[Spec, BatchPolicy]:
+    spec = Spec.build(input_shape, input_dtype, outputs, max_batch, max_clients,
+                      slots_per_client)
+    policy = BatchPolicy.make(spec.max_batch, max_wait_us, buckets, evaluator_spin_us)
+    return spec, policy
+
+
+def _shutdown(seg: "_ring.Segment", address: str, owner_pid: int,
+              thread: Optional[threading.Thread], process: Optional[Any],
+              timeout: float = 10.0) -> None:
+    """Stops serving, wakes every waiter, removes the segment's name."""
+    if os.getpid() != owner_pid:
+        return
+    seg.request_close()
+    final = _ring.CLOSED_STATE
+    if thread is not None:
+        thread.join(timeout)
+    if process is not None:
+        process.join(timeout)
+        if process.is_alive():
+            process.terminate()
+            process.join(1.0)
+            if process.is_alive():
+                process.kill()
+                process.join(1.0)
+        if process.exitcode not in (0, None):
+            final = _ring.DIED
+    if seg.ev_state() < _ring.CLOSED_STATE:
+        # The loop did not get to it (its process was killed, or it is stuck
+        # in a model call past the timeout): wake the clients ourselves.
+        seg.close_and_wake(final)
+    segment.unlink(address)
+
+
+class Evaluator(Client):
+    """Serves ``model`` to any number of processes through shared memory.
+
+    ``Evaluator(model, ...)`` serves from a thread of this process;
+    ``Evaluator.spawn(factory, ...)`` serves from a process of its own.
+    The object pickles into child processes (spawn or fork) as a light
+    :class:`~shmeval.client.Client` handle that attaches on first use.
+
+    Parameters
+    ----------
+    model:
+        callable taking an ``ndarray [n, *input_shape]`` and returning a dict
+        of arrays (by name), a tuple/list (in the order of ``outputs``) or one
+        array (when one output is declared), each with a leading dim n.
+    input_shape, input_dtype:
+        of one state.  Client inputs are cast with NumPy 'same_kind' casting.
+    outputs:
+        ``{name: (shape, dtype)}`` of one result.
+    max_batch:
+        most requests per model call.
+    max_wait_us:
+        0 (default) is greedy; else wait up to this long for a fuller batch.
+    buckets:
+        None (no padding), ``"pow2"`` or a list of batch sizes to pad to.
+    max_clients:
+        most processes attached at once (one client-table entry each).
+    slots_per_client:
+        most requests one process has in flight (``evaluate_many`` sends
+        larger batches in rounds).
+    spin_us:
+        client spin budget before sleeping, used only while the attached
+        processes and the evaluator fit on the CPU cores.
+    evaluator_spin_us:
+        how long the idle evaluator spins before it sleeps on its doorbell.
+    reject_nonfinite:
+        fail batches whose float outputs hold NaN or inf (ModelError).
+    """
+
+    def __init__(self, model: Model, *, input_shape: ShapeLike, outputs: OutputsLike,
+                 input_dtype: Any = "float32", max_batch: int = 256,
+                 max_wait_us: float = 0.0, buckets: Buckets = None, max_clients: int = 64,
+                 slots_per_client: int = 16, spin_us: Optional[float] = None,
+                 evaluator_spin_us: float = 50.0, reject_nonfinite: bool = True,
+                 name: Optional[str] = None) -> None:
+        if not callable(model):
+            raise TypeError(f"model must be callable, got {type(model).__name__}")
+        spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
+                                  buckets, max_clients, slots_per_client, evaluator_spin_us)
+        seg, address = segment.create(spec, name)
+        super().__init__(address, spec, spin_us, _segment=seg)
+        self._owner_pid = os.getpid()
+        self._policy = policy
+        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite)
+        thread = threading.Thread(target=loop.run, name=f"shmeval-evaluator {address}",
+                                  daemon=True)
+        thread.start()
+        self._thread: Optional[threading.Thread] = thread
+        self._process: Optional[Any] = None
+        self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
+                                          thread, None)
+
+    @classmethod
+    def spawn(cls, factory: Callable[[], Model], *, input_shape: ShapeLike,
+              outputs: OutputsLike, input_dtype: Any = "float32", max_batch: int = 256,
+              max_wait_us: float = 0.0, buckets: Buckets = None, max_clients: int = 64,
+              slots_per_client: int = 16, spin_us: Optional[float] = None,
+              evaluator_spin_us: float = 50.0, reject_nonfinite: bool = True,
+              name: Optional[str] = None, start_timeout: float = 600.0,
+              mp_context: str = "spawn") -> "Evaluator":
+        """Serves from a new process that calls the picklable zero-argument
+        ``factory()`` to build the model (so e.g. TensorFlow is imported only
+        there).  Returns once the model is built and serving."""
+        if not callable(factory):
+            raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+        spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
+                                  buckets, max_clients, slots_per_client, evaluator_spin_us)
+        seg, address = segment.create(spec, name)
+        self = cls.__new__(cls)
+        Client.__init__(self, address, spec, spin_us, _segment=seg)
+        self._owner_pid = os.getpid()
+        self._policy = policy
+        self._thread = None
+        ctx = mp.get_context(mp_context)
+        receiver, sender = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_serve_in_process, name=f"shmeval-evaluator {address}",
+                           args=(address, spec.to_json(), factory, policy, reject_nonfinite,
+                                 sender),
+                           daemon=True)
+        self._process = proc
+        self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
+                                          None, proc)
+        try:
+            proc.start()
+            sender.close()
+            deadline = time.monotonic() + start_timeout
+            while not receiver.poll(0.05):
+                if not proc.is_alive():
+                    raise EvaluatorDied(f"the evaluator process exited with code "
+                                        f"{proc.exitcode} during start-up")
+                if time.monotonic() > deadline:
+                    raise EvaluatorDied(f"the evaluator did not start within {start_timeout} s")
+            try:
+                kind, detail = receiver.recv()
+            except EOFError:
+                raise EvaluatorDied("the evaluator process exited during start-up") from None
+            if kind != "ready":
+                raise ModelError(f"the model factory failed in the evaluator process: {detail}")
+        except BaseException:
+            self._shutdown()
+            raise
+        finally:
+            receiver.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        """The serving process's pid (this process for a thread evaluator)."""
+        return self._process.pid if self._process is not None else self._owner_pid
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops serving: requests in flight complete or raise EvaluatorClosed;
+        the shared segment is removed.  Idempotent.  In a child process that
+        inherited this object by fork it only detaches that process."""
+        super().close()
+        if os.getpid() == self._owner_pid and self._shutdown.alive:
+            self._shutdown.detach()
+            assert self._seg is not None
+            _shutdown(self._seg, self._address, self._owner_pid, self._thread, self._process,
+                      timeout)
+
+    def __enter__(self) -> "Evaluator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve_in_process(address: str, spec_json: bytes, factory: Callable[[], Model],
+                      policy: BatchPolicy, reject_nonfinite: bool, conn: Any) -> None:
+    # Ctrl-C reaches the whole process group: the parent decides when to
+    # close, so the evaluator ignores SIGINT rather than dying mid-batch.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    seg, spec = segment.attach(address, Spec.from_json(spec_json))
+    t0 = time.perf_counter_ns()
+    try:
+        model = factory()
+        if not callable(model):
+            raise TypeError(f"factory returned a {type(model).__name__}, not a callable")
+        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite)
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.close()
+        raise SystemExit(1)
+    seg.stat_put("warmup_ns", time.perf_counter_ns() - t0)
+    conn.send(("ready", os.getpid()))
+    conn.close()
+    loop.run()
+
+
+__all__ = ["Evaluator", "BatchPolicy", "ShmevalError"]

@@ -1,0 +1,68 @@
+"""Turns the segment's raw counters and histograms into ``ev.stats()``."""
+from __future__ import annotations
+
+from typing import Any, Dict, Sequence
+
+import numpy as np
+
+from . import _ring
+
+_STATES = {_ring.STARTING: "starting", _ring.SERVING: "serving", _ring.CLOSING: "closing",
+           _ring.CLOSED_STATE: "closed", _ring.DIED: "died"}
+
+
+def _bin_lo(b: int) -> float:
+    """Lower bound (ns) of log-histogram bin b (ring.h: shm_hist_bin): four
+    bins per power of two, so a reported value is within ~12% of the truth."""
+    if b < 4:
+        return float(b)
+    msb = b // 4 + 1
+    return float((4 + b % 4) << (msb - 2))
+
+
+def hist_percentiles(hist: np.ndarray, qs: Sequence[float]) -> Dict[str, float]:
+    """Percentiles (in ns, bin midpoints) of a log histogram."""
+    total = int(hist.sum())
+    out: Dict[str, float] = {}
+    if total == 0:
+        return {f"p{q:g}": float("nan") for q in qs}
+    cum = np.cumsum(hist)
+    for q in qs:
+        b = int(np.searchsorted(cum, q / 100.0 * total, side="left"))
+        b = min(b, len(hist) - 1)
+        out[f"p{q:g}"] = (_bin_lo(b) + _bin_lo(b + 1)) / 2
+    return out
+
+
+def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
+    requests = int(raw["requests"])
+    batches = int(raw["batches"])
+    start = int(raw["serve_start_ns"])
+    now = int(raw["now_ns"])
+    uptime_ns = max(1, now - start) if start else 0
+    bh = raw["batch_hist"]
+    sizes = np.nonzero(bh)[0]
+    wait = hist_percentiles(raw["hist_wait"], (50, 90, 99))
+    model = hist_percentiles(raw["hist_model"], (50, 90, 99))
+    return {
+        "state": _STATES.get(int(raw["ev_state"]), "unknown"),
+        "requests": requests,
+        "batches": batches,
+        "mean_batch": requests / batches if batches else 0.0,
+        "batch_hist": {int(s): int(bh[s]) for s in sizes},
+        "padded_rows": int(raw["padded_rows"]),
+        "failed_requests": int(raw["failed_requests"]),
+        "failed_batches": int(raw["failed_batches"]),
+        "queue_wait_us": {k: v / 1e3 for k, v in wait.items()},
+        "model_ms": {k: v / 1e6 for k, v in model.items()},
+        "model_time_share": raw["model_ns"] / uptime_ns if uptime_ns else 0.0,
+        "overhead_us_per_batch": raw["overhead_ns"] / batches / 1e3 if batches else 0.0,
+        "model_version": int(raw["model_version"]),
+        "warmup_s": raw["warmup_ns"] / 1e9,
+        "clients": int(raw["clients"]),
+        "reclaimed_clients": int(raw["reclaimed_clients"]),
+        "reclaimed_writing_slots": int(raw["reclaimed_writing"]),
+        "stale_completions": int(raw["stale_completions"]),
+        "uptime_s": uptime_ns / 1e9,
+        "heartbeat_age_s": (now - int(raw["heartbeat_ns"])) / 1e9 if raw["heartbeat_ns"] else None,
+    }
