@@ -241,8 +241,9 @@ class QueueMethod(_ServerProcess):
         return [QueueClient(i, self.requests, q) for i, q in enumerate(self.responses)]
 
     def stop(self) -> dict[str, Any]:
-        if self.server is not None:
-            self.requests.put(None)
+        if self.server is None:
+            return {}
+        self.requests.put(None)
         stats = self._finish()
         for q in (self.requests, *self.responses):
             q.close()
@@ -328,7 +329,7 @@ def worker_main(client: Client, worker_id: int, spec: StateSpec, warmup: int, se
         for _ in range(warmup):
             _check_reply(client.evaluate(state), worker_id, spec)
         latencies = np.empty(LATENCY_CAP, dtype=np.int64)
-        ready.wait()
+        ready.wait(SETUP_TIMEOUT_S)  # bounded: an orphaned worker must not wait forever
         if not go.wait(SETUP_TIMEOUT_S):
             raise RuntimeError("no start signal")
         # One window for all workers, in perf_counter_ns: CLOCK_MONOTONIC on
@@ -390,7 +391,7 @@ def _worker_errors(results: mp.Queue, timeout: float) -> str:
     except queue.Empty:
         pass
     errors.sort(key=lambda tb: "BrokenBarrierError" in tb)
-    return errors[0] if errors else "(no worker reported an error)"
+    return errors[0] if errors else "(no worker reported an error: did a round trip hang?)"
 
 
 def weighted_quantiles(samples: list[np.ndarray], counts: list[int], qs: Sequence[float]) -> np.ndarray:
@@ -417,7 +418,6 @@ def run_trial(method_name: str, n_workers: int, spec: StateSpec, args: argparse.
     start_ns = ctx.Value("q", 0, lock=False)
     results = ctx.Queue()
     procs: list[BaseProcess] = []
-    terminated: list[str] = []
     try:
         clients = method.start(ctx, n_workers, spec, args.max_batch)
         procs = [
@@ -436,7 +436,10 @@ def run_trial(method_name: str, n_workers: int, spec: StateSpec, args: argparse.
         go.set()
         replies = {}
         for _ in procs:
-            worker_id, status, payload = results.get(timeout=args.seconds + SETUP_TIMEOUT_S)
+            try:
+                worker_id, status, payload = results.get(timeout=args.seconds + SETUP_TIMEOUT_S)
+            except queue.Empty:
+                raise RuntimeError(f"{method_name} x{n_workers}: a worker never reported: hung round trip?") from None
             if status == "error":
                 raise RuntimeError(f"{method_name} x{n_workers}: worker {worker_id} failed:\n{payload}")
             replies[worker_id] = payload
@@ -494,6 +497,8 @@ def machine_info() -> dict[str, Any]:
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "numpy": np.__version__,
         "shmeval": shmeval_version,
+        # Other load on the machine skews every figure; this makes it visible.
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -587,6 +592,22 @@ def _dev_shm() -> set[str]:
         return set()
 
 
+def _mapped_by_others() -> set[str]:
+    """/dev/shm names that another live process has mapped.  Every process the
+    benchmark started has exited by the time this is asked, so such entries
+    belong to something running alongside (a test suite, say), not to us."""
+    names: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                names.update(line.split("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line)
+        except OSError:  # the process exited meanwhile, or is not ours to read
+            continue
+    return names
+
+
 def _int_list(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
@@ -644,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     summary = summarise(trials)
     print_report(summary, args.methods, args)
-    leftovers = sorted(_dev_shm() - shm_before)
+    leftovers = sorted(_dev_shm() - shm_before - _mapped_by_others())
     print(f"\nwall time {elapsed:.0f} s; new entries in /dev/shm: {', '.join(leftovers) or 'none'}")
     if args.json:
         with open(args.json, "w") as f:

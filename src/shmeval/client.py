@@ -58,7 +58,7 @@ class Client:
         self._slot_freed = threading.Condition(self._lock)
         self._lock_pid = os.getpid()
         self._closed = False
-        self._finalizer: Optional[weakref.finalize] = None
+        self._finalizer: Optional["weakref.finalize[Any, Any]"] = None
         self._ncpu = _ncpu()
 
     # ------------------------------------------------------------ identity

@@ -319,7 +319,7 @@ class Evaluator(Client):
         self._owner_pid = os.getpid()
         self._policy = policy
         self._thread = None
-        ctx = mp.get_context(mp_context)
+        ctx: Any = mp.get_context(mp_context)
         receiver, sender = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_serve_in_process, name=f"shmeval-evaluator {address}",
                            args=(address, spec.to_json(), factory, policy, reject_nonfinite,

@@ -660,17 +660,18 @@ static inline int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
         uint64_t now = shm_now_ns();
         /* MO: relaxed; liveness hint for stats, read by anyone. */
         atomic_store_explicit(&h->heartbeat_ns, now, memory_order_relaxed);
+        /* MO: acquire; pairs with the release CAS in shm_request_close.
+         * Checked before every scan so that a close is honoured under
+         * constant load too; what was already taken is returned. */
+        if (atomic_load_explicit(&h->ev_state, memory_order_acquire) !=
+            EV_SERVING)
+            return n > 0 ? (int)n : SHM_CLOSED;
         uint32_t before = n;
         n = shm_scan(s, batch, taken, n, max_batch, cursor, now);
         if (n > before && before == 0) first = now;
         if (n >= max_batch) return (int)n;
         if (n > 0 && (max_wait_ns == 0 || now - first >= max_wait_ns))
             return (int)n;
-        /* MO: acquire; pairs with the release store in shm_request_close. */
-        if (n == 0 && atomic_load_explicit(&h->ev_state,
-                                           memory_order_acquire) !=
-                          EV_SERVING)
-            return SHM_CLOSED;
         uint64_t deadline = n > 0 ? first + max_wait_ns : start + timeout_ns;
         if (now >= deadline) return (int)n;
         /* Spin on the doorbell word while the budget lasts. */

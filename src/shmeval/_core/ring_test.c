@@ -1,0 +1,2072 @@
+/*
+ * ring_test.c -- standalone C11 test of ring.h (the shared-memory protocol).
+ *
+ * The "segment" is a zero-filled heap buffer (aligned_alloc 4096); threads
+ * share it exactly as processes share a mapping, and the futex words work the
+ * same way within one process.  Built and run by tests/c/run_c_tests.sh in
+ * three ways: plain (-O2 -Werror -DSHM_DEBUG), ThreadSanitizer, and
+ * AddressSanitizer + UndefinedBehaviorSanitizer.
+ *
+ *   ring_test            run every test
+ *   ring_test NAME...    run only the named tests (layout attach state
+ *                        reclaim concurrency close max_wait)
+ *
+ * Environment knobs (all optional):
+ *   SHM_TEST_CLIENTS=N        client threads in the concurrency test (8)
+ *   SHM_TEST_REQUESTS=N       requests per client thread (build dependent)
+ *   SHM_TEST_SEED=N           base seed of the pseudo-random choices
+ *   SHM_TEST_RACE_TRIALS=N    trials of the close/wait race probe
+ *   SHM_TEST_STRICT_CLOSE_RACE=1  fail (instead of warn) when the race probe
+ *                             sees a waiter that slept through a close
+ *
+ * Every failed check prints "FAIL [test] file:line: ..." and exits with 1; a
+ * test that overruns its watchdog prints "TIMEOUT [test]" and exits with 2.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <stdatomic.h>
+
+#if defined(__SANITIZE_THREAD__)
+/*
+ * ThreadSanitizer does not model atomic_thread_fence: ring.h's shm_scan pairs
+ * a relaxed load of the slot word plus an acquire fence with the client's
+ * release store of READY, which is correct C11 but which TSan would report as
+ * a race on the input bytes.  For the TSan build only, the (single) fence in
+ * ring.h is replaced by the real fence plus an explicit TSan acquire on the
+ * slot word `w` that was just loaded -- the same happens-before edge the fence
+ * provides.  If ring.h's publish store stops being a release (or the fence is
+ * removed), TSan still reports the race.  A fence of another order, or one in
+ * a scope without a slot word `w`, makes this build fail loudly.
+ */
+#include <sanitizer/tsan_interface.h>
+#include <stdio.h>
+#include <stdlib.h>
+/* GCC warns that TSan does not model the fence: that is the point here. */
+#pragma GCC diagnostic ignored "-Wtsan"
+static inline void shm_test_real_acquire_fence(void) {
+    atomic_thread_fence(memory_order_acquire);
+}
+static inline void shm_test_tsan_fence(memory_order mo, const void *addr) {
+    if (mo != memory_order_acquire) {
+        fprintf(stderr, "ring_test: unexpected fence order %d in ring.h; "
+                        "update the TSan fence shim\n", (int)mo);
+        abort();
+    }
+    shm_test_real_acquire_fence();
+    __tsan_acquire((void *)addr);
+}
+#undef atomic_thread_fence
+#define atomic_thread_fence(mo) shm_test_tsan_fence((mo), (const void *)(w))
+#endif
+
+#include "ring.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#if defined(__SANITIZE_THREAD__)
+#define BUILD_KIND "tsan"
+#define BUILD_SLOW 1
+#elif defined(__SANITIZE_ADDRESS__)
+#define BUILD_KIND "asan+ubsan"
+#define BUILD_SLOW 1
+#else
+#define BUILD_KIND "plain"
+#define BUILD_SLOW 0
+#endif
+
+#define MS 1000000ull
+#define US 1000ull
+
+/* ------------------------------------------------------------------ */
+/* Failure reporting, watchdog                                         */
+/* ------------------------------------------------------------------ */
+
+static const char *volatile g_test = "startup";
+
+static void fail_at(const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4), noreturn));
+static void fail_at(const char *file, int line, const char *fmt, ...) {
+    va_list ap;
+    fflush(stdout);
+    fprintf(stderr, "FAIL [%s] %s:%d: ", g_test, file, line);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    fflush(stderr);
+    _exit(1);
+}
+
+#define FAIL(...) fail_at(__FILE__, __LINE__, __VA_ARGS__)
+#define CHECK(cond)                                                        \
+    do {                                                                   \
+        if (!(cond)) FAIL("CHECK(%s)", #cond);                             \
+    } while (0)
+#define CHECK_MSG(cond, ...)                                               \
+    do {                                                                   \
+        if (!(cond)) FAIL(__VA_ARGS__);                                    \
+    } while (0)
+#define CHECK_EQ(a, b)                                                     \
+    do {                                                                   \
+        long long a_ = (long long)(a), b_ = (long long)(b);                \
+        if (a_ != b_) FAIL("%s == %s: %lld != %lld", #a, #b, a_, b_);      \
+    } while (0)
+#define CHECK_EQU(a, b)                                                    \
+    do {                                                                   \
+        unsigned long long a_ = (unsigned long long)(a),                   \
+                           b_ = (unsigned long long)(b);                   \
+        if (a_ != b_)                                                      \
+            FAIL("%s == %s: %llu (0x%llx) != %llu (0x%llx)", #a, #b, a_,   \
+                 a_, b_, b_);                                              \
+    } while (0)
+
+static void on_alarm(int sig) {
+    (void)sig;
+    static const char pre[] = "TIMEOUT [";
+    static const char post[] = "]: watchdog expired (hang?)\n";
+    const char *t = g_test;
+    ssize_t r = write(2, pre, sizeof pre - 1);
+    r = write(2, t, strlen(t));
+    r = write(2, post, sizeof post - 1);
+    (void)r;
+    _exit(2);
+}
+
+static unsigned watchdog_scale(void) { return BUILD_SLOW ? 3u : 1u; }
+
+static void start_test(const char *name, unsigned watchdog_s) {
+    g_test = name;
+    alarm(watchdog_s * watchdog_scale());
+}
+
+/* ------------------------------------------------------------------ */
+/* Small helpers                                                       */
+/* ------------------------------------------------------------------ */
+
+static uint64_t g_seed = 0x5eed5eed12345ull;
+
+static uint64_t rng_next(uint64_t *s) { /* xorshift64* */
+    uint64_t x = *s ? *s : 0x9E3779B97F4A7C15ull;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *s = x;
+    return x * 0x2545F4914F6CDD1Dull;
+}
+static uint64_t mix64(uint64_t x) { /* splitmix64 finaliser */
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+static void sleep_ns(uint64_t ns) {
+    struct timespec ts = {(time_t)(ns / 1000000000ull),
+                          (long)(ns % 1000000000ull)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* Random tiny delays in random places. */
+static void maybe_delay(uint64_t *rng) {
+    uint64_t r = rng_next(rng);
+    if ((r & 31) == 0)
+        sched_yield();
+    else if ((r & 511) == 1)
+        sleep_ns((r >> 32) % (50 * US));
+}
+
+static double secs(uint64_t ns) { return (double)ns / 1e9; }
+
+static uint64_t env_u64(const char *name, uint64_t dflt) {
+    const char *v = getenv(name);
+    if (!v || !*v) return dflt;
+    char *end;
+    unsigned long long x = strtoull(v, &end, 0);
+    if (*end) {
+        fprintf(stderr, "bad value for %s: %s\n", name, v);
+        exit(2);
+    }
+    return x;
+}
+
+/* A zero-filled, 4096-aligned heap "segment". */
+static char *seg_alloc(uint64_t size) {
+    uint64_t sz = shm_round_up(size ? size : 1, 4096);
+    char *p = aligned_alloc(4096, sz);
+    CHECK_MSG(p != NULL, "aligned_alloc(%" PRIu64 ") failed", sz);
+    memset(p, 0, sz);
+    return p;
+}
+
+typedef struct {
+    char *mem;
+    uint64_t size;
+    shm_seg s;
+} test_seg;
+
+static const char k_spec[] =
+    "{\"model\":\"ring_test\",\"inputs\":[{\"name\":\"x\",\"dtype\":\"float32\","
+    "\"shape\":[84]}],\"outputs\":[{\"name\":\"y\",\"dtype\":\"float32\","
+    "\"shape\":[8]}]}";
+
+static void seg_make(test_seg *t, const shm_params *p) {
+    shm_layout l;
+    CHECK_EQ(shm_layout_compute(p, &l), SHM_OK);
+    t->size = l.total;
+    t->mem = seg_alloc(l.total);
+    CHECK_EQ(shm_init(&t->s, t->mem, t->size, p, k_spec,
+                      (uint32_t)strlen(k_spec), (int32_t)getpid()),
+             SHM_OK);
+}
+static void seg_free(test_seg *t) {
+    free(t->mem);
+    t->mem = NULL;
+}
+
+static shm_params mkparams(uint64_t in, uint64_t out, uint32_t clients,
+                           uint32_t k, uint32_t batch) {
+    shm_params p;
+    memset(&p, 0, sizeof p);
+    p.in_bytes = in;
+    p.out_bytes = out;
+    p.max_clients = clients;
+    p.slots_per_client = k;
+    p.max_batch = batch;
+    return p;
+}
+
+static uint32_t word_of(shm_seg *s, uint32_t c, uint32_t k) {
+    return shm_slot_peek(s, c, k);
+}
+static void store_word(shm_seg *s, uint32_t c, uint32_t k, uint32_t v) {
+    atomic_store_explicit(shm_slot_word_at(s, c, k), v, memory_order_release);
+}
+
+/* ------------------------------------------------------------------ */
+/* a. layout                                                           */
+/* ------------------------------------------------------------------ */
+
+static void check_layout_numbers(const shm_params *p, const shm_layout *l) {
+    uint64_t K = p->slots_per_client;
+    CHECK(l->header_bytes >=
+          sizeof(shm_header) + sizeof(uint64_t) * ((uint64_t)p->max_batch + 1));
+    CHECK_EQU(l->header_bytes % SHM_LINE, 0);
+    CHECK_EQU(l->clients_off, l->header_bytes);
+    CHECK_EQU(l->client_stride % SHM_LINE, 0);
+    CHECK(l->client_stride >= sizeof(shm_client) + 4 * K);
+    CHECK_EQU(l->slots_off % 4096, 0);
+    CHECK(l->slots_off >= l->clients_off + l->client_stride * p->max_clients);
+    CHECK(l->in_off >= sizeof(shm_slot_meta));
+    CHECK_EQU(l->in_off % SHM_LINE, 0);
+    CHECK(l->out_off >= l->in_off + p->in_bytes);
+    CHECK_EQU(l->out_off % SHM_LINE, 0);
+    CHECK(l->out_area >= p->out_bytes);
+    CHECK(l->out_area >= SHM_ERRMSG_MIN);
+    CHECK_EQU(l->out_area % SHM_LINE, 0);
+    CHECK(l->slot_stride >= l->out_off + l->out_area);
+    CHECK_EQU(l->slot_stride % SHM_LINE, 0);
+    CHECK_EQU(l->total,
+              l->slots_off + l->slot_stride * p->max_clients * K);
+}
+
+/* Address-level facts on a formatted segment. */
+static void check_layout_addresses(const shm_params *p) {
+    test_seg t;
+    seg_make(&t, p);
+    shm_seg *s = &t.s;
+    uintptr_t base = (uintptr_t)t.mem, end = base + t.size;
+    uint32_t K = p->slots_per_client;
+    CHECK((uintptr_t)(shm_batch_hist(s) + p->max_batch + 1) <=
+          base + s->l.clients_off);
+    CHECK_EQU((uintptr_t)shm_batch_hist(s) % 8, 0);
+    for (uint32_t c = 0; c < p->max_clients; c++) {
+        uintptr_t e = (uintptr_t)shm_client_at(s, c);
+        uintptr_t w0 = (uintptr_t)shm_slot_word_at(s, c, 0);
+        uintptr_t wend = (uintptr_t)(shm_slot_word_at(s, c, K - 1) + 1);
+        uintptr_t next = c + 1 < p->max_clients
+                             ? (uintptr_t)shm_client_at(s, c + 1)
+                             : base + s->l.slots_off;
+        CHECK_EQU(e % SHM_LINE, 0);
+        /* the state words start on their own cache line (not the entry's)
+         * and end before the next entry's line: no false sharing with the
+         * entry fields or with another client's words */
+        CHECK_EQU(w0 % SHM_LINE, 0);
+        CHECK(w0 >= e + sizeof(shm_client));
+        CHECK(wend <= next);
+        CHECK_EQU(next % SHM_LINE, 0);
+        for (uint32_t k = 0; k < K; k++) {
+            CHECK_EQU((uintptr_t)shm_slot_word_at(s, c, k), w0 + 4ull * k);
+            uintptr_t d = (uintptr_t)shm_slot_data(s, c, k);
+            CHECK_EQU(d % SHM_LINE, 0);
+            CHECK_EQU((uintptr_t)shm_slot_in(s, c, k) % SHM_LINE, 0);
+            CHECK_EQU((uintptr_t)shm_slot_out(s, c, k) % SHM_LINE, 0);
+            CHECK(d >= base + s->l.slots_off);
+            CHECK(d + s->l.slot_stride <= end);
+            CHECK_EQU((uintptr_t)shm_slot_meta_at(s, c, k), d);
+            CHECK((uintptr_t)shm_slot_out(s, c, k) + s->l.out_area <=
+                  d + s->l.slot_stride);
+            /* slot data areas are consecutive and disjoint */
+            if (k + 1 < K)
+                CHECK_EQU((uintptr_t)shm_slot_data(s, c, k + 1),
+                          d + s->l.slot_stride);
+        }
+        /* every state word is FREE, generation 0 after init */
+        for (uint32_t k = 0; k < K; k++) CHECK_EQU(word_of(s, c, k), 0);
+    }
+    CHECK_EQU((uintptr_t)shm_slot_data(s, p->max_clients - 1, K - 1) +
+                  s->l.slot_stride,
+              end);
+    seg_free(&t);
+}
+
+static void test_layout(void) {
+    start_test("layout", 60);
+    shm_layout l;
+
+    /* struct facts the layout relies on */
+    CHECK_EQU(sizeof(shm_header) % SHM_LINE, 0);
+    CHECK_EQU(offsetof(shm_header, ev_state) % SHM_LINE, 0);
+    CHECK_EQU(offsetof(shm_header, submit_seq) % SHM_LINE, 0);
+    CHECK_EQU(offsetof(shm_header, clients_hwm) % SHM_LINE, 0);
+    CHECK_EQU(offsetof(shm_header, st) % SHM_LINE, 0);
+    CHECK(offsetof(shm_header, submit_seq) / SHM_LINE !=
+          offsetof(shm_header, ev_state) / SHM_LINE);
+    CHECK(offsetof(shm_header, clients_hwm) / SHM_LINE !=
+          offsetof(shm_header, submit_seq) / SHM_LINE);
+    CHECK(offsetof(shm_header, st) / SHM_LINE !=
+          offsetof(shm_header, submit_seq) / SHM_LINE);
+    CHECK_EQU(offsetof(shm_header, magic), 0);
+    CHECK_EQU(sizeof(shm_client), SHM_LINE);
+    CHECK(sizeof(shm_slot_meta) <= SHM_LINE);
+    CHECK_EQU(sizeof(shm_params), 32);
+    CHECK(ST_WARMUP_NS < SHM_N_STATS);
+
+    /* slot word encoding */
+    CHECK_EQU(shm_word_state(shm_slot_word(SLOT_DONE, 77)), SLOT_DONE);
+    CHECK_EQU(shm_word_gen(shm_slot_word(SLOT_DONE, 77)), 77);
+    CHECK_EQU(shm_word_gen(shm_slot_word(SLOT_READY, SLOT_GEN_MASK)),
+              SLOT_GEN_MASK);
+    CHECK_EQU(shm_word_gen(shm_slot_word(SLOT_READY, SLOT_GEN_MASK + 1)), 0);
+    CHECK_EQU(shm_word_state(shm_slot_word(SLOT_TAKEN, 5) | SLOT_WAITER),
+              SLOT_TAKEN);
+    CHECK_EQU(shm_word_gen(shm_slot_word(SLOT_TAKEN, 5) | SLOT_WAITER), 5);
+
+    /* bad parameters */
+    const uint64_t R = SHM_MAX_ROW_BYTES;
+    struct {
+        const char *what;
+        shm_params p;
+    } bad[] = {
+        {"in_bytes=0", mkparams(0, 32, 16, 4, 16)},
+        {"in_bytes>max", mkparams(R + 1, 32, 16, 4, 16)},
+        {"in_bytes=UINT64_MAX", mkparams(UINT64_MAX, 32, 16, 4, 16)},
+        {"out_bytes=0", mkparams(336, 0, 16, 4, 16)},
+        {"out_bytes>max", mkparams(336, R + 1, 16, 4, 16)},
+        {"out_bytes=UINT64_MAX", mkparams(336, UINT64_MAX, 16, 4, 16)},
+        {"max_clients=0", mkparams(336, 32, 0, 4, 16)},
+        {"max_clients>max", mkparams(336, 32, SHM_MAX_CLIENTS + 1, 4, 16)},
+        {"max_clients=UINT32_MAX", mkparams(336, 32, UINT32_MAX, 4, 16)},
+        {"slots=0", mkparams(336, 32, 16, 0, 16)},
+        {"slots>max", mkparams(336, 32, 16, SHM_MAX_SLOTS_PER_CLIENT + 1, 16)},
+        {"slots=UINT32_MAX", mkparams(336, 32, 16, UINT32_MAX, 16)},
+        {"max_batch=0", mkparams(336, 32, 16, 4, 0)},
+        {"max_batch>max", mkparams(336, 32, 16, 4, SHM_MAX_BATCH + 1)},
+        {"max_batch=UINT32_MAX", mkparams(336, 32, 16, 4, UINT32_MAX)},
+        {"all zero", mkparams(0, 0, 0, 0, 0)},
+    };
+    const uint64_t scratch_n = 64 * 1024;
+    char *scratch = seg_alloc(scratch_n);
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = shm_layout_compute(&bad[i].p, &l);
+        CHECK_MSG(rc == SHM_E_PARAMS, "layout(%s) returned %d, want %d",
+                  bad[i].what, rc, SHM_E_PARAMS);
+        /* shm_init refuses them too, before touching the buffer */
+        shm_seg s;
+        memset(scratch, 0xA5, scratch_n);
+        rc = shm_init(&s, scratch, scratch_n, &bad[i].p, "", 0, 1);
+        CHECK_MSG(rc == SHM_E_PARAMS, "init(%s) returned %d", bad[i].what, rc);
+        for (uint64_t j = 0; j < scratch_n; j++)
+            CHECK_MSG((unsigned char)scratch[j] == 0xA5,
+                      "init(%s) wrote the buffer", bad[i].what);
+    }
+    free(scratch);
+
+    /* the limits themselves are accepted and the sizes do not overflow */
+    shm_params mx = mkparams(R, R, SHM_MAX_CLIENTS, SHM_MAX_SLOTS_PER_CLIENT,
+                             SHM_MAX_BATCH);
+    CHECK_EQ(shm_layout_compute(&mx, &l), SHM_OK);
+    check_layout_numbers(&mx, &l);
+    CHECK(l.total / ((uint64_t)SHM_MAX_CLIENTS * SHM_MAX_SLOTS_PER_CLIENT) >=
+          l.slot_stride);
+    shm_params mn = mkparams(1, 1, 1, 1, 1);
+    CHECK_EQ(shm_layout_compute(&mn, &l), SHM_OK);
+    check_layout_numbers(&mn, &l);
+
+    /* a matrix of shapes: numeric facts always, addresses when small */
+    const uint64_t ins[] = {1, 63, 64, 65, 336, 4097};
+    const uint64_t outs[] = {1, 32, 511, 512, 513, 5000};
+    const uint32_t cls[] = {1, 3, 16};
+    const uint32_t ks[] = {1, 3, 4, 16, 17, 64};
+    const uint32_t bs[] = {1, 16, 1000};
+    unsigned n_addr = 0, n_num = 0;
+    for (size_t a = 0; a < sizeof ins / sizeof ins[0]; a++)
+        for (size_t b = 0; b < sizeof outs / sizeof outs[0]; b++)
+            for (size_t c = 0; c < sizeof cls / sizeof cls[0]; c++)
+                for (size_t d = 0; d < sizeof ks / sizeof ks[0]; d++)
+                    for (size_t e = 0; e < sizeof bs / sizeof bs[0]; e++) {
+                        shm_params p =
+                            mkparams(ins[a], outs[b], cls[c], ks[d], bs[e]);
+                        CHECK_EQ(shm_layout_compute(&p, &l), SHM_OK);
+                        check_layout_numbers(&p, &l);
+                        n_num++;
+                        /* a subset with real addresses (kept cheap) */
+                        if (l.total <= (2u << 20) && (a + b + c + d + e) % 3 == 0) {
+                            check_layout_addresses(&p);
+                            n_addr++;
+                        }
+                    }
+
+    /* latency histogram bins: in range and monotone */
+    uint32_t prev = 0;
+    for (uint64_t ns = 0; ns < 64; ns++) {
+        uint32_t b = shm_hist_bin(ns);
+        CHECK(b < SHM_HIST_BINS && b >= prev);
+        prev = b;
+    }
+    for (int sh = 6; sh < 64; sh++)
+        for (uint64_t q = 0; q < 8; q++) {
+            uint64_t ns = (1ull << sh) + q * ((1ull << sh) / 8);
+            uint32_t b = shm_hist_bin(ns);
+            CHECK(b < SHM_HIST_BINS && b >= prev);
+            prev = b;
+        }
+    CHECK(shm_hist_bin(UINT64_MAX) < SHM_HIST_BINS);
+
+    printf("  layout: %zu bad parameter sets refused, %u shapes checked "
+           "(%u at address level)\n",
+           sizeof bad / sizeof bad[0], n_num, n_addr);
+}
+
+/* ------------------------------------------------------------------ */
+/* b. attach validation                                                */
+/* ------------------------------------------------------------------ */
+
+/* Attaches to a private exact-size copy of `img` (first min(size, img_size)
+ * bytes; the rest zero), so that ASan catches any read past `size`. */
+static int attach_copy(const char *img, uint64_t img_size, uint64_t size,
+                       shm_seg *out) {
+    void *buf = NULL;
+    CHECK_EQ(posix_memalign(&buf, 4096, size ? size : 1), 0);
+    uint64_t n = size < img_size ? size : img_size;
+    memcpy(buf, img, n);
+    if (size > n) memset((char *)buf + n, 0, size - n);
+    shm_seg s;
+    memset(&s, 0, sizeof s);
+    int rc = shm_attach(&s, (char *)buf, size);
+    if (rc == SHM_OK) {
+        /* what it accepted must be self-consistent and in bounds */
+        shm_layout l;
+        CHECK_EQ(shm_layout_compute(&s.p, &l), SHM_OK);
+        CHECK(memcmp(&l, &s.l, sizeof l) == 0);
+        CHECK(s.l.total <= size);
+        CHECK(s.base == (char *)buf);
+        if (out) *out = s;
+    }
+    free(buf);
+    return rc;
+}
+
+/* The documented decision order of shm_attach, written independently. */
+static int attach_oracle(const char *img, uint64_t img_size, uint64_t size) {
+    if (size < sizeof(shm_header)) return SHM_E_TOO_SMALL;
+    shm_header h;
+    memset(&h, 0, sizeof h);
+    memcpy(&h, img, img_size < sizeof h ? img_size : sizeof h);
+    if (h.magic != SHM_MAGIC) return SHM_E_MAGIC;
+    if (h.layout_version != SHM_LAYOUT_VERSION) return SHM_E_VERSION;
+    shm_layout l;
+    if (shm_layout_compute(&h.params, &l) != SHM_OK) return SHM_E_PARAMS;
+    if (h.total_bytes != l.total) return SHM_E_PARAMS;
+    if (size < l.total) return SHM_E_TOO_SMALL;
+    if (h.spec_len > SHM_SPEC_MAX) return SHM_E_SPEC;
+    if (shm_fnv1a(h.spec, h.spec_len) != h.spec_hash) return SHM_E_SPEC;
+    return SHM_OK;
+}
+
+static int is_status(int rc) { return rc <= SHM_OK && rc >= SHM_E_STATE; }
+
+static void test_attach(void) {
+    start_test("attach", 120);
+    const shm_params P = mkparams(336, 32, 16, 4, 16);
+    test_seg t;
+    seg_make(&t, &P);
+    const uint64_t T = t.size;
+    char *img = malloc(T);
+    CHECK(img != NULL);
+    shm_seg s;
+    int rc;
+
+    /* shm_init's own refusals */
+    {
+        shm_seg s2;
+        char *b2 = seg_alloc(T);
+        CHECK_EQ(shm_init(&s2, b2, T - 1, &P, k_spec, 10, 1), SHM_E_TOO_SMALL);
+        CHECK_EQ(shm_init(&s2, b2, 0, &P, k_spec, 10, 1), SHM_E_TOO_SMALL);
+        char *big = malloc(SHM_SPEC_MAX + 1);
+        CHECK(big != NULL);
+        memset(big, 'x', SHM_SPEC_MAX + 1);
+        CHECK_EQ(shm_init(&s2, b2, T, &P, big, SHM_SPEC_MAX + 1, 1), SHM_E_SPEC);
+        /* exactly SHM_SPEC_MAX bytes of spec is fine, and attaches */
+        CHECK_EQ(shm_init(&s2, b2, T, &P, big, SHM_SPEC_MAX, 1), SHM_OK);
+        CHECK_EQ(attach_copy(b2, T, T, NULL), SHM_OK);
+        uint32_t len = 0;
+        const char *sp = shm_spec(&s2, &len);
+        CHECK_EQ(len, SHM_SPEC_MAX);
+        CHECK(memcmp(sp, big, SHM_SPEC_MAX) == 0);
+        free(big);
+        free(b2);
+    }
+
+    /* the good case, and what it reports */
+    memcpy(img, t.mem, T);
+    memset(&s, 0, sizeof s);
+    CHECK_EQ(attach_copy(img, T, T, &s), SHM_OK);
+    CHECK(memcmp(&s.p, &P, sizeof P) == 0);
+    CHECK(memcmp(&s.l, &t.s.l, sizeof s.l) == 0);
+    CHECK_EQ(attach_copy(img, T, T + 4096, NULL), SHM_OK); /* bigger map */
+    {
+        shm_seg s3;
+        CHECK_EQ(shm_attach(&s3, t.mem, T), SHM_OK);
+        uint32_t len = 0;
+        const char *sp = shm_spec(&s3, &len);
+        CHECK_EQ(len, strlen(k_spec));
+        CHECK(memcmp(sp, k_spec, len) == 0);
+        CHECK_EQ(shm_owner_pid(&s3), getpid());
+        CHECK_EQ(shm_ev_state(&s3), EV_STARTING);
+    }
+
+    /* sizes */
+    struct {
+        const char *what;
+        uint64_t size;
+    } sizes[] = {
+        {"size 0", 0},
+        {"size 1", 1},
+        {"size header-1", sizeof(shm_header) - 1},
+        {"size header", sizeof(shm_header)},
+        {"size slots_off", t.s.l.slots_off},
+        {"size total-1 (truncated)", T - 1},
+        {"size total-slot (truncated)", T - t.s.l.slot_stride},
+    };
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        rc = attach_copy(img, T, sizes[i].size, NULL);
+        CHECK_MSG(rc == SHM_E_TOO_SMALL, "%s: attach returned %d, want %d",
+                  sizes[i].what, rc, SHM_E_TOO_SMALL);
+    }
+
+    /* targeted corruptions of a copy */
+#define CORRUPT(what, want, stmt)                                           \
+    do {                                                                    \
+        memcpy(img, t.mem, T);                                              \
+        shm_header *h = (shm_header *)img;                                  \
+        (void)h;                                                            \
+        stmt;                                                               \
+        rc = attach_copy(img, T, T, NULL);                                  \
+        CHECK_MSG(rc == (want), "%s: attach returned %d, want %d (%s)",     \
+                  what, rc, (int)(want), #want);                            \
+        CHECK_EQ(attach_oracle(img, T, T), (want));                         \
+    } while (0)
+
+    CORRUPT("magic byte flipped", SHM_E_MAGIC, img[0] ^= 0x01);
+    CORRUPT("magic zero (never formatted)", SHM_E_MAGIC, h->magic = 0);
+    CORRUPT("magic byte-swapped", SHM_E_MAGIC,
+            h->magic = __builtin_bswap64(SHM_MAGIC));
+    CORRUPT("version 0", SHM_E_VERSION, h->layout_version = 0);
+    CORRUPT("version 2", SHM_E_VERSION,
+            h->layout_version = SHM_LAYOUT_VERSION + 1);
+    CORRUPT("version ~0", SHM_E_VERSION, h->layout_version = UINT32_MAX);
+    CORRUPT("max_clients 16->8", SHM_E_PARAMS, h->params.max_clients = 8);
+    CORRUPT("max_clients 16->17", SHM_E_PARAMS, h->params.max_clients = 17);
+    CORRUPT("slots 4->5", SHM_E_PARAMS, h->params.slots_per_client = 5);
+    CORRUPT("out_bytes 32->600", SHM_E_PARAMS, h->params.out_bytes = 600);
+    CORRUPT("in_bytes 336->400", SHM_E_PARAMS, h->params.in_bytes = 400);
+    CORRUPT("max_batch 0", SHM_E_PARAMS, h->params.max_batch = 0);
+    CORRUPT("in_bytes 0", SHM_E_PARAMS, h->params.in_bytes = 0);
+    CORRUPT("max_clients 100000", SHM_E_PARAMS,
+            h->params.max_clients = 100000);
+    CORRUPT("in_bytes 2^40", SHM_E_PARAMS, h->params.in_bytes = 1ull << 40);
+    CORRUPT("total_bytes+1", SHM_E_PARAMS, h->total_bytes += 1);
+    CORRUPT("total_bytes 0", SHM_E_PARAMS, h->total_bytes = 0);
+    CORRUPT("total_bytes ~0", SHM_E_PARAMS, h->total_bytes = UINT64_MAX);
+    /* a self-consistent header that claims more than is mapped */
+    CORRUPT("consistent params, bigger than the mapping", SHM_E_TOO_SMALL, {
+        h->params.max_clients = 32;
+        shm_layout l2;
+        CHECK_EQ(shm_layout_compute(&h->params, &l2), SHM_OK);
+        h->total_bytes = l2.total;
+    });
+    CORRUPT("spec byte flipped", SHM_E_SPEC, h->spec[3] ^= 0x20);
+    CORRUPT("spec byte past spec_len set", SHM_OK,
+            h->spec[h->spec_len + 1] = 'z'); /* not covered: fine */
+    CORRUPT("spec_len+1", SHM_E_SPEC, h->spec_len += 1);
+    CORRUPT("spec_len-1", SHM_E_SPEC, h->spec_len -= 1);
+    CORRUPT("spec_len 0", SHM_E_SPEC, h->spec_len = 0);
+    CORRUPT("spec_len SPEC_MAX+1", SHM_E_SPEC, h->spec_len = SHM_SPEC_MAX + 1);
+    CORRUPT("spec_len ~0", SHM_E_SPEC, h->spec_len = UINT32_MAX);
+    CORRUPT("spec_hash flipped", SHM_E_SPEC, h->spec_hash ^= 1);
+    CORRUPT("order: bad version wins over bad params", SHM_E_VERSION, {
+        h->layout_version = 9;
+        h->params.max_batch = 0;
+    });
+    CORRUPT("order: bad params win over bad spec", SHM_E_PARAMS, {
+        h->params.max_batch = 0;
+        h->spec_hash ^= 1;
+    });
+#undef CORRUPT
+    /* wrong magic in a header-sized buffer: the magic check, not size */
+    memcpy(img, t.mem, T);
+    ((shm_header *)img)->magic = 1;
+    CHECK_EQ(attach_copy(img, T, sizeof(shm_header), NULL), SHM_E_MAGIC);
+
+    /* A parameter change that keeps total_bytes is NOT detected (no checksum
+     * over the identity block); document what attach says. */
+    memcpy(img, t.mem, T);
+    ((shm_header *)img)->params.in_bytes = 330; /* same 64-byte rounding */
+    int same_total_in = attach_copy(img, T, T, NULL);
+    memcpy(img, t.mem, T);
+    ((shm_header *)img)->params.max_batch = 17; /* header rounds to 4096 */
+    int same_total_batch = attach_copy(img, T, T, NULL);
+    if (same_total_in == SHM_OK || same_total_batch == SHM_OK)
+        printf("  note: attach accepts params changed without changing the "
+               "total (in_bytes 336->330: %d, max_batch 16->17: %d)\n",
+               same_total_in, same_total_batch);
+
+    /* ---- random trials: never crash, never read out of bounds, always a
+     * status code (checked against the oracle) ---- */
+    uint64_t rng = g_seed ^ 0xA77AC4ull;
+    const unsigned trials = BUILD_SLOW ? 1500 : 4000;
+    const uint64_t MAXBUF = 2 * T + 2 * sizeof(shm_header) + 8192;
+    char *fz = malloc(MAXBUF);
+    CHECK(fz != NULL);
+    unsigned n_ok = 0, hist[16] = {0};
+
+    for (unsigned i = 0; i < trials; i++) {
+        /* R1: all garbage, random size (mostly around the header size) */
+        uint64_t r0 = rng_next(&rng);
+        uint64_t size = (r0 & 15) == 0 ? (r0 >> 8) % (2 * T + 1)
+                                        : (r0 >> 8) % (2 * sizeof(shm_header) + 1);
+        for (uint64_t j = 0; j < size; j += 8) {
+            uint64_t r = rng_next(&rng);
+            memcpy(fz + j, &r, size - j < 8 ? size - j : 8);
+        }
+        rc = attach_copy(fz, size, size, NULL);
+        CHECK(is_status(rc) && rc != SHM_OK);
+        CHECK_EQ(rc, attach_oracle(fz, size, size));
+        hist[-rc]++;
+    }
+    for (unsigned i = 0; i < trials; i++) {
+        /* R2: garbage with the right magic (and sometimes version) */
+        uint64_t size = sizeof(shm_header) + rng_next(&rng) % (2 * T);
+        for (uint64_t j = 0; j < sizeof(shm_header); j += 8) {
+            uint64_t r = rng_next(&rng);
+            memcpy(fz + j, &r, sizeof(shm_header) - j < 8 ? sizeof(shm_header) - j : 8);
+        }
+        memset(fz + sizeof(shm_header), 0, size - sizeof(shm_header));
+        shm_header *h = (shm_header *)fz;
+        h->magic = SHM_MAGIC;
+        if (i & 1) h->layout_version = SHM_LAYOUT_VERSION;
+        rc = attach_copy(fz, size, size, NULL);
+        CHECK(is_status(rc));
+        CHECK_EQ(rc, attach_oracle(fz, size, size));
+        if (rc == SHM_OK) n_ok++;
+        hist[-rc]++;
+    }
+    for (unsigned i = 0; i < 2 * trials; i++) {
+        /* R3: magic + version right, parameters drawn from interesting
+         * values, total_bytes often consistent, spec often valid, size
+         * around the claimed total */
+        static const uint64_t rows[] = {0, 1, 64, 336, 4096, SHM_MAX_ROW_BYTES,
+                                        SHM_MAX_ROW_BYTES + 1, UINT64_MAX};
+        static const uint32_t counts[] = {0, 1, 2, 7, 16, 64, 65, 4096, 4097,
+                                          65536, 65537, UINT32_MAX};
+        shm_header hh;
+        memset(&hh, 0, sizeof hh);
+        for (size_t j = 0; j < sizeof hh; j += 8) {
+            uint64_t r = rng_next(&rng);
+            memcpy((char *)&hh + j, &r, sizeof hh - j < 8 ? sizeof hh - j : 8);
+        }
+        hh.magic = SHM_MAGIC;
+        hh.layout_version = SHM_LAYOUT_VERSION;
+        uint64_t r = rng_next(&rng);
+        hh.params.in_bytes = (r & 1) ? rows[(r >> 1) % 8] : 1 + (r >> 8) % 3000;
+        r = rng_next(&rng);
+        hh.params.out_bytes = (r & 1) ? rows[(r >> 1) % 8] : 1 + (r >> 8) % 3000;
+        r = rng_next(&rng);
+        hh.params.max_clients = (r & 1) ? counts[(r >> 1) % 12] : 1 + (r >> 8) % 20;
+        r = rng_next(&rng);
+        hh.params.slots_per_client =
+            (r & 1) ? counts[(r >> 1) % 12] : 1 + (r >> 8) % 8;
+        r = rng_next(&rng);
+        hh.params.max_batch = (r & 1) ? counts[(r >> 1) % 12] : 1 + (r >> 8) % 300;
+        shm_layout l;
+        int lrc = shm_layout_compute(&hh.params, &l);
+        r = rng_next(&rng);
+        if (lrc == SHM_OK && (r & 3) != 0) hh.total_bytes = l.total;
+        r = rng_next(&rng);
+        switch (r % 6) {
+        case 0: hh.spec_len = 0; break;
+        case 1: hh.spec_len = (uint32_t)((r >> 8) % 100); break;
+        case 2: hh.spec_len = SHM_SPEC_MAX; break;
+        case 3: hh.spec_len = SHM_SPEC_MAX + 1; break;
+        case 4: hh.spec_len = (uint32_t)(r >> 32); break;
+        default: hh.spec_len = (uint32_t)((r >> 8) % SHM_SPEC_MAX); break;
+        }
+        r = rng_next(&rng);
+        if ((r & 3) != 0 && hh.spec_len <= SHM_SPEC_MAX)
+            hh.spec_hash = shm_fnv1a(hh.spec, hh.spec_len);
+        uint64_t size;
+        r = rng_next(&rng);
+        uint64_t claim = hh.total_bytes;
+        if (claim > MAXBUF - 4096 || claim < sizeof(shm_header))
+            size = sizeof(shm_header) + (r >> 8) % (64 * 1024);
+        else
+            switch (r % 4) {
+            case 0: size = claim; break;
+            case 1: size = claim - 1; break;
+            case 2: size = claim + (r >> 8) % 4096; break;
+            default: size = sizeof(shm_header) + (r >> 8) % (claim - sizeof(shm_header) + 1); break;
+            }
+        if (r % 97 == 0) size = (r >> 20) % sizeof(shm_header); /* tiny */
+        memset(fz, 0, size < sizeof hh ? sizeof hh : size);
+        memcpy(fz, &hh, sizeof hh);
+        rc = attach_copy(fz, size, size, NULL);
+        CHECK(is_status(rc));
+        CHECK_EQ(rc, attach_oracle(fz, size, size));
+        if (rc == SHM_OK) n_ok++;
+        hist[-rc]++;
+    }
+    for (unsigned i = 0; i < trials; i++) {
+        /* R4: a valid segment with a few random bytes of the header (and
+         * sometimes of the batch histogram / client table) overwritten */
+        memcpy(fz, t.mem, T);
+        uint64_t r = rng_next(&rng);
+        unsigned nflip = 1 + (unsigned)(r % 4);
+        for (unsigned j = 0; j < nflip; j++) {
+            uint64_t q = rng_next(&rng);
+            uint64_t lim = (q & 1) ? sizeof(shm_header) : 256;
+            fz[(q >> 8) % lim] = (char)(q >> 56);
+        }
+        uint64_t size = (r >> 8) % 4 == 0 ? T - 1 - (r >> 16) % T : T;
+        rc = attach_copy(fz, T, size, NULL);
+        CHECK(is_status(rc));
+        CHECK_EQ(rc, attach_oracle(fz, T, size));
+        if (rc == SHM_OK) n_ok++;
+        hist[-rc]++;
+    }
+    free(fz);
+    free(img);
+    seg_free(&t);
+    printf("  attach: %u random trials: ok=%u too_small=%u magic=%u "
+           "version=%u params=%u spec=%u\n",
+           5 * trials, hist[0], hist[1], hist[2], hist[3], hist[4], hist[5]);
+    (void)n_ok;
+}
+
+/* ------------------------------------------------------------------ */
+/* c. single-thread state machine                                      */
+/* ------------------------------------------------------------------ */
+
+static void fill_row(char *dst, uint64_t bytes, uint64_t tag) {
+    for (uint64_t i = 0; i < bytes; i++)
+        dst[i] = (char)(mix64(tag * 1000003u + i) & 0xFF);
+}
+
+static void test_state(void) {
+    start_test("state", 60);
+    const shm_params P = mkparams(336, 32, 4, 4, 8);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    shm_header *h = shm_hdr(s);
+    const uint64_t IN = P.in_bytes, OUT = P.out_bytes;
+    char in[8][336], res[8][32], batch[8 * 336];
+    shm_taken taken[8];
+    uint32_t cursor = 0;
+    int n;
+
+    /* before serving: collect with nothing to do reports CLOSED */
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 1 * MS),
+             SHM_CLOSED);
+    CHECK_EQ(shm_set_serving(s, 4242, 99), EV_SERVING);
+    uint64_t st99 = 0;
+    CHECK_EQ(shm_ev_pid(s, &st99), 4242);
+    CHECK_EQU(st99, 99);
+    CHECK(shm_heartbeat(s) != 0);
+    CHECK(shm_stat_get(s, ST_SERVE_START_NS) != 0);
+
+    int c = shm_client_register(s, 5001, 77);
+    CHECK_EQ(c, 0);
+    CHECK_EQ(shm_n_attached(s), 1);
+    CHECK_EQ(shm_clients_hwm(s), 1);
+    {
+        uint64_t stt;
+        uint32_t det;
+        CHECK_EQ(shm_client_info(s, 0, &stt, &det), 5001);
+        CHECK_EQU(stt, 77);
+        CHECK_EQ(det, 0);
+    }
+
+    /* empty collect times out with 0 after about its timeout */
+    uint64_t t0 = shm_now_ns();
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 20 * MS), 0);
+    CHECK(shm_now_ns() - t0 >= 20 * MS);
+    t0 = shm_now_ns();
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 200 * US, 0, 5 * MS), 0);
+    CHECK(shm_now_ns() - t0 >= 5 * MS);
+
+    /* FREE -> WRITING -> READY -> TAKEN -> DONE -> FREE(gen+1) */
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_FREE, 0));
+    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_E_STATE); /* FREE is not final */
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_WRITING, 0));
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_E_STATE);
+    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_E_STATE);
+    fill_row(in[0], IN, 1);
+    memcpy(shm_slot_in(s, 0, 0), in[0], IN);
+    uint64_t before_pub = shm_now_ns();
+    shm_slot_publish(s, 0, 0);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, 0));
+    CHECK(shm_meta(s, 0, 0)->publish_ns >= before_pub);
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_E_STATE);
+    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_E_STATE);
+    uint32_t seq0 = atomic_load(&h->submit_seq);
+    shm_notify_evaluator(s, 1);
+    CHECK_EQU(atomic_load(&h->submit_seq), seq0 + 1);
+
+    n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
+    CHECK_EQ(n, 1);
+    CHECK_EQ(taken[0].client, 0);
+    CHECK_EQ(taken[0].slot, 0);
+    CHECK_EQ(taken[0].gen, 0);
+    CHECK(memcmp(batch, in[0], IN) == 0);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_TAKEN, 0));
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_E_STATE);
+    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_E_STATE);
+    {
+        /* the publish -> taken histogram counted it */
+        uint64_t tot = 0;
+        for (uint32_t b = 0; b < SHM_HIST_BINS; b++) tot += shm_hist_get(s, 0, b);
+        CHECK_EQU(tot, 1);
+    }
+
+    /* a wait that times out leaves WAITER set; TAKEN keeps it */
+    t0 = shm_now_ns();
+    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 5 * MS), SHM_TIMEOUT);
+    CHECK(shm_now_ns() - t0 >= 5 * MS);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_TAKEN, 0) | SLOT_WAITER);
+    t0 = shm_now_ns();
+    CHECK_EQ(shm_slot_wait(s, 0, 0, 1 * MS, 3 * MS), SHM_TIMEOUT); /* spin */
+    CHECK(shm_now_ns() - t0 >= 3 * MS);
+
+    fill_row(res[0], OUT, 101);
+    CHECK_EQU(shm_complete(s, taken, 1, res[0], 7), 1);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_DONE, 0)); /* WAITER gone */
+    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 5 * MS), SLOT_DONE);
+    CHECK_EQ(shm_slot_wait(s, 0, 0, 1 * MS, 5 * MS), SLOT_DONE);
+    CHECK(memcmp(shm_slot_out(s, 0, 0), res[0], OUT) == 0);
+    CHECK_EQU(shm_meta(s, 0, 0)->model_version, 7);
+    CHECK_EQ(shm_meta(s, 0, 0)->err_len, 0);
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_E_STATE); /* DONE is not FREE */
+    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_OK);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_FREE, 1));
+    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_E_STATE);
+
+    /* several slots in one batch, rows in the order of `taken` */
+    for (uint32_t k = 0; k < 4; k++) {
+        CHECK_EQ(shm_slot_begin(s, 0, k), SHM_OK);
+        fill_row(in[k], IN, 10 + k);
+        memcpy(shm_slot_in(s, 0, k), in[k], IN);
+    }
+    /* publish out of order */
+    shm_slot_publish(s, 0, 2);
+    shm_slot_publish(s, 0, 0);
+    shm_slot_publish(s, 0, 3);
+    shm_slot_publish(s, 0, 1);
+    shm_notify_evaluator(s, 4);
+    n = shm_collect(s, batch, taken, 3, &cursor, 0, 0, 10 * MS); /* max 3 */
+    CHECK_EQ(n, 3);
+    int n2 = shm_collect(s, batch + 3 * IN, taken + 3, 8, &cursor, 0, 0,
+                         10 * MS);
+    CHECK_EQ(n2, 1);
+    n = 4;
+    uint32_t seen = 0;
+    for (int i = 0; i < n; i++) {
+        uint32_t k = taken[i].slot;
+        CHECK(k < 4 && !(seen & (1u << k)));
+        seen |= 1u << k;
+        CHECK_EQ(taken[i].client, 0);
+        CHECK_EQ(taken[i].gen, k == 0 ? 1 : 0);
+        CHECK(memcmp(batch + (uint64_t)i * IN, in[k], IN) == 0);
+        fill_row(res[i], OUT, 200 + k);
+    }
+    CHECK_EQU(shm_complete(s, taken, (uint32_t)n, (const char *)res, 8), 4);
+    for (int i = 0; i < n; i++) {
+        uint32_t k = taken[i].slot;
+        CHECK_EQ(shm_slot_wait(s, 0, k, 0, 5 * MS), SLOT_DONE);
+        CHECK(memcmp(shm_slot_out(s, 0, k), res[i], OUT) == 0);
+        CHECK_EQ(shm_slot_release(s, 0, k), SHM_OK);
+        CHECK_EQU(word_of(s, 0, k), shm_slot_word(SLOT_FREE, k == 0 ? 2 : 1));
+    }
+
+    /* failure path: FAILED with the message in the output area */
+    const char *msg = "ValueError: model exploded (batch of 1)";
+    CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_OK);
+    memcpy(shm_slot_in(s, 0, 1), in[1], IN);
+    shm_slot_publish(s, 0, 1);
+    shm_notify_evaluator(s, 1);
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQU(shm_fail(s, taken, 1, msg, (uint32_t)strlen(msg)), 1);
+    CHECK_EQU(word_of(s, 0, 1), shm_slot_word(SLOT_FAILED, 1));
+    CHECK_EQ(shm_slot_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
+    CHECK_EQ(shm_meta(s, 0, 1)->err_len, strlen(msg));
+    CHECK(memcmp(shm_slot_out(s, 0, 1), msg, strlen(msg)) == 0);
+    CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_E_STATE);
+    CHECK_EQ(shm_slot_release(s, 0, 1), SHM_OK);
+    CHECK_EQU(word_of(s, 0, 1), shm_slot_word(SLOT_FREE, 2));
+
+    /* an error text longer than the output area is cut to the area */
+    {
+        char longmsg[3000];
+        for (size_t i = 0; i < sizeof longmsg; i++) longmsg[i] = (char)('a' + i % 26);
+        CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_OK);
+        shm_slot_publish(s, 0, 1);
+        CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+        CHECK_EQU(shm_fail(s, taken, 1, longmsg, sizeof longmsg), 1);
+        CHECK_EQ(shm_slot_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
+        CHECK_EQU(shm_meta(s, 0, 1)->err_len, s->l.out_area);
+        CHECK(memcmp(shm_slot_out(s, 0, 1), longmsg, s->l.out_area) == 0);
+        /* DONE after a FAILED: err_len is reset */
+        CHECK_EQ(shm_slot_release(s, 0, 1), SHM_OK);
+        CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_OK);
+        shm_slot_publish(s, 0, 1);
+        CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+        CHECK_EQU(shm_complete(s, taken, 1, res[0], 9), 1);
+        CHECK_EQ(shm_slot_wait(s, 0, 1, 0, 5 * MS), SLOT_DONE);
+        CHECK_EQ(shm_meta(s, 0, 1)->err_len, 0);
+        CHECK_EQ(shm_slot_release(s, 0, 1), SHM_OK);
+    }
+
+    /* generation check in shm_finish: the word changed between collect
+     * and complete -> not completed, counted as stale */
+    uint64_t stale0 = shm_stat_get(s, ST_STALE_COMPLETIONS);
+    CHECK_EQ(stale0, 0);
+    uint32_t g = shm_word_gen(word_of(s, 0, 2));
+    CHECK_EQ(shm_slot_begin(s, 0, 2), SHM_OK);
+    memcpy(shm_slot_in(s, 0, 2), in[2], IN);
+    shm_slot_publish(s, 0, 2);
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQ(taken[0].gen, g);
+    /* (1) reclaimed behind the batch's back: FREE, generation + 1 */
+    char sentinel[32];
+    memset(sentinel, 0x5A, sizeof sentinel);
+    memcpy(shm_slot_out(s, 0, 2), sentinel, OUT);
+    store_word(s, 0, 2, shm_slot_word(SLOT_FREE, g + 1));
+    CHECK_EQU(shm_complete(s, taken, 1, res[0], 10), 0);
+    CHECK_EQU(word_of(s, 0, 2), shm_slot_word(SLOT_FREE, g + 1));
+    CHECK_EQU(shm_stat_get(s, ST_STALE_COMPLETIONS), 1);
+    int wrote_stale = memcmp(shm_slot_out(s, 0, 2), sentinel, OUT) != 0;
+    /* (2) reused and re-taken: TAKEN again but with generation + 1 */
+    store_word(s, 0, 2, shm_slot_word(SLOT_TAKEN, g + 1));
+    CHECK_EQU(shm_fail(s, taken, 1, "x", 1), 0);
+    CHECK_EQU(word_of(s, 0, 2), shm_slot_word(SLOT_TAKEN, g + 1));
+    CHECK_EQU(shm_stat_get(s, ST_STALE_COMPLETIONS), 2);
+    /* (3) same generation, another state (e.g. already completed) */
+    store_word(s, 0, 2, shm_slot_word(SLOT_DONE, g));
+    CHECK_EQU(shm_complete(s, taken, 1, res[0], 11), 0);
+    CHECK_EQU(shm_stat_get(s, ST_STALE_COMPLETIONS), 3);
+    /* (4) only WAITER differs: that is not stale, it completes */
+    store_word(s, 0, 2, shm_slot_word(SLOT_TAKEN, g) | SLOT_WAITER);
+    CHECK_EQU(shm_complete(s, taken, 1, res[0], 12), 1);
+    CHECK_EQU(word_of(s, 0, 2), shm_slot_word(SLOT_DONE, g));
+    CHECK_EQU(shm_stat_get(s, ST_STALE_COMPLETIONS), 3);
+    CHECK_EQ(shm_slot_release(s, 0, 2), SHM_OK);
+    if (wrote_stale)
+        printf("  note: a stale completion is refused, but shm_complete has "
+               "already written the slot's output area and meta\n");
+
+    /* generation wraps within 24 bits */
+    store_word(s, 0, 3, shm_slot_word(SLOT_DONE, SLOT_GEN_MASK));
+    CHECK_EQ(shm_slot_release(s, 0, 3), SHM_OK);
+    CHECK_EQU(word_of(s, 0, 3), shm_slot_word(SLOT_FREE, 0));
+
+    /* statistics helpers */
+    shm_record_batch(s, 3, 4, 1000, 0);
+    shm_record_batch(s, 2, 2, 2000, 1);
+    CHECK_EQU(shm_stat_get(s, ST_REQUESTS), 5);
+    CHECK_EQU(shm_stat_get(s, ST_BATCHES), 2);
+    CHECK_EQU(shm_stat_get(s, ST_PADDED_ROWS), 1);
+    CHECK_EQU(shm_stat_get(s, ST_FAILED_REQUESTS), 2);
+    CHECK_EQU(shm_stat_get(s, ST_FAILED_BATCHES), 1);
+    CHECK_EQU(shm_stat_get(s, ST_MODEL_NS), 3000);
+    CHECK_EQU(shm_hist_get(s, 2, 3), 1);
+    CHECK_EQU(shm_hist_get(s, 2, 2), 1);
+    CHECK_EQU(shm_hist_get(s, 2, P.max_batch + 1), 0); /* out of range */
+    CHECK_EQU(shm_hist_get(s, 1, shm_hist_bin(1000)), 1);
+    CHECK_EQU(shm_stat_get(s, SHM_N_STATS), 0);
+    shm_stat_inc(s, ST_WARMUP_NS, 5);
+    shm_stat_inc(s, SHM_N_STATS, 5); /* ignored */
+    CHECK_EQU(shm_stat_get(s, ST_WARMUP_NS), 5);
+
+    /* closing: CLOSING with a READY slot still hands it out; with nothing
+     * READY collect reports CLOSED */
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    shm_slot_publish(s, 0, 0);
+    shm_request_close(s);
+    CHECK_EQ(shm_ev_state(s), EV_CLOSING);
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    t0 = shm_now_ns();
+    CHECK_EQ(shm_collect(s, batch, taken + 1, 8, &cursor, 0, 0, 1000 * MS),
+             SHM_CLOSED);
+    CHECK(shm_now_ns() - t0 < 500 * MS);
+    /* client side: CLOSING is not yet CLOSED, so a wait just times out */
+    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 2 * MS), SHM_TIMEOUT);
+    shm_close_and_wake(s, EV_CLOSED);
+    CHECK_EQ(shm_ev_state(s), EV_CLOSED);
+    /* close_and_wake cleared the WAITER bit the timed-out wait left */
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_TAKEN, 2));
+    t0 = shm_now_ns();
+    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 1000 * MS), SHM_CLOSED);
+    CHECK(shm_now_ns() - t0 < 500 * MS);
+    /* a final state still wins over CLOSED */
+    CHECK_EQU(shm_complete(s, taken, 1, res[0], 13), 1);
+    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 1000 * MS), SLOT_DONE);
+    /* close is sticky: CLOSED/DIED never go back to CLOSING */
+    shm_request_close(s);
+    CHECK_EQ(shm_ev_state(s), EV_CLOSED);
+    CHECK_EQ(shm_set_serving(s, 1, 1), EV_CLOSED);
+
+    seg_free(&t);
+    printf("  state: all transitions and refusals as specified\n");
+}
+
+/* ------------------------------------------------------------------ */
+/* d. reclaim                                                          */
+/* ------------------------------------------------------------------ */
+
+static void test_reclaim(void) {
+    start_test("reclaim", 60);
+    const shm_params P = mkparams(64, 16, 5, 4, 8);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    char batch[8 * 64];
+    char res[8 * 16];
+    shm_taken taken[8];
+    uint32_t cursor = 0;
+    memset(res, 7, sizeof res);
+    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+
+    int c0 = shm_client_register(s, 7001, 11);
+    int c1 = shm_client_register(s, 7002, 12);
+    CHECK_EQ(c0, 0);
+    CHECK_EQ(c1, 1);
+    CHECK_EQ(shm_n_attached(s), 2);
+
+    /* c0: slot 0 WRITING, slot 1 READY, slot 2 DONE (unreleased), slot 3
+     * FREE after one round trip (generation 1) */
+    CHECK_EQ(shm_slot_begin(s, 0, 3), SHM_OK);
+    shm_slot_publish(s, 0, 3);
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
+    CHECK_EQ(shm_slot_release(s, 0, 3), SHM_OK);
+    CHECK_EQ(shm_slot_begin(s, 0, 2), SHM_OK);
+    shm_slot_publish(s, 0, 2);
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
+    CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_OK);
+    shm_slot_publish(s, 0, 1);
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    /* c1: one slot left READY too; it must survive c0's reclaim */
+    CHECK_EQ(shm_slot_begin(s, 1, 0), SHM_OK);
+    shm_slot_publish(s, 1, 0);
+
+    uint32_t before[4];
+    for (uint32_t k = 0; k < 4; k++) before[k] = word_of(s, 0, k);
+    CHECK_EQU(before[0], shm_slot_word(SLOT_WRITING, 0));
+    CHECK_EQU(before[1], shm_slot_word(SLOT_READY, 0));
+    CHECK_EQU(before[2], shm_slot_word(SLOT_DONE, 0));
+    CHECK_EQU(before[3], shm_slot_word(SLOT_FREE, 1));
+
+    shm_client_detach(s, 0);
+    {
+        uint64_t stt;
+        uint32_t det;
+        CHECK_EQ(shm_client_info(s, 0, &stt, &det), 7001);
+        CHECK_EQ(det, 1);
+        CHECK_EQU(stt, 11);
+    }
+    uint64_t rc0 = shm_stat_get(s, ST_RECLAIMED_CLIENTS);
+    uint64_t rw0 = shm_stat_get(s, ST_RECLAIMED_WRITING);
+    CHECK_EQ(shm_client_reclaim(s, 0), 1); /* one slot was mid-write */
+    for (uint32_t k = 0; k < 4; k++)
+        CHECK_EQU(word_of(s, 0, k),
+                  shm_slot_word(SLOT_FREE, shm_word_gen(before[k]) + 1));
+    CHECK_EQU(word_of(s, 1, 0), shm_slot_word(SLOT_READY, 0));
+    {
+        uint64_t stt;
+        uint32_t det;
+        CHECK_EQ(shm_client_info(s, 0, &stt, &det), 0);
+        CHECK_EQ(det, 0);
+        CHECK_EQU(stt, 0);
+    }
+    CHECK_EQ(shm_n_attached(s), 1);
+    CHECK_EQU(shm_stat_get(s, ST_RECLAIMED_CLIENTS), rc0 + 1);
+    CHECK_EQU(shm_stat_get(s, ST_RECLAIMED_WRITING), rw0 + 1);
+    CHECK_EQ(shm_clients_hwm(s), 2); /* high-water mark never shrinks */
+
+    /* the reclaimed READY slot is gone from the evaluator's view; c1's is
+     * still there */
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQ(taken[0].client, 1);
+    CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
+
+    /* the entry can be registered again (lowest free index first) and its
+     * slots work */
+    int c0b = shm_client_register(s, 7003, 13);
+    CHECK_EQ(c0b, 0);
+    CHECK_EQ(shm_n_attached(s), 2);
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_WRITING, 1));
+    shm_slot_publish(s, 0, 0);
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQ(taken[0].gen, 1);
+    CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
+    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 10 * MS), SLOT_DONE);
+    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_OK);
+
+    /* reclaim of a clean client counts no WRITING slot */
+    shm_client_detach(s, 0);
+    CHECK_EQ(shm_client_reclaim(s, 0), 0);
+    CHECK_EQU(shm_stat_get(s, ST_RECLAIMED_WRITING), rw0 + 1);
+    CHECK_EQU(shm_stat_get(s, ST_RECLAIMED_CLIENTS), rc0 + 2);
+
+    /* register until full */
+    int got = 0;
+    for (;;) {
+        int c = shm_client_register(s, 8000 + got, 1);
+        if (c == SHM_E_FULL) break;
+        CHECK(c >= 0 && c < (int)P.max_clients);
+        CHECK(c != 1);
+        got++;
+        CHECK(got <= (int)P.max_clients);
+    }
+    CHECK_EQ(got, (int)P.max_clients - 1); /* entry 1 still belongs to c1 */
+    CHECK_EQ(shm_n_attached(s), P.max_clients);
+    CHECK_EQ(shm_clients_hwm(s), P.max_clients);
+    CHECK_EQ(shm_client_register(s, 9999, 1), SHM_E_FULL);
+    /* free one in the middle: the next register gets exactly that one */
+    shm_client_detach(s, 3);
+    CHECK_EQ(shm_client_reclaim(s, 3), 0);
+    CHECK_EQ(shm_client_register(s, 9999, 1), 3);
+    CHECK_EQ(shm_client_register(s, 9998, 1), SHM_E_FULL);
+
+    seg_free(&t);
+    printf("  reclaim: slots reset with new generations, entry reusable, "
+           "%u entries until SHM_E_FULL\n", P.max_clients);
+}
+
+/* ------------------------------------------------------------------ */
+/* e/f. concurrent clients and one evaluator                            */
+/* ------------------------------------------------------------------ */
+
+enum { NIN = 84, NOUT = 8 }; /* floats per row: in_bytes 336, out_bytes 32 */
+#define ORPHAN_REQ 0xFFFFFu
+static const char k_injected[] = "RuntimeError: injected batch failure";
+
+/* Input row of (client thread, request): a few header fields, then values
+ * that depend on (thread, request, column) only.  All values are integers
+ * below 2^24, so float arithmetic on them is exact. */
+static float in_value(uint32_t th, uint32_t req, uint32_t j) {
+    return (float)(mix64(((uint64_t)th << 40) ^ ((uint64_t)req << 8) ^ j) &
+                   0xFFFF);
+}
+static void make_input(float *in, uint32_t th, uint32_t req, uint32_t gen,
+                       uint32_t c, uint32_t k, uint32_t attempt) {
+    in[0] = (float)th;
+    in[1] = req == ORPHAN_REQ ? -1.0f : (float)req;
+    in[2] = (float)gen;
+    in[3] = (float)c;
+    in[4] = (float)k;
+    in[5] = (float)attempt;
+    for (uint32_t j = 6; j < NIN; j++) in[j] = in_value(th, req, j);
+}
+/* The "model": a deterministic function of the input row. */
+static void model(const float *in, float *out) {
+    out[0] = in[0] * 2.0f + 1.0f;
+    out[1] = in[1];
+    out[2] = in[2];
+    out[3] = in[5];
+    for (uint32_t q = 4; q < NOUT; q++) out[q] = 0.0f;
+    for (uint32_t j = 6; j < NIN; j++) out[4 + (j & 3)] += in[j];
+}
+
+typedef struct conc_ctx conc_ctx;
+
+typedef struct {
+    conc_ctx *x;
+    uint32_t th;
+    pthread_t tid;
+    /* results, read by the main thread after join */
+    uint64_t done, failed, releases, timeouts, deaths, orphans;
+    uint64_t closed_ns; /* when it saw SHM_CLOSED (stop_on_close mode) */
+    int saw_closed;
+} client_arg;
+
+struct conc_ctx {
+    shm_seg *s;
+    uint32_t nclients, nreq;
+    uint64_t wait_timeout_ns;
+    int stop_on_close;  /* f: run until SHM_CLOSED instead of nreq */
+    int allow_deaths;   /* clients sometimes "die" mid-write */
+    int inject_fail;    /* evaluator fails some batches */
+    _Atomic int stop_clients;
+    /* evaluator-only bookkeeping (read by main after join) */
+    uint8_t *counts; /* [nclients * nreq], NULL: not counted */
+    uint64_t ok_rows, failed_rows, orphan_ok, orphan_failed, batches,
+        failed_batches, reclaims, reclaimed_writing, max_n;
+    client_arg *clients;
+};
+
+static void conc_housekeeping(conc_ctx *x) {
+    shm_seg *s = x->s;
+    uint32_t hwm = shm_clients_hwm(s);
+    for (uint32_t c = 0; c < hwm; c++) {
+        uint64_t stt;
+        uint32_t det;
+        int32_t pid = shm_client_info(s, c, &stt, &det);
+        if (pid != 0 && det) {
+            int w = shm_client_reclaim(s, c);
+            CHECK(w >= 0 && w <= (int)s->p.slots_per_client);
+            x->reclaimed_writing += (uint64_t)w;
+            x->reclaims++;
+        }
+    }
+}
+
+static void *conc_evaluator(void *arg) {
+    conc_ctx *x = arg;
+    shm_seg *s = x->s;
+    const uint32_t B = s->p.max_batch;
+    uint64_t rng = g_seed ^ 0xE7A1ull;
+    uint32_t cursor = 0;
+    char *batch = malloc((uint64_t)B * s->p.in_bytes);
+    float *res = malloc((uint64_t)B * s->p.out_bytes);
+    shm_taken *taken = malloc(B * sizeof *taken);
+    CHECK(batch && res && taken);
+    for (;;) {
+        uint64_t r = rng_next(&rng);
+        uint64_t max_wait = (r & 7) == 0 ? 20 * US : 0;
+        uint64_t spin = (r & 8) ? 2 * US : 0;
+        int n = shm_collect(s, batch, taken, B, &cursor, spin, max_wait,
+                            100 * MS);
+        if (n == SHM_CLOSED) break;
+        CHECK_MSG(n >= 0 && (uint32_t)n <= B, "collect returned %d", n);
+        if (n > 0) {
+            int fail_batch = 0;
+            uint64_t t0 = shm_now_ns();
+            if ((uint64_t)n > x->max_n) x->max_n = (uint64_t)n;
+            for (int i = 0; i < n; i++) {
+                float in[NIN];
+                memcpy(in, batch + (uint64_t)i * s->p.in_bytes, sizeof in);
+                uint32_t th = (uint32_t)in[0];
+                CHECK_MSG(in[0] >= 0 && th < x->nclients, "row %d: thread %f",
+                          i, (double)in[0]);
+                uint32_t req = in[1] < 0 ? ORPHAN_REQ : (uint32_t)in[1];
+                CHECK_MSG(req == ORPHAN_REQ || req < x->nreq || x->stop_on_close,
+                          "row %d: request %f", i, (double)in[1]);
+                /* the row came from the slot the client wrote it into */
+                CHECK_EQ(taken[i].client, (uint32_t)in[3]);
+                CHECK_EQ(taken[i].slot, (uint32_t)in[4]);
+                CHECK_EQ(taken[i].gen, (uint32_t)in[2]);
+                uint64_t stt;
+                uint32_t det;
+                CHECK_EQ(shm_client_info(s, taken[i].client, &stt, &det),
+                         10000 + (int32_t)th);
+                for (uint32_t j = 6; j < NIN; j++)
+                    CHECK_MSG(in[j] == in_value(th, req, j),
+                              "torn/foreign input: thread %u req %u col %u",
+                              th, req, j);
+                model(in, res + (uint64_t)i * NOUT);
+                if (x->inject_fail && in[5] == 0.0f && req != ORPHAN_REQ &&
+                    req % 251 == 7)
+                    fail_batch = 1;
+            }
+            maybe_delay(&rng);
+            uint32_t done;
+            if (fail_batch) {
+                done = shm_fail(s, taken, (uint32_t)n, k_injected,
+                                (uint32_t)strlen(k_injected));
+            } else {
+                done = shm_complete(s, taken, (uint32_t)n, (const char *)res,
+                                    x->batches + 1);
+            }
+            CHECK_EQU(done, (uint32_t)n);
+            for (int i = 0; i < n; i++) {
+                float in[NIN];
+                memcpy(in, batch + (uint64_t)i * s->p.in_bytes, sizeof in);
+                uint32_t th = (uint32_t)in[0];
+                int orphan = in[1] < 0;
+                if (fail_batch) {
+                    x->failed_rows++;
+                    if (orphan) x->orphan_failed++;
+                } else {
+                    x->ok_rows++;
+                    if (orphan) {
+                        x->orphan_ok++;
+                    } else if (x->counts) {
+                        uint8_t *cnt = &x->counts[(uint64_t)th * x->nreq +
+                                                  (uint32_t)in[1]];
+                        CHECK_MSG(*cnt == 0, "request (%u, %u) answered twice",
+                                  th, (uint32_t)in[1]);
+                        *cnt = 1;
+                    }
+                }
+            }
+            x->batches++;
+            if (fail_batch) x->failed_batches++;
+            shm_record_batch(s, (uint32_t)n, (uint32_t)n, shm_now_ns() - t0,
+                             fail_batch);
+        }
+        /* housekeeping between batches: no slot is TAKEN now */
+        conc_housekeeping(x);
+    }
+    shm_close_and_wake(s, EV_CLOSED);
+    free(batch);
+    free(res);
+    free(taken);
+    return NULL;
+}
+
+static int register_retry(shm_seg *s, int32_t pid) {
+    for (int tries = 0; tries < 20000; tries++) {
+        int c = shm_client_register(s, pid, (uint64_t)pid * 3);
+        if (c >= 0) return c;
+        CHECK_EQ(c, SHM_E_FULL);
+        sleep_ns(100 * US); /* entries come back after the next batch */
+    }
+    FAIL("could not register pid %d: table stays full", pid);
+}
+
+/* Waits until slot (c, k) is final; loops on SHM_TIMEOUT (bounded). */
+static int wait_final(client_arg *a, uint32_t c, uint32_t k, uint64_t *rng) {
+    conc_ctx *x = a->x;
+    uint64_t spin = (rng_next(rng) & 3) == 0 ? 1 * US : 0;
+    for (unsigned i = 0;; i++) {
+        int rc = shm_slot_wait(x->s, c, k, spin, x->wait_timeout_ns);
+        if (rc != SHM_TIMEOUT) return rc;
+        a->timeouts++;
+        CHECK_MSG((uint64_t)i * x->wait_timeout_ns < 20000 * MS,
+                  "client %u: slot (%u,%u) word 0x%x not answered for 20 s",
+                  a->th, c, k, word_of(x->s, c, k));
+    }
+}
+
+static void submit(shm_seg *s, uint32_t th, uint32_t c, uint32_t k,
+                   uint32_t req, uint32_t attempt, float *in_copy,
+                   uint64_t *rng) {
+    CHECK_EQ(shm_slot_begin(s, c, k), SHM_OK);
+    uint32_t gen = shm_word_gen(word_of(s, c, k));
+    make_input(in_copy, th, req, gen, c, k, attempt);
+    char *dst = shm_slot_in(s, c, k);
+    /* copy in two halves with a possible delay in between */
+    memcpy(dst, in_copy, sizeof(float) * NIN / 2);
+    maybe_delay(rng);
+    memcpy(dst + sizeof(float) * NIN / 2, in_copy + NIN / 2,
+           sizeof(float) * (NIN - NIN / 2));
+    shm_slot_publish(s, c, k);
+}
+
+static void *conc_client(void *arg) {
+    client_arg *a = arg;
+    conc_ctx *x = a->x;
+    shm_seg *s = x->s;
+    const uint32_t K = s->p.slots_per_client;
+    uint64_t rng = g_seed ^ mix64(a->th + 1);
+    const int32_t pid = 10000 + (int32_t)a->th;
+    const uint32_t sessions = x->stop_on_close ? 1 : 1 + a->th % 3;
+    float in[64][NIN];
+    uint32_t attempt[64], reqs[64], ks[64], order[64];
+    uint32_t req = 0;
+
+    for (uint32_t sess = 0; sess < sessions; sess++) {
+        uint32_t end = x->stop_on_close
+                           ? UINT32_MAX
+                           : (uint32_t)((uint64_t)x->nreq * (sess + 1) / sessions);
+        uint32_t c = (uint32_t)register_retry(s, pid);
+        for (uint32_t k = 0; k < K; k++)
+            CHECK_EQ(shm_word_state(word_of(s, c, k)), SLOT_FREE);
+        while (req < end && !a->saw_closed) {
+            if (x->stop_on_close &&
+                atomic_load_explicit(&x->stop_clients, memory_order_relaxed))
+                break;
+            uint32_t m = 1 + (uint32_t)(rng_next(&rng) % K);
+            if (m > end - req) m = end - req;
+            /* a random subset of the slots, in random order */
+            for (uint32_t k = 0; k < K; k++) ks[k] = k;
+            for (uint32_t k = K - 1; k > 0; k--) {
+                uint32_t j = (uint32_t)(rng_next(&rng) % (k + 1));
+                uint32_t tmp = ks[k];
+                ks[k] = ks[j];
+                ks[j] = tmp;
+            }
+            int notify_each = (rng_next(&rng) & 3) == 0;
+            for (uint32_t j = 0; j < m; j++) {
+                reqs[j] = req + j;
+                attempt[j] = 0;
+                submit(s, a->th, c, ks[j], reqs[j], 0, in[j], &rng);
+                if (notify_each) shm_notify_evaluator(s, 1);
+                maybe_delay(&rng);
+            }
+            if (!notify_each) shm_notify_evaluator(s, m);
+            /* wait in a random order */
+            for (uint32_t j = 0; j < m; j++) order[j] = j;
+            for (uint32_t j = m - 1; j > 0; j--) {
+                uint32_t q = (uint32_t)(rng_next(&rng) % (j + 1));
+                uint32_t tmp = order[j];
+                order[j] = order[q];
+                order[q] = tmp;
+            }
+            for (uint32_t oi = 0; oi < m; oi++) {
+                uint32_t j = order[oi], k = ks[j];
+                for (;;) {
+                    int rc = wait_final(a, c, k, &rng);
+                    if (rc == SHM_CLOSED) {
+                        CHECK_MSG(x->stop_on_close,
+                                  "client %u: unexpected SHM_CLOSED", a->th);
+                        if (!a->saw_closed) {
+                            a->saw_closed = 1;
+                            a->closed_ns = shm_now_ns();
+                        }
+                        /* the slot stays READY/TAKEN: abandoned; the
+                         * other slots of this round are still collected
+                         * (DONE ones count as answered) */
+                        break;
+                    }
+                    maybe_delay(&rng);
+                    uint32_t w = word_of(s, c, k);
+                    if (rc == SLOT_DONE) {
+                        CHECK_EQU(w, shm_slot_word(SLOT_DONE, (uint32_t)in[j][2]));
+                        float want[NOUT], got[NOUT];
+                        model(in[j], want);
+                        memcpy(got, shm_slot_out(s, c, k), sizeof got);
+                        CHECK_MSG(memcmp(got, want, sizeof got) == 0,
+                                  "client %u req %u: wrong output (got "
+                                  "[%g %g %g %g] want [%g %g %g %g])",
+                                  a->th, reqs[j], (double)got[0],
+                                  (double)got[1], (double)got[2],
+                                  (double)got[3], (double)want[0],
+                                  (double)want[1], (double)want[2],
+                                  (double)want[3]);
+                        CHECK(shm_meta(s, c, k)->model_version >= 1);
+                        CHECK_EQ(shm_meta(s, c, k)->err_len, 0);
+                        CHECK_EQ(shm_slot_release(s, c, k), SHM_OK);
+                        CHECK_EQU(word_of(s, c, k),
+                                  shm_slot_word(SLOT_FREE, shm_word_gen(w) + 1));
+                        a->releases++;
+                        a->done++;
+                        break;
+                    }
+                    CHECK_MSG(rc == SLOT_FAILED, "client %u: wait returned %d",
+                              a->th, rc);
+                    CHECK_EQ(shm_meta(s, c, k)->err_len, strlen(k_injected));
+                    CHECK(memcmp(shm_slot_out(s, c, k), k_injected,
+                                 strlen(k_injected)) == 0);
+                    CHECK_EQ(shm_slot_release(s, c, k), SHM_OK);
+                    a->releases++;
+                    a->failed++;
+                    /* retry the same request */
+                    attempt[j]++;
+                    submit(s, a->th, c, k, reqs[j], attempt[j], in[j], &rng);
+                    shm_notify_evaluator(s, 1);
+                }
+            }
+            req += m;
+        }
+        if (a->saw_closed) break; /* the evaluator is gone: just leave */
+        if (x->allow_deaths && sess + 1 < sessions && (a->th & 1)) {
+            /* "die": leave one slot mid-write and one published orphan */
+            CHECK_EQ(shm_slot_begin(s, c, 0), SHM_OK);
+            memset(shm_slot_in(s, c, 0), 0xEE, 40);
+            if (K > 1) {
+                float tmp[NIN];
+                submit(s, a->th, c, 1, ORPHAN_REQ, 0, tmp, &rng);
+                shm_notify_evaluator(s, 1);
+                a->orphans++;
+            }
+            a->deaths++;
+        }
+        shm_client_detach(s, c);
+    }
+    return NULL;
+}
+
+static uint64_t sum_hist(shm_seg *s, uint32_t which, int weighted) {
+    uint64_t tot = 0;
+    uint32_t nb = which == 2 ? s->p.max_batch + 1 : SHM_HIST_BINS;
+    for (uint32_t b = 0; b < nb; b++)
+        tot += shm_hist_get(s, which, b) * (weighted ? b : 1);
+    return tot;
+}
+
+static void test_concurrency(void) {
+    start_test("concurrency", 90);
+    const shm_params P = mkparams(336, 32, 16, 4, 16);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    conc_ctx x;
+    memset(&x, 0, sizeof x);
+    x.s = s;
+    x.nclients = (uint32_t)env_u64("SHM_TEST_CLIENTS", 8);
+    x.nreq = (uint32_t)env_u64("SHM_TEST_REQUESTS", BUILD_SLOW ? 4000 : 20000);
+    CHECK(x.nclients >= 1 && x.nclients <= 1000 && x.nreq >= 1 &&
+          x.nreq < (1u << 20));
+    x.wait_timeout_ns = 100 * MS;
+    x.allow_deaths = 1;
+    x.inject_fail = 1;
+    x.counts = calloc((uint64_t)x.nclients * x.nreq, 1);
+    x.clients = calloc(x.nclients, sizeof *x.clients);
+    CHECK(x.counts && x.clients);
+
+    uint64_t t0 = shm_now_ns();
+    CHECK_EQ(shm_set_serving(s, (int32_t)getpid(), 1), EV_SERVING);
+    pthread_t ev;
+    CHECK_EQ(pthread_create(&ev, NULL, conc_evaluator, &x), 0);
+    for (uint32_t i = 0; i < x.nclients; i++) {
+        x.clients[i].x = &x;
+        x.clients[i].th = i;
+        CHECK_EQ(pthread_create(&x.clients[i].tid, NULL, conc_client,
+                                &x.clients[i]),
+                 0);
+    }
+    uint64_t done = 0, failed = 0, releases = 0, timeouts = 0, deaths = 0,
+             orphans = 0, sessions = 0;
+    for (uint32_t i = 0; i < x.nclients; i++) {
+        CHECK_EQ(pthread_join(x.clients[i].tid, NULL), 0);
+        client_arg *a = &x.clients[i];
+        CHECK_EQU(a->done, x.nreq);
+        done += a->done;
+        failed += a->failed;
+        releases += a->releases;
+        timeouts += a->timeouts;
+        deaths += a->deaths;
+        orphans += a->orphans;
+        sessions += 1 + i % 3;
+    }
+    uint64_t t_clients = shm_now_ns() - t0;
+    shm_request_close(s);
+    CHECK_EQ(pthread_join(ev, NULL), 0);
+    CHECK_EQ(shm_ev_state(s), EV_CLOSED);
+    conc_housekeeping(&x); /* detaches the evaluator had not seen yet */
+
+    /* every request answered exactly once, with its own result */
+    const uint64_t total = (uint64_t)x.nclients * x.nreq;
+    CHECK_EQU(done, total);
+    for (uint64_t i = 0; i < total; i++)
+        CHECK_MSG(x.counts[i] == 1, "request (%" PRIu64 ", %" PRIu64
+                                    ") answered %u times",
+                  i / x.nreq, i % x.nreq, x.counts[i]);
+    CHECK_EQU(x.ok_rows - x.orphan_ok, total);
+    CHECK_EQU(x.failed_rows - x.orphan_failed, failed);
+    CHECK(x.orphan_ok + x.orphan_failed <= orphans);
+    /* the evaluator's statistics agree */
+    CHECK_EQU(shm_stat_get(s, ST_REQUESTS), x.ok_rows + x.failed_rows);
+    CHECK_EQU(shm_stat_get(s, ST_BATCHES), x.batches);
+    CHECK_EQU(shm_stat_get(s, ST_FAILED_REQUESTS), x.failed_rows);
+    CHECK_EQU(shm_stat_get(s, ST_FAILED_BATCHES), x.failed_batches);
+    CHECK_EQU(shm_stat_get(s, ST_PADDED_ROWS), 0);
+    CHECK_EQU(shm_stat_get(s, ST_STALE_COMPLETIONS), 0);
+    CHECK_EQU(sum_hist(s, 2, 1), x.ok_rows + x.failed_rows);
+    CHECK_EQU(sum_hist(s, 2, 0), x.batches);
+    CHECK_EQU(sum_hist(s, 0, 0), x.ok_rows + x.failed_rows);
+    CHECK_EQU(sum_hist(s, 1, 0), x.batches);
+    /* every session was reclaimed; every "death" left one WRITING slot */
+    CHECK_EQU(x.reclaims, sessions);
+    CHECK_EQU(shm_stat_get(s, ST_RECLAIMED_CLIENTS), sessions);
+    CHECK_EQU(x.reclaimed_writing, deaths);
+    CHECK_EQU(shm_stat_get(s, ST_RECLAIMED_WRITING), deaths);
+    CHECK_EQ(shm_n_attached(s), 0);
+    /* generation conservation: one bump per release, K per reclaim */
+    uint64_t gens = 0;
+    uint32_t hwm = shm_clients_hwm(s);
+    CHECK(hwm <= P.max_clients);
+    for (uint32_t c = 0; c < P.max_clients; c++)
+        for (uint32_t k = 0; k < P.slots_per_client; k++) {
+            uint32_t w = word_of(s, c, k);
+            CHECK_EQU(w & ~(SLOT_GEN_MASK << SLOT_GEN_SHIFT), SLOT_FREE);
+            gens += shm_word_gen(w);
+            if (c >= hwm) CHECK_EQU(w, 0);
+        }
+    CHECK_EQU(gens, releases + P.slots_per_client * x.reclaims);
+
+    free(x.counts);
+    free(x.clients);
+    seg_free(&t);
+    printf("  concurrency: %u clients x %u requests in %.2f s "
+           "(%.0f req/s): %" PRIu64 " batches (max %" PRIu64 ", mean %.2f), "
+           "%" PRIu64 " injected failures retried, %" PRIu64
+           " sessions reclaimed (%" PRIu64 " mid-write, %" PRIu64
+           " orphans), %" PRIu64 " wait timeouts\n",
+           x.nclients, x.nreq, secs(t_clients),
+           (double)total / secs(t_clients), x.batches, x.max_n,
+           (double)(x.ok_rows + x.failed_rows) / (double)(x.batches ? x.batches : 1),
+           failed, sessions, deaths, orphans, timeouts);
+}
+
+/* ------------------------------------------------------------------ */
+/* f. close while in flight                                            */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    shm_seg *s;
+    uint32_t th;
+    int c;
+    _Atomic int stage;        /* 1 published, 2 go wait */
+    _Atomic int waiting_on;   /* index into ks, -1 before */
+    int rc[2];
+    uint64_t ret_ns[2];
+} sleeper_arg;
+
+static void *sleeper(void *arg) {
+    sleeper_arg *a = arg;
+    shm_seg *s = a->s;
+    for (uint32_t j = 0; j < 2; j++) {
+        CHECK_EQ(shm_slot_begin(s, (uint32_t)a->c, j), SHM_OK);
+        fill_row(shm_slot_in(s, (uint32_t)a->c, j), s->p.in_bytes, a->th * 2 + j);
+        shm_slot_publish(s, (uint32_t)a->c, j);
+    }
+    shm_notify_evaluator(s, 2);
+    atomic_store(&a->stage, 1);
+    while (atomic_load(&a->stage) != 2) sleep_ns(100 * US);
+    for (int j = 0; j < 2; j++) {
+        atomic_store(&a->waiting_on, j);
+        uint64_t t0 = shm_now_ns();
+        int rc;
+        do {
+            rc = shm_slot_wait(s, (uint32_t)a->c, (uint32_t)j, 0, 10000 * MS);
+            CHECK_MSG(shm_now_ns() - t0 < 20000 * MS, "sleeper %u hangs",
+                      a->th);
+        } while (rc == SHM_TIMEOUT);
+        a->rc[j] = rc;
+        a->ret_ns[j] = shm_now_ns();
+        if (rc == SLOT_DONE) {
+            CHECK_EQ(shm_slot_release(s, (uint32_t)a->c, (uint32_t)j), SHM_OK);
+        }
+    }
+    atomic_store(&a->waiting_on, 2);
+    return NULL;
+}
+
+/* Race probe: one waiter entering shm_slot_wait while the evaluator closes. */
+typedef struct {
+    shm_seg *s;
+    _Atomic int go;
+    uint64_t ret_ns;
+    int rc;
+} racer_arg;
+
+static void *racer(void *arg) {
+    racer_arg *a = arg;
+    atomic_store(&a->go, 1);
+    while (atomic_load(&a->go) != 2) shm_cpu_relax();
+    a->rc = shm_slot_wait(a->s, 0, 0, 0, 200 * MS);
+    a->ret_ns = shm_now_ns();
+    return NULL;
+}
+
+static void test_close(void) {
+    start_test("close", 90);
+    const uint64_t prompt = (BUILD_SLOW ? 2000 : 1000) * MS;
+
+    /* f1: clients asleep on READY and TAKEN slots (one already DONE) */
+    {
+        const shm_params P = mkparams(336, 32, 8, 2, 4);
+        test_seg t;
+        seg_make(&t, &P);
+        shm_seg *s = &t.s;
+        CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+        enum { NS = 4 };
+        sleeper_arg sa[NS];
+        pthread_t tid[NS];
+        for (uint32_t i = 0; i < NS; i++) {
+            memset(&sa[i], 0, sizeof sa[i]);
+            sa[i].s = s;
+            sa[i].th = i;
+            sa[i].c = shm_client_register(s, 20000 + (int32_t)i, 1);
+            CHECK_EQ(sa[i].c, (int)i);
+            atomic_store(&sa[i].waiting_on, -1);
+            CHECK_EQ(pthread_create(&tid[i], NULL, sleeper, &sa[i]), 0);
+        }
+        for (uint32_t i = 0; i < NS; i++)
+            while (atomic_load(&sa[i].stage) != 1) sleep_ns(100 * US);
+        /* take 4 of the 8 published slots; complete one of them */
+        char batch[4 * 336], res[4 * 32];
+        shm_taken taken[4];
+        uint32_t cursor = 0;
+        memset(res, 1, sizeof res);
+        CHECK_EQ(shm_collect(s, batch, taken, 4, &cursor, 0, 0, 100 * MS), 4);
+        CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
+        uint32_t done_c = taken[0].client, done_k = taken[0].slot;
+        for (uint32_t i = 0; i < NS; i++) atomic_store(&sa[i].stage, 2);
+        /* wait until every sleeper is (about to be) asleep in futex_wait */
+        uint64_t t0 = shm_now_ns();
+        for (uint32_t i = 0; i < NS; i++)
+            for (;;) {
+                int j = atomic_load(&sa[i].waiting_on);
+                if (j >= 0 && j < 2 &&
+                    (word_of(s, (uint32_t)sa[i].c, (uint32_t)j) & SLOT_WAITER))
+                    break;
+                CHECK_MSG(shm_now_ns() - t0 < 10000 * MS,
+                          "sleeper %u never went to sleep", i);
+                sleep_ns(200 * US);
+            }
+        sleep_ns(30 * MS);
+        uint64_t t_close = shm_now_ns();
+        shm_request_close(s);
+        shm_close_and_wake(s, EV_CLOSED);
+        uint64_t worst = 0;
+        for (uint32_t i = 0; i < NS; i++) {
+            CHECK_EQ(pthread_join(tid[i], NULL), 0);
+            for (uint32_t j = 0; j < 2; j++) {
+                int want = (uint32_t)sa[i].c == done_c && j == done_k
+                               ? SLOT_DONE
+                               : SHM_CLOSED;
+                CHECK_MSG(sa[i].rc[j] == want,
+                          "sleeper %u slot %u: rc %d, want %d", i, j,
+                          sa[i].rc[j], want);
+                if (want == SHM_CLOSED) {
+                    uint64_t lat = sa[i].ret_ns[j] > t_close
+                                       ? sa[i].ret_ns[j] - t_close
+                                       : 0;
+                    if (lat > worst) worst = lat;
+                }
+            }
+        }
+        CHECK_MSG(worst < prompt, "a sleeper took %.3f s to see the close",
+                  secs(worst));
+        printf("  close: %d sleepers woke %.2f ms after close (timeout 10 s)\n",
+               NS, (double)worst / 1e6);
+        seg_free(&t);
+    }
+
+    /* f2: close under load: every wait ends DONE (checked output) or
+     * CLOSED, promptly */
+    {
+        const shm_params P = mkparams(336, 32, 16, 4, 16);
+        test_seg t;
+        seg_make(&t, &P);
+        shm_seg *s = &t.s;
+        conc_ctx x;
+        memset(&x, 0, sizeof x);
+        x.s = s;
+        x.nclients = 8;
+        x.nreq = 0;
+        x.wait_timeout_ns = 100 * MS;
+        x.stop_on_close = 1;
+        x.clients = calloc(x.nclients, sizeof *x.clients);
+        CHECK(x.clients != NULL);
+        CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+        pthread_t ev;
+        CHECK_EQ(pthread_create(&ev, NULL, conc_evaluator, &x), 0);
+        for (uint32_t i = 0; i < x.nclients; i++) {
+            x.clients[i].x = &x;
+            x.clients[i].th = i;
+            CHECK_EQ(pthread_create(&x.clients[i].tid, NULL, conc_client,
+                                    &x.clients[i]),
+                     0);
+        }
+        sleep_ns(300 * MS);
+        uint64_t t_close = shm_now_ns();
+        shm_request_close(s);
+        CHECK_EQ(pthread_join(ev, NULL), 0); /* it calls close_and_wake */
+        uint64_t t_ev = shm_now_ns();
+        uint64_t worst = 0, done = 0, closed = 0;
+        for (uint32_t i = 0; i < x.nclients; i++) {
+            CHECK_EQ(pthread_join(x.clients[i].tid, NULL), 0);
+            client_arg *a = &x.clients[i];
+            done += a->done;
+            closed += (uint64_t)a->saw_closed;
+            CHECK_MSG(a->saw_closed, "client %u never saw SHM_CLOSED", i);
+            uint64_t lat = a->closed_ns > t_close ? a->closed_ns - t_close : 0;
+            if (lat > worst) worst = lat;
+        }
+        CHECK(done > 0);
+        CHECK_MSG(worst < prompt + x.wait_timeout_ns,
+                  "a client took %.3f s to see the close", secs(worst));
+        CHECK_EQU(shm_stat_get(s, ST_REQUESTS), x.ok_rows + x.failed_rows);
+        CHECK_EQU(x.ok_rows, done);
+        printf("  close: under load, %" PRIu64 " requests answered, evaluator "
+               "out %.2f ms and all %" PRIu64 " clients out %.2f ms after "
+               "close\n",
+               done, (double)(t_ev - t_close) / 1e6, closed,
+               (double)worst / 1e6);
+        free(x.clients);
+        seg_free(&t);
+    }
+
+    /* f3: race probe -- a waiter entering shm_slot_wait at the moment of
+     * the close.  A waiter that reads ev_state == SERVING, then has the
+     * whole close_and_wake run before its CAS sets WAITER, sleeps its full
+     * timeout: close_and_wake saw no WAITER bit to clear or wake, and
+     * shm_slot_wait does not re-read ev_state after setting WAITER. */
+    {
+        const unsigned trials = (unsigned)env_u64(
+            "SHM_TEST_RACE_TRIALS", BUILD_SLOW ? 150 : 400);
+        const shm_params P = mkparams(64, 16, 1, 1, 1);
+        shm_layout l;
+        CHECK_EQ(shm_layout_compute(&P, &l), SHM_OK);
+        char *mem = seg_alloc(l.total);
+        uint64_t rng = g_seed ^ 0x2ACEull;
+        unsigned late = 0;
+        uint64_t worst = 0;
+        for (unsigned i = 0; i < trials; i++) {
+            shm_seg seg;
+            memset(mem, 0, l.total);
+            CHECK_EQ(shm_init(&seg, mem, l.total, &P, "", 0, 1), SHM_OK);
+            CHECK_EQ(shm_set_serving(&seg, 1, 1), EV_SERVING);
+            CHECK_EQ(shm_client_register(&seg, 1, 1), 0);
+            CHECK_EQ(shm_slot_begin(&seg, 0, 0), SHM_OK);
+            shm_slot_publish(&seg, 0, 0);
+            racer_arg ra;
+            memset(&ra, 0, sizeof ra);
+            ra.s = &seg;
+            pthread_t tid;
+            CHECK_EQ(pthread_create(&tid, NULL, racer, &ra), 0);
+            while (atomic_load(&ra.go) != 1) shm_cpu_relax();
+            /* CLOSING does not stop a waiter; only EV_CLOSED does, so
+             * request the close first and race close_and_wake alone */
+            shm_request_close(&seg);
+            uint32_t spins = (uint32_t)(rng_next(&rng) % 48);
+            atomic_store(&ra.go, 2);
+            for (uint32_t q = 0; q < spins; q++) shm_cpu_relax();
+            uint64_t tc = shm_now_ns();
+            shm_close_and_wake(&seg, EV_CLOSED);
+            CHECK_EQ(pthread_join(tid, NULL), 0);
+            CHECK_MSG(ra.rc == SHM_CLOSED, "race probe: rc %d", ra.rc);
+            uint64_t lat = ra.ret_ns > tc ? ra.ret_ns - tc : 0;
+            if (lat > worst) worst = lat;
+            if (lat >= 150 * MS) late++;
+        }
+        free(mem);
+        printf("  close: race probe %u trials, %u waiters slept through the "
+               "close (worst %.1f ms)\n",
+               trials, late, (double)worst / 1e6);
+        if (late) {
+            printf("  WARNING: missed wake-up in shm_slot_wait vs "
+                   "shm_close_and_wake (bounded by the wait timeout)\n");
+            CHECK_MSG(!env_u64("SHM_TEST_STRICT_CLOSE_RACE", 0),
+                      "%u of %u waiters slept through the close", late,
+                      trials);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* g. max_wait_ns                                                      */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    shm_seg *s;
+    uint32_t c;
+    uint32_t count;
+    uint64_t delay_ns;
+    _Atomic int started;
+} late_arg;
+
+static void *late_publisher(void *arg) {
+    late_arg *a = arg;
+    atomic_store(&a->started, 1);
+    sleep_ns(a->delay_ns);
+    for (uint32_t k = 0; k < a->count; k++) {
+        CHECK_EQ(shm_slot_begin(a->s, a->c, k), SHM_OK);
+        shm_slot_publish(a->s, a->c, k);
+        shm_notify_evaluator(a->s, 1);
+    }
+    return NULL;
+}
+
+static void drain(shm_seg *s, shm_taken *taken, int n) {
+    char res[8 * 32];
+    memset(res, 3, sizeof res);
+    CHECK_EQU(shm_complete(s, taken, (uint32_t)n, res, 1), (uint32_t)n);
+    for (int i = 0; i < n; i++) {
+        CHECK_EQ(shm_slot_wait(s, taken[i].client, taken[i].slot, 0, 10 * MS),
+                 SLOT_DONE);
+        CHECK_EQ(shm_slot_release(s, taken[i].client, taken[i].slot), SHM_OK);
+    }
+}
+
+static void test_max_wait(void) {
+    start_test("max_wait", 60);
+    const shm_params P = mkparams(336, 32, 4, 4, 8);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+    CHECK_EQ(shm_client_register(s, 1, 1), 0);
+    CHECK_EQ(shm_client_register(s, 2, 1), 1);
+    char batch[8 * 336];
+    shm_taken taken[8];
+    uint32_t cursor = 0;
+    uint64_t t0, el;
+    int n;
+
+    /* greedy: one request there -> returns at once with 1 */
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    shm_slot_publish(s, 0, 0);
+    shm_notify_evaluator(s, 1);
+    t0 = shm_now_ns();
+    n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 1000 * MS);
+    el = shm_now_ns() - t0;
+    CHECK_EQ(n, 1);
+    CHECK_MSG(el < 500 * MS, "greedy collect took %.1f ms", (double)el / 1e6);
+    uint64_t greedy_el = el;
+    drain(s, taken, n);
+
+    /* greedy with a sleeper: the evaluator asleep on the doorbell wakes
+     * for one request and returns it alone */
+    {
+        late_arg la = {s, 1, 1, 30 * MS, 0};
+        pthread_t tid;
+        CHECK_EQ(pthread_create(&tid, NULL, late_publisher, &la), 0);
+        t0 = shm_now_ns();
+        n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 5000 * MS);
+        el = shm_now_ns() - t0;
+        CHECK_EQ(pthread_join(tid, NULL), 0);
+        CHECK_EQ(n, 1);
+        CHECK_MSG(el < 2000 * MS, "doorbell wake took %.1f ms",
+                  (double)el / 1e6);
+        drain(s, taken, n);
+    }
+
+    /* max_wait: one now, three more 30 ms later -> a batch of 4 after
+     * about max_wait (not before the late ones, not at the timeout) */
+    uint64_t fuller_el;
+    {
+        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+        shm_slot_publish(s, 0, 0);
+        shm_notify_evaluator(s, 1);
+        late_arg la = {s, 1, 3, 30 * MS, 0};
+        pthread_t tid;
+        CHECK_EQ(pthread_create(&tid, NULL, late_publisher, &la), 0);
+        t0 = shm_now_ns();
+        n = shm_collect(s, batch, taken, 8, &cursor, 0, 300 * MS, 5000 * MS);
+        el = shm_now_ns() - t0;
+        CHECK_EQ(pthread_join(tid, NULL), 0);
+        CHECK_EQ(n, 4);
+        CHECK_MSG(el >= 290 * MS && el < 3000 * MS,
+                  "max_wait collect took %.1f ms", (double)el / 1e6);
+        fuller_el = el;
+        drain(s, taken, n);
+    }
+
+    /* max_wait, but the batch fills up first -> returns when full */
+    {
+        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+        shm_slot_publish(s, 0, 0);
+        shm_notify_evaluator(s, 1);
+        late_arg la = {s, 1, 3, 30 * MS, 0};
+        pthread_t tid;
+        CHECK_EQ(pthread_create(&tid, NULL, late_publisher, &la), 0);
+        t0 = shm_now_ns();
+        n = shm_collect(s, batch, taken, 4, &cursor, 0, 3000 * MS, 5000 * MS);
+        el = shm_now_ns() - t0;
+        CHECK_EQ(pthread_join(tid, NULL), 0);
+        CHECK_EQ(n, 4);
+        CHECK_MSG(el < 2000 * MS, "full batch took %.1f ms", (double)el / 1e6);
+        drain(s, taken, n);
+    }
+
+    /* max_wait with only one request: returns it after max_wait */
+    {
+        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+        shm_slot_publish(s, 0, 0);
+        shm_notify_evaluator(s, 1);
+        t0 = shm_now_ns();
+        n = shm_collect(s, batch, taken, 8, &cursor, 50 * US, 100 * MS,
+                        5000 * MS);
+        el = shm_now_ns() - t0;
+        CHECK_EQ(n, 1);
+        CHECK_MSG(el >= 95 * MS && el < 2000 * MS,
+                  "lonely max_wait took %.1f ms", (double)el / 1e6);
+        drain(s, taken, n);
+    }
+
+    /* max_wait does not start before the first request: with nothing
+     * there, collect waits for the timeout and returns 0 */
+    t0 = shm_now_ns();
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 10 * MS, 40 * MS), 0);
+    el = shm_now_ns() - t0;
+    CHECK(el >= 40 * MS);
+
+    seg_free(&t);
+    printf("  max_wait: greedy returned 1 in %.3f ms; max_wait 300 ms "
+           "returned 4 in %.1f ms\n",
+           (double)greedy_el / 1e6, (double)fuller_el / 1e6);
+}
+
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    const char *name;
+    void (*fn)(void);
+} test_case;
+
+static const test_case k_tests[] = {
+    {"layout", test_layout},   {"attach", test_attach},
+    {"state", test_state},     {"reclaim", test_reclaim},
+    {"concurrency", test_concurrency}, {"close", test_close},
+    {"max_wait", test_max_wait},
+};
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    signal(SIGALRM, on_alarm);
+    g_seed = env_u64("SHM_TEST_SEED", g_seed);
+    printf("ring_test (%s build), seed %" PRIu64 "\n", BUILD_KIND, g_seed);
+    const size_t nt = sizeof k_tests / sizeof k_tests[0];
+    for (int i = 1; i < argc; i++) {
+        size_t j = 0;
+        while (j < nt && strcmp(argv[i], k_tests[j].name) != 0) j++;
+        if (j == nt) {
+            fprintf(stderr, "unknown test %s\n", argv[i]);
+            return 2;
+        }
+    }
+    uint64_t all0 = shm_now_ns();
+    int ran = 0;
+    for (size_t j = 0; j < nt; j++) {
+        int want = argc == 1;
+        for (int i = 1; i < argc; i++)
+            if (strcmp(argv[i], k_tests[j].name) == 0) want = 1;
+        if (!want) continue;
+        uint64_t t0 = shm_now_ns();
+        k_tests[j].fn();
+        alarm(0);
+        printf("ok   %-12s %.2f s\n", k_tests[j].name, secs(shm_now_ns() - t0));
+        ran++;
+    }
+    g_test = "done";
+    printf("ring_test (%s build): %d tests passed in %.2f s\n", BUILD_KIND,
+           ran, secs(shm_now_ns() - all0));
+    return 0;
+}
