@@ -9,8 +9,25 @@ import pytest
 SHM_DIR = "/dev/shm"
 
 
+def _owner(entry: str) -> int:
+    try:
+        return int(entry.split("-")[1])
+    except (IndexError, ValueError):
+        return 0
+
+
 def shmeval_entries() -> set[str]:
-    return {e for e in os.listdir(SHM_DIR) if e.startswith("shmeval-")}
+    """shmeval segments of this process or of dead processes (the test's
+    children); segments of other live processes (a concurrent run) are not
+    ours to judge."""
+    me = os.getpid()
+    out = set()
+    for e in os.listdir(SHM_DIR):
+        if e.startswith("shmeval-"):
+            pid = _owner(e)
+            if pid == me or not os.path.exists(f"/proc/{pid}"):
+                out.add(e)
+    return out
 
 
 @pytest.fixture(autouse=True)

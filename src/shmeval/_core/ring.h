@@ -287,7 +287,7 @@ static inline int shm_init(shm_seg *s, char *base, uint64_t size,
     memset(base, 0, s->l.slots_off); /* header + client table */
     h->layout_version = SHM_LAYOUT_VERSION;
     h->spec_len = spec_len;
-    memcpy(h->spec, spec, spec_len);
+    if (spec_len) memcpy(h->spec, spec, spec_len);
     h->spec_hash = shm_fnv1a(spec, spec_len);
     h->total_bytes = s->l.total;
     h->params = *p;
@@ -379,6 +379,7 @@ static inline void shm_stat_add(_Atomic uint64_t *x, uint64_t v) {
 static inline int shm_client_register(shm_seg *s, int32_t pid,
                                       uint64_t starttime) {
     shm_header *h = shm_hdr(s);
+    if (pid <= 0) return SHM_E_PARAMS; /* 0 marks a free entry */
     for (uint32_t c = 0; c < s->p.max_clients; c++) {
         shm_client *e = shm_client_at(s, c);
         int32_t expected = 0;
@@ -453,7 +454,7 @@ static inline int shm_client_reclaim(shm_seg *s, uint32_t c) {
     }
     atomic_store_explicit(&e->detached, 0, memory_order_relaxed);
     atomic_store_explicit(&e->starttime, 0, memory_order_relaxed);
-    /* MO: relaxed; single writer (the evaluator). */
+    /* MO: relaxed; a hint (clients fetch_add it too, hence atomic RMW). */
     atomic_fetch_sub_explicit(&h->n_attached, 1, memory_order_relaxed);
     shm_stat_add(&h->st[ST_RECLAIMED_CLIENTS], 1);
     shm_stat_add(&h->st[ST_RECLAIMED_WRITING], (uint64_t)writing);
@@ -547,13 +548,20 @@ static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
         uint64_t now = shm_now_ns();
         if (now - start >= timeout_ns) return SHM_TIMEOUT;
         if (!(cur & SLOT_WAITER)) {
-            /* MO: acquire on success and failure; the evaluator's exchange
-             * either sees WAITER (and wakes us) or makes this CAS fail. */
+            /* MO: seq_cst on success (the Dekker pair below), acquire on
+             * failure; the evaluator's completing CAS either sees WAITER
+             * (and wakes us) or makes this CAS fail. */
             if (!atomic_compare_exchange_strong_explicit(
-                    w, &cur, cur | SLOT_WAITER, memory_order_acquire,
+                    w, &cur, cur | SLOT_WAITER, memory_order_seq_cst,
                     memory_order_acquire))
                 continue;
             cur |= SLOT_WAITER;
+            /* Re-check after announcing WAITER (Dekker with the seq_cst
+             * store of ev_state / load of w in shm_close_and_wake): either
+             * we see the close here, or close_and_wake sees WAITER. */
+            if (atomic_load_explicit(&h->ev_state, memory_order_seq_cst) >=
+                EV_CLOSED)
+                return SHM_CLOSED;
         }
         /* Returns at once (EAGAIN) if the word changed since we read it. */
         shm_futex_wait(w, cur, timeout_ns - (now - start));
@@ -591,7 +599,7 @@ typedef struct {
     uint32_t client;
     uint32_t slot;
     uint32_t gen;
-    uint32_t _pad;
+    uint32_t wake; /* shm_finish: the client was asleep */
 } shm_taken;
 
 /* Scans client entries starting at *cursor and takes READY slots (up to
@@ -705,18 +713,31 @@ static inline int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
     }
 }
 
-/* Marks every slot of the batch TAKEN -> DONE (or FAILED) and wakes the
- * clients asleep on them.  The generation check refuses to complete a slot
- * that is no longer the one we took (counted in st_stale_completions).
- * Returns how many slots were completed. */
-static inline uint32_t shm_finish(shm_seg *s, const shm_taken *taken,
-                                  uint32_t n, uint32_t final_state) {
+/* True while slot `t` is still the one this batch took: outputs are written
+ * only into such slots, never into a slot reclaimed and reused meanwhile. */
+static inline int shm_still_taken(shm_seg *s, const shm_taken *t) {
+    /* MO: relaxed; only the evaluator moves a slot out of TAKEN. */
+    uint32_t cur = atomic_load_explicit(
+        shm_slot_word_at(s, t->client, t->slot), memory_order_relaxed);
+    return (cur & ~SLOT_WAITER) == shm_slot_word(SLOT_TAKEN, t->gen);
+}
+
+/* Marks every slot of the batch TAKEN -> DONE (or FAILED), then wakes the
+ * clients asleep on them.  Two passes: a woken client may preempt us (the
+ * scheduler favours the wakee), and by then every answer of the batch is
+ * already published, so no other client of the batch waits behind it.
+ * The generation check refuses to complete a slot that is no longer the one
+ * we took (counted in ST_STALE_COMPLETIONS).  Returns how many slots were
+ * completed. */
+static inline uint32_t shm_finish(shm_seg *s, shm_taken *taken, uint32_t n,
+                                  uint32_t final_state) {
     shm_header *h = shm_hdr(s);
     uint32_t done = 0;
     for (uint32_t i = 0; i < n; i++) {
         _Atomic uint32_t *w = shm_slot_word_at(s, taken[i].client,
                                                taken[i].slot);
         uint32_t want = shm_slot_word(SLOT_TAKEN, taken[i].gen);
+        taken[i].wake = 0;
         /* MO: relaxed; the CAS below re-checks. */
         uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
         for (;;) {
@@ -730,12 +751,18 @@ static inline uint32_t shm_finish(shm_seg *s, const shm_taken *taken,
             if (atomic_compare_exchange_weak_explicit(
                     w, &cur, shm_slot_word(final_state, taken[i].gen),
                     memory_order_release, memory_order_relaxed)) {
-                if (cur & SLOT_WAITER) shm_futex_wake(w, INT_MAX);
+                taken[i].wake = (cur & SLOT_WAITER) != 0;
                 done++;
                 break;
             }
         }
     }
+    /* The word may already have been released and reused by its client: a
+     * wake is only a doorbell, a spurious one makes a waiter re-check. */
+    for (uint32_t i = 0; i < n; i++)
+        if (taken[i].wake)
+            shm_futex_wake(shm_slot_word_at(s, taken[i].client, taken[i].slot),
+                           INT_MAX);
     return done;
 }
 
@@ -743,13 +770,14 @@ static inline uint32_t shm_finish(shm_seg *s, const shm_taken *taken,
  * and publishes DONE.  Output field j of row i is copied from
  * fields[j] + i * field_bytes[j] to offset field_off[j] of the slot's output
  * area (the caller checked that the fields fit in out_bytes). */
-static inline uint32_t shm_complete_fields(shm_seg *s, const shm_taken *taken,
+static inline uint32_t shm_complete_fields(shm_seg *s, shm_taken *taken,
                                            uint32_t n, uint32_t nfields,
                                            const char *const *fields,
                                            const uint64_t *field_bytes,
                                            const uint64_t *field_off,
                                            uint64_t model_version) {
     for (uint32_t i = 0; i < n; i++) {
+        if (!shm_still_taken(s, &taken[i])) continue; /* counted in finish */
         shm_slot_meta *m = shm_slot_meta_at(s, taken[i].client, taken[i].slot);
         char *out = shm_slot_out(s, taken[i].client, taken[i].slot);
         m->model_version = model_version;
@@ -762,7 +790,7 @@ static inline uint32_t shm_complete_fields(shm_seg *s, const shm_taken *taken,
 }
 
 /* The same with one packed result row of out_bytes per request. */
-static inline uint32_t shm_complete(shm_seg *s, const shm_taken *taken,
+static inline uint32_t shm_complete(shm_seg *s, shm_taken *taken,
                                     uint32_t n, const char *results,
                                     uint64_t model_version) {
     uint64_t off = 0;
@@ -771,10 +799,11 @@ static inline uint32_t shm_complete(shm_seg *s, const shm_taken *taken,
 }
 
 /* Fails every slot of the batch with the same error text. */
-static inline uint32_t shm_fail(shm_seg *s, const shm_taken *taken,
+static inline uint32_t shm_fail(shm_seg *s, shm_taken *taken,
                                 uint32_t n, const char *msg, uint32_t len) {
     if (len > s->l.out_area) len = (uint32_t)s->l.out_area;
     for (uint32_t i = 0; i < n; i++) {
+        if (!shm_still_taken(s, &taken[i])) continue; /* counted in finish */
         shm_slot_meta *m = shm_slot_meta_at(s, taken[i].client, taken[i].slot);
         m->err_len = len;
         memcpy(shm_slot_out(s, taken[i].client, taken[i].slot), msg, len);
@@ -911,17 +940,16 @@ static inline void shm_request_close(shm_seg *s) {
  * sees the state within one futex round instead of its timeout. */
 static inline void shm_close_and_wake(shm_seg *s, uint32_t final_state) {
     shm_header *h = shm_hdr(s);
-    /* MO: release; pairs with the acquire load of ev_state in
-     * shm_slot_wait. */
-    atomic_store_explicit(&h->ev_state, final_state, memory_order_release);
+    /* MO: seq_cst; Dekker pair with shm_slot_wait's seq_cst WAITER CAS and
+     * ev_state re-load: either the waiter sees the final state before it
+     * sleeps, or the load of its word below sees WAITER and wakes it. */
+    atomic_store_explicit(&h->ev_state, final_state, memory_order_seq_cst);
     uint32_t hwm = atomic_load_explicit(&h->clients_hwm, memory_order_acquire);
     for (uint32_t c = 0; c < hwm; c++)
         for (uint32_t k = 0; k < s->p.slots_per_client; k++) {
             _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
-            /* MO: relaxed; the wake is what matters; a client that set
-             * WAITER after this load re-reads ev_state before sleeping
-             * (its CAS and futex_wait compare against the word). */
-            uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
+            /* MO: seq_cst; the other half of the Dekker pair above. */
+            uint32_t cur = atomic_load_explicit(w, memory_order_seq_cst);
             if (cur & SLOT_WAITER) {
                 /* Change the word so a client between its CAS and its
                  * futex_wait gets EAGAIN instead of sleeping a full timeout.

@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Builds src/shmeval/_core/ring_test.c (the standalone test of ring.h) three
+# ways and runs each build; exits nonzero if any build or run fails.
+#
+#   plain   -O2 -Wall -Wextra -Werror -std=c11 -D_GNU_SOURCE -DSHM_DEBUG
+#   tsan    -fsanitize=thread -O1 -g               (ThreadSanitizer)
+#   asan    -fsanitize=address,undefined -fno-sanitize-recover=all -O1 -g
+#
+# Requirements (Debian 12 "bookworm", gcc 12): the packages `gcc` and
+# `libc6-dev`.  The sanitizer runtimes come with gcc's own dependency
+# `libgcc-12-dev`, which pulls in `libtsan2` (ThreadSanitizer), `libasan8`
+# (AddressSanitizer) and `libubsan1` (UBSan); on a minimal image:
+#     apt-get install -y gcc libc6-dev libgcc-12-dev libtsan2 libasan8 libubsan1
+# (other gcc majors: libgcc-N-dev; runtime sonames libtsan2/libasan8 for gcc
+# 12-13, libasan6/libtsan0 for gcc 10.)  The script probes each sanitizer
+# first and names the missing package when a probe fails.
+#
+# ThreadSanitizer and ASLR: on some newer kernels (large vm.mmap_rnd_bits)
+# TSan dies with "FATAL: ThreadSanitizer: unexpected memory mapping".  The
+# script probes for that and then runs the TSan build under
+# `setarch "$(uname -m)" -R` (ASLR off for that process only).
+#
+# Environment:
+#   CC              compiler (default gcc)
+#   RING_H_DIR      directory holding the ring.h to test (default
+#                   src/shmeval/_core); e.g. a deliberately broken copy
+#   RING_TEST_ARGS  test names to run (default: all)
+#   RING_TEST_BUILDS  builds to run (default: "plain tsan asan")
+#   RUN_TIMEOUT     seconds per run (default 150)
+#   SHM_TEST_*      passed through to ring_test (see the top of ring_test.c)
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+src="$root/src/shmeval/_core/ring_test.c"
+ring_dir="${RING_H_DIR:-$root/src/shmeval/_core}"
+cc="${CC:-gcc}"
+builds="${RING_TEST_BUILDS:-plain tsan asan}"
+run_timeout="${RUN_TIMEOUT:-150}"
+read -r -a test_args <<<"${RING_TEST_ARGS:-}"
+
+die() { echo "run_c_tests: error: $*" >&2; exit 1; }
+
+command -v "$cc" >/dev/null 2>&1 ||
+    die "C compiler '$cc' not found (Debian: apt-get install -y gcc libc6-dev)"
+[[ -f "$src" ]] || die "missing $src"
+[[ -f "$ring_dir/ring.h" ]] || die "missing $ring_dir/ring.h"
+have_timeout=1
+command -v timeout >/dev/null 2>&1 || have_timeout=0
+
+tmp="$(mktemp -d "${TMPDIR:-/tmp}/ring_test.XXXXXX")"
+trap 'rm -rf "$tmp"' EXIT
+
+echo "run_c_tests: $("$cc" --version | head -n1); kernel $(uname -r) $(uname -m)"
+echo "run_c_tests: testing $ring_dir/ring.h"
+
+common=(-std=c11 -D_GNU_SOURCE -DSHM_DEBUG -Wall -Wextra -pthread -I "$ring_dir")
+declare -A flags=(
+    [plain]="-O2 -Werror"
+    [tsan]="-fsanitize=thread -O1 -g"
+    [asan]="-fsanitize=address,undefined -fno-sanitize-recover=all -O1 -g"
+)
+declare -A pkgs=(
+    [tsan]="libtsan2 (gcc 12; comes with libgcc-12-dev)"
+    [asan]="libasan8 and libubsan1 (gcc 12; come with libgcc-12-dev)"
+)
+
+# --- probe the sanitizer toolchains -------------------------------------
+printf 'int main(void) { return 0; }\n' >"$tmp/probe.c"
+tsan_prefix=()
+for b in tsan asan; do
+    [[ " $builds " == *" $b "* ]] || continue
+    # shellcheck disable=SC2086
+    if ! "$cc" ${flags[$b]} "$tmp/probe.c" -o "$tmp/probe_$b" >"$tmp/probe_$b.log" 2>&1; then
+        cat "$tmp/probe_$b.log" >&2
+        die "cannot link a $b program: install ${pkgs[$b]}"
+    fi
+done
+if [[ " $builds " == *" tsan "* ]]; then
+    if ! "$tmp/probe_tsan" >"$tmp/probe_run.log" 2>&1; then
+        if grep -q "unexpected memory mapping" "$tmp/probe_run.log" &&
+            setarch "$(uname -m)" -R "$tmp/probe_tsan" >/dev/null 2>&1; then
+            tsan_prefix=(setarch "$(uname -m)" -R)
+            echo "run_c_tests: TSan needs ASLR off on this kernel: using ${tsan_prefix[*]}"
+        else
+            cat "$tmp/probe_run.log" >&2
+            die "ThreadSanitizer programs do not run here (see above)"
+        fi
+    fi
+fi
+
+# --- build and run ------------------------------------------------------
+export TSAN_OPTIONS="${TSAN_OPTIONS:+$TSAN_OPTIONS:}halt_on_error=1:exitcode=66:second_deadlock_stack=1"
+export UBSAN_OPTIONS="${UBSAN_OPTIONS:+$UBSAN_OPTIONS:}halt_on_error=1:print_stacktrace=1"
+asan_base="${ASAN_OPTIONS:+$ASAN_OPTIONS:}halt_on_error=1:detect_stack_use_after_return=1:strict_string_checks=1"
+
+failed=()
+summary=()
+for b in $builds; do
+    [[ -n "${flags[$b]:-}" ]] || die "unknown build '$b'"
+    exe="$tmp/ring_test_$b"
+    t0=$(date +%s.%N)
+    # shellcheck disable=SC2086
+    if ! "$cc" "${common[@]}" ${flags[$b]} "$src" -o "$exe"; then
+        failed+=("$b (build)")
+        summary+=("$(printf '%-6s BUILD FAILED' "$b")")
+        continue
+    fi
+    t1=$(date +%s.%N)
+    prefix=()
+    [[ $b == tsan ]] && prefix=("${tsan_prefix[@]}")
+    (( have_timeout )) && prefix=(timeout -k 10 "$run_timeout" "${prefix[@]}")
+    echo "===== $b: ${flags[$b]}"
+    run() {
+        set +e
+        ASAN_OPTIONS="$asan_base:detect_leaks=$1" "${prefix[@]}" "$exe" \
+            "${test_args[@]}" 2>&1 | tee "$tmp/out_$b.log"
+        rc=${PIPESTATUS[0]}
+        set -e
+    }
+    run 1
+    if [[ $b == asan && $rc -ne 0 ]] &&
+        grep -q "LeakSanitizer has encountered a fatal error" "$tmp/out_$b.log"; then
+        # LSan needs ptrace-like access that some containers deny
+        echo "run_c_tests: LeakSanitizer cannot run here; rerunning without leak checks"
+        run 0
+    fi
+    t2=$(date +%s.%N)
+    status=ok
+    if [[ $rc -ne 0 ]]; then
+        status="FAILED (exit $rc)"
+        if [[ $rc -eq 124 || $rc -eq 137 ]]; then status="FAILED (timed out)"; fi
+        failed+=("$b")
+    fi
+    summary+=("$(awk -v b="$b" -v s="$status" -v t0="$t0" -v t1="$t1" -v t2="$t2" \
+        'BEGIN { printf "%-6s %-28s build %5.1f s  run %6.1f s", b, s, t1 - t0, t2 - t1 }')")
+done
+
+echo "===== summary"
+printf '%s\n' "${summary[@]}"
+if (( ${#failed[@]} )); then
+    echo "run_c_tests: FAILED: ${failed[*]}" >&2
+    exit 1
+fi
+echo "run_c_tests: all builds passed"
