@@ -91,11 +91,11 @@ cdef extern from "ring.h" nogil:
     int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
                     uint32_t max_batch, uint32_t *cursor, uint64_t spin_ns,
                     uint64_t max_wait_ns, uint64_t timeout_ns)
-    uint32_t shm_complete_fields(shm_seg *s, const shm_taken *taken, uint32_t n,
+    uint32_t shm_complete_fields(shm_seg *s, shm_taken *taken, uint32_t n,
                                  uint32_t nfields, const char *const *fields,
                                  const uint64_t *field_bytes, const uint64_t *field_off,
                                  uint64_t model_version)
-    uint32_t shm_fail(shm_seg *s, const shm_taken *taken, uint32_t n,
+    uint32_t shm_fail(shm_seg *s, shm_taken *taken, uint32_t n,
                       const char *msg, uint32_t len)
     void shm_record_batch(shm_seg *s, uint32_t n, uint32_t rows,
                           uint64_t model_ns, int failed)

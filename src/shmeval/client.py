@@ -54,6 +54,7 @@ class Client:
         self._c = -1             # client-table index in this process
         self._free: List[int] = []
         self._abandoned: List[int] = []
+        self._port: Optional[_ring.ClientPort] = None
         self._lock = threading.Lock()
         self._slot_freed = threading.Condition(self._lock)
         self._lock_pid = os.getpid()
@@ -108,8 +109,14 @@ class Client:
             seg = self._attach()
             self._check_state(seg)
             c = seg.register(pid, segment.process_starttime(pid) or 0)
-            self._free = list(range(self.spec.slots_per_client))
+            spec = self.spec
+            self._free = list(range(spec.slots_per_client))
             self._abandoned = []
+            self._port = _ring.ClientPort(
+                seg, c, self._free, spec.output_names,
+                [(o.shape, o.dtype) for o in spec.outputs], spec.input_dtype,
+                spec.input_shape, int(self._spin_us * 1000), WAIT_TIMEOUT_NS, self._ncpu,
+                self._notify_waiters)
             self._c = c
             self._pid = pid
             self._finalizer = weakref.finalize(self, _detach, seg, c, pid)
@@ -118,10 +125,31 @@ class Client:
     # ------------------------------------------------------------ public API
     def evaluate(self, state: Any) -> Outputs:
         """Evaluates one state; returns ``{name: array of the output's shape}``."""
+        r = self._port.evaluate(state) if self._pid == os.getpid() else None  # type: ignore[union-attr]
+        if type(r) is dict:
+            return r
+        return self._evaluate_slow(state, r)
+
+    def _evaluate_slow(self, state: Any, r: Any) -> Outputs:
         spec = self.spec
-        a = self._as_input(state, spec.input_shape, "state")
-        outs = [np.empty(o.shape, o.dtype) for o in spec.outputs]
-        self._roundtrip(a, 1, outs)
+        if r is None:  # the fast path did not apply: the general one
+            a = self._as_input(state, spec.input_shape, "state")
+            outs = [np.empty(o.shape, o.dtype) for o in spec.outputs]
+            self._roundtrip(a, 1, outs)
+            return dict(zip(spec.output_names, outs))
+        if isinstance(r, str):
+            raise ModelError(r)
+        rc, k, outs = r  # the wait timed out or the evaluator closed
+        seg = self._seg
+        assert seg is not None and self._port is not None
+        try:
+            r = self._wait_slow(seg, self._c, k, outs, 0, rc)
+        except BaseException:
+            self._give_back([], [k])
+            raise
+        self._give_back([k], [])
+        if isinstance(r, str):
+            raise ModelError(r)
         return dict(zip(spec.output_names, outs))
 
     def evaluate_many(self, states: Any) -> Outputs:
@@ -195,25 +223,43 @@ class Client:
             raise EvaluatorDied(
                 f"the evaluator process {pid} serving {self._address} is gone")
 
+    # Slot allocation.  Single list operations are atomic under the GIL, so
+    # the common case (a free slot is there) takes no lock; only a thread that
+    # finds too few free slots takes the lock and waits for others to return
+    # theirs.  Slots are taken one at a time and all put back before waiting,
+    # so threads never hold part of what they need while they wait.
     def _acquire(self, m: int) -> List[int]:
-        """Takes m slots from this process's free list, waiting for other
-        threads to return theirs if needed."""
-        seg = self._seg
-        assert seg is not None
-        with self._lock:
-            if self._abandoned:
-                self._recover_abandoned(seg)
-            while len(self._free) < m:
-                if not self._slot_freed.wait(WAIT_TIMEOUT_NS / 1e9):
-                    self._recover_abandoned(seg)
-                    self._check_alive(seg)
-            slots = self._free[-m:]
-            del self._free[-m:]
-        return slots
+        """Takes m slots from this process's free list."""
+        free = self._free
+        slots: List[int] = []
+        if self._abandoned:
+            with self._lock:
+                self._recover_abandoned()
+        while True:
+            try:
+                while len(slots) < m:
+                    slots.append(free.pop())
+                return slots
+            except IndexError:
+                free.extend(slots)
+                slots = []
+            port = self._port
+            assert port is not None
+            with self._lock:
+                port.waiters += 1
+                try:
+                    if len(free) < m and not self._slot_freed.wait(WAIT_TIMEOUT_NS / 1e9):
+                        self._recover_abandoned()
+                        assert self._seg is not None
+                        self._check_alive(self._seg)
+                finally:
+                    port.waiters -= 1
 
-    def _recover_abandoned(self, seg: "_ring.Segment") -> None:
+    def _recover_abandoned(self) -> None:
         # Slots of requests whose waiting thread was interrupted: they come
         # back once the evaluator has finished with them.  Lock held.
+        seg = self._seg
+        assert seg is not None
         still = []
         for k in self._abandoned:
             if seg.is_final(self._c, k) and seg.release(self._c, k):
@@ -223,17 +269,39 @@ class Client:
         self._abandoned = still
 
     def _give_back(self, slots: List[int], abandoned: List[int]) -> None:
+        self._free.extend(slots)
+        if abandoned:
+            with self._lock:
+                self._abandoned.extend(abandoned)
+        if self._port is not None and self._port.waiters:
+            self._notify_waiters()
+
+    def _notify_waiters(self) -> None:
         with self._lock:
-            self._free.extend(slots)
-            self._abandoned.extend(abandoned)
             self._slot_freed.notify_all()
 
+    def _wait_slow(self, seg: "_ring.Segment", c: int, k: int, outs: List[np.ndarray],
+                   row: int, rc: int) -> int | str:
+        """After a wait timed out (rc): check the evaluator, wait again."""
+        spin_ns = int(self._spin_us * 1000)
+        while True:
+            if rc == _ring.CLOSED:
+                self._check_state(seg)
+                raise EvaluatorClosed(f"the evaluator serving {self._address} "
+                                      "closed before answering")
+            self._check_alive(seg)
+            r = seg.answer(c, k, outs, row, spin_ns, WAIT_TIMEOUT_NS, self._ncpu)
+            if type(r) is not int or r >= 0:
+                return r
+            rc = r
+
     def _roundtrip(self, a: np.ndarray, n: int, outs: List[np.ndarray]) -> None:
-        c = self._register()
+        c = self._c if self._pid == os.getpid() else self._register()
         seg = self._seg
         assert seg is not None
         K = self.spec.slots_per_client
         spin_ns = int(self._spin_us * 1000)
+        ncpu = self._ncpu
         error: Optional[str] = None
         done = 0
         while done < n:
@@ -242,22 +310,16 @@ class Client:
             fetched = 0
             posted = False
             try:
-                self._check_state(seg)
+                if seg.ev_state() >= _ring.CLOSING:
+                    self._check_state(seg)
                 seg.post(c, slots, a, done)
                 posted = True
-                for i, k in enumerate(slots):
-                    while True:
-                        rc = seg.wait(c, k, spin_ns, WAIT_TIMEOUT_NS, self._ncpu)
-                        if rc > 0:
-                            break
-                        if rc == _ring.CLOSED:
-                            self._check_state(seg)
-                            raise EvaluatorClosed(f"the evaluator serving {self._address} "
-                                                  "closed before answering")
-                        self._check_alive(seg)
-                    r = seg.fetch(c, k, outs, done + i)
+                for k in slots:
+                    r = seg.answer(c, k, outs, done + fetched, spin_ns, WAIT_TIMEOUT_NS, ncpu)
+                    if type(r) is int and r < 0:
+                        r = self._wait_slow(seg, c, k, outs, done + fetched, r)
                     fetched += 1
-                    if isinstance(r, str):
+                    if type(r) is str:
                         error = r
             finally:
                 if posted:
