@@ -27,6 +27,7 @@ machine (thermal, other load) hit them alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import importlib.metadata
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeAlias, cast
 
 import numpy as np
 
@@ -117,8 +118,13 @@ def _counters(requests: int, batches: int) -> dict[str, Any]:
 # --- (a) multiprocessing.Queue ------------------------------------------------------
 
 
+# None is the server's stop sentinel.
+RequestQueue: TypeAlias = "mp.Queue[tuple[int, np.ndarray] | None]"
+ResponseQueue: TypeAlias = "mp.Queue[Mapping[str, Any]]"
+
+
 class QueueClient:
-    def __init__(self, worker_id: int, requests: mp.Queue, responses: mp.Queue) -> None:
+    def __init__(self, worker_id: int, requests: RequestQueue, responses: ResponseQueue) -> None:
         self.worker_id = worker_id
         self.requests = requests
         self.responses = responses
@@ -128,7 +134,7 @@ class QueueClient:
         return self.responses.get()
 
 
-def queue_server(requests: mp.Queue, responses: list[mp.Queue], spec: StateSpec, max_batch: int,
+def queue_server(requests: RequestQueue, responses: list[ResponseQueue], spec: StateSpec, max_batch: int,
                  control: Connection) -> None:
     model = NullModel(spec.policy_size)
     n_requests = n_batches = 0
@@ -165,7 +171,7 @@ class PipeClient:
         self.policy_size = policy_size
 
     def evaluate(self, state: np.ndarray) -> Mapping[str, Any]:
-        self.conn.send_bytes(state)  # the array's own buffer: no pickling, no tobytes() copy
+        self.conn.send_bytes(state.data)  # the array's own buffer: no pickling, no copy
         reply = np.frombuffer(self.conn.recv_bytes(), dtype=np.float32)
         return {"policy": reply[: self.policy_size], "value": reply[self.policy_size]}
 
@@ -175,7 +181,7 @@ def pipe_server(conns: list[Connection], spec: StateSpec, max_batch: int, contro
     watched = [*conns, control]
     n_requests = n_batches = 0
     while True:
-        ready = wait(watched)
+        ready = cast(list[Connection], wait(watched))
         if control in ready:
             break
         # Each worker has at most one request in flight, so one read per ready
@@ -198,7 +204,7 @@ def pipe_server(conns: list[Connection], spec: StateSpec, max_batch: int, contro
         replies[:, :-1] = out["policy"]
         replies[:, -1] = out["value"]
         for conn, row in zip(batch_conns, replies):
-            conn.send_bytes(row)
+            conn.send_bytes(row.data)
         n_requests += len(batch_conns)
         n_batches += 1
     control.send(_counters(n_requests, n_batches))
@@ -263,7 +269,8 @@ class PipeMethod(_ServerProcess):
 
     def stop(self) -> dict[str, Any]:
         if self.control is not None:
-            self.control.send(None)
+            with contextlib.suppress(OSError):  # a dead server cannot be told; _finish reaps it
+                self.control.send(None)
         return self._finish()
 
 
@@ -312,6 +319,9 @@ METHODS: dict[str, Callable[[], Method]] = {
 
 # --- worker -------------------------------------------------------------------------
 
+# (worker_id, "ok", (count, latency sample in ns)) or (worker_id, "error", traceback)
+ResultQueue: TypeAlias = "mp.Queue[tuple[int, str, Any]]"
+
 
 def _check_reply(out: Mapping[str, Any], worker_id: int, spec: StateSpec) -> None:
     policy, value = np.asarray(out["policy"]), np.asarray(out["value"])
@@ -320,7 +330,7 @@ def _check_reply(out: Mapping[str, Any], worker_id: int, spec: StateSpec) -> Non
 
 
 def worker_main(client: Client, worker_id: int, spec: StateSpec, warmup: int, seconds: float, n_samples: int,
-                ready: threading.Barrier, go: threading.Event, start_ns: Any, results: mp.Queue) -> None:
+                ready: threading.Barrier, go: threading.Event, start_ns: Any, results: ResultQueue) -> None:
     try:
         state = np.random.default_rng(worker_id).random(spec.shape, dtype=np.float32)
         # The null model echoes this element back as "value": a reply routed to
@@ -379,7 +389,7 @@ def _join(procs: Sequence[BaseProcess], timeout: float) -> list[str]:
     return [p.name for p in stuck]
 
 
-def _worker_errors(results: mp.Queue, timeout: float) -> str:
+def _worker_errors(results: ResultQueue, timeout: float) -> str:
     """Tracebacks the workers reported, the root cause first: after one worker
     fails the others only report the broken barrier."""
     errors: list[str] = []
@@ -407,7 +417,8 @@ def weighted_quantiles(samples: list[np.ndarray], counts: list[int], qs: Sequenc
     order = np.argsort(values, kind="stable")
     cumulative = np.cumsum(weights[order])
     idx = np.searchsorted(cumulative, np.asarray(qs) * cumulative[-1])
-    return values[order][np.minimum(idx, len(values) - 1)]
+    quantiles: np.ndarray = values[order][np.minimum(idx, len(values) - 1)]
+    return quantiles
 
 
 def run_trial(method_name: str, n_workers: int, spec: StateSpec, args: argparse.Namespace) -> dict[str, Any]:
@@ -582,7 +593,9 @@ def _json_default(obj: Any) -> Any:
         return obj.item()
     if isinstance(obj, np.ndarray):
         return obj.tolist()
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+    # Whatever else Evaluator.stats() may hold: losing the run at the last
+    # step over one field would be worse than a string.
+    return repr(obj)
 
 
 def _dev_shm() -> set[str]:

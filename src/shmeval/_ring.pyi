@@ -65,6 +65,7 @@ class Segment:
     def stat_inc(self, name: str, v: int) -> None: ...
 
 class ClientPort:
+    c: int
     free: list[int]
     waiters: int
     def __init__(self, seg: Segment, c: int, free: list[int], names: tuple[str, ...],

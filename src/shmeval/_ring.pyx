@@ -395,7 +395,7 @@ cdef class ClientPort:
     ``waiters`` counts threads waiting for a slot, which ``notify`` wakes.
     """
     cdef Segment seg
-    cdef uint32_t c
+    cdef readonly uint32_t c
     cdef readonly list free
     cdef public int waiters
     cdef object notify
@@ -506,7 +506,8 @@ def all_finite(cnp.ndarray a, Py_ssize_t rows):
     cdef const float *f
     cdef const double *d
     cdef bint ok = True
-    if not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_NDIM(a) == 0:
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_NDIM(a) == 0 or \
+            not cnp.PyArray_ISNOTSWAPPED(a):
         return None
     count = rows * (cnp.PyArray_SIZE(a) // cnp.PyArray_DIM(a, 0)) if cnp.PyArray_DIM(a, 0) else 0
     if count > cnp.PyArray_SIZE(a):

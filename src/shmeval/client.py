@@ -24,7 +24,7 @@ Outputs = Dict[str, np.ndarray]
 #: How long one blocking wait lasts before the evaluator's liveness is checked.
 WAIT_TIMEOUT_NS = 100_000_000
 #: Default client spin budget (µs) while the attached processes fit on the cores.
-DEFAULT_SPIN_US = 50.0
+DEFAULT_SPIN_US = 100.0
 
 
 def _ncpu() -> int:
@@ -143,7 +143,7 @@ class Client:
         seg = self._seg
         assert seg is not None and self._port is not None
         try:
-            r = self._wait_slow(seg, self._c, k, outs, 0, rc)
+            r = self._wait_slow(seg, self._port.c, k, outs, 0, rc)
         except BaseException:
             self._give_back([], [k])
             raise
@@ -174,9 +174,12 @@ class Client:
         with self._lock:
             if self._finalizer is not None and self._pid == os.getpid():
                 self._finalizer()
+            # Threads still inside a request notice this (_pid no longer
+            # ours) at their next wait timeout and raise EvaluatorClosed.
             self._pid = -1
             self._c = -1
             self._free = []
+            self._abandoned = []
 
     def __enter__(self) -> "Client":
         return self
@@ -211,6 +214,10 @@ class Client:
             raise EvaluatorDied(f"the evaluator serving {self._address} died")
         if st >= _ring.CLOSING:
             raise EvaluatorClosed(f"the evaluator serving {self._address} is closed")
+
+    def _check_registered(self) -> None:
+        if self._pid != os.getpid():
+            raise EvaluatorClosed(f"{self} was closed in this process while a request waited")
 
     def _check_alive(self, seg: "_ring.Segment") -> None:
         """Called after every wait timeout: raises instead of waiting forever
@@ -249,6 +256,7 @@ class Client:
                 port.waiters += 1
                 try:
                     if len(free) < m and not self._slot_freed.wait(WAIT_TIMEOUT_NS / 1e9):
+                        self._check_registered()
                         self._recover_abandoned()
                         assert self._seg is not None
                         self._check_alive(self._seg)
@@ -260,6 +268,9 @@ class Client:
         # back once the evaluator has finished with them.  Lock held.
         seg = self._seg
         assert seg is not None
+        if self._pid != os.getpid():  # closed in this process meanwhile
+            self._abandoned = []
+            return
         still = []
         for k in self._abandoned:
             if seg.is_final(self._c, k) and seg.release(self._c, k):
@@ -285,6 +296,7 @@ class Client:
         """After a wait timed out (rc): check the evaluator, wait again."""
         spin_ns = int(self._spin_us * 1000)
         while True:
+            self._check_registered()
             if rc == _ring.CLOSED:
                 self._check_state(seg)
                 raise EvaluatorClosed(f"the evaluator serving {self._address} "

@@ -98,11 +98,13 @@ class _ServingLoop:
         self.server = _ring.Server(seg, self.batch)
         self.version = 0
 
-    def run(self) -> None:
+    def run(self, started: Optional[threading.Event] = None) -> None:
         seg, pol, server = self.seg, self.policy, self.server
         me = os.getpid()
         owner = seg.owner_pid
         seg.set_serving(me, segment.process_starttime(me) or 0)
+        if started is not None:
+            started.set()
         spin_ns = int(pol.spin_us * 1000)
         wait_ns = int(pol.max_wait_us * 1000)
         next_housekeeping = 0
@@ -126,8 +128,8 @@ class _ServingLoop:
             final = _ring.DIED
             raise
         finally:
-            if server.pending:
-                server.fail("EvaluatorDied: the serving loop stopped during this batch")
+            # DIED (or CLOSED) wakes every waiter, including the requests of
+            # a batch the loop held when it crashed: they raise EvaluatorDied.
             seg.close_and_wake(final)
 
     def serve_batch(self, n: int) -> None:
@@ -143,11 +145,12 @@ class _ServingLoop:
         except Exception as e:  # the model's failure fails this batch only
             t1 = t1 or time.perf_counter_ns()
             error = e if isinstance(e, ModelError) else ModelError(f"{type(e).__name__}: {e}")
+        # Statistics first: a client that sees its answer also sees them.
+        self.server.record(n, rows, t1 - t0, error is not None)
         if error is None:
             self.server.complete(arrays, self.version)
         else:
             self.server.fail(error.message)
-        self.server.record(n, rows, t1 - t0, error is not None)
         t_out = time.perf_counter_ns()
         self.seg.stat_inc("overhead_ns", (t0 - t_in) + (t_out - t1))
 
@@ -203,7 +206,10 @@ class _ServingLoop:
 
 def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, max_batch: int,
                max_wait_us: float, buckets: Buckets, max_clients: int, slots_per_client: int,
-               evaluator_spin_us: float) -> tuple[Spec, BatchPolicy]:
+               evaluator_spin_us: float, spin_us: Optional[float]) -> tuple[Spec, BatchPolicy]:
+    # Every argument is checked before the segment is created.
+    if spin_us is not None and not spin_us >= 0:
+        raise ValueError(f"spin_us must be >= 0, got {spin_us}")
     spec = Spec.build(input_shape, input_dtype, outputs, max_batch, max_clients,
                       slots_per_client)
     policy = BatchPolicy.make(spec.max_batch, max_wait_us, buckets, evaluator_spin_us)
@@ -220,7 +226,7 @@ def _shutdown(seg: "_ring.Segment", address: str, owner_pid: int,
     final = _ring.CLOSED_STATE
     if thread is not None:
         thread.join(timeout)
-    if process is not None:
+    if process is not None and process.pid is not None:  # None: never started
         process.join(timeout)
         if process.is_alive():
             process.terminate()
@@ -284,15 +290,18 @@ class Evaluator(Client):
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
-                                  buckets, max_clients, slots_per_client, evaluator_spin_us)
+                                  buckets, max_clients, slots_per_client, evaluator_spin_us,
+                                  spin_us)
         seg, address = segment.create(spec, name)
         super().__init__(address, spec, spin_us, _segment=seg)
         self._owner_pid = os.getpid()
         self._policy = policy
         loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite)
-        thread = threading.Thread(target=loop.run, name=f"shmeval-evaluator {address}",
-                                  daemon=True)
+        started = threading.Event()
+        thread = threading.Thread(target=loop.run, args=(started,),
+                                  name=f"shmeval-evaluator {address}", daemon=True)
         thread.start()
+        started.wait(10.0)
         self._thread: Optional[threading.Thread] = thread
         self._process: Optional[Any] = None
         self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
@@ -312,7 +321,8 @@ class Evaluator(Client):
         if not callable(factory):
             raise TypeError(f"factory must be callable, got {type(factory).__name__}")
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
-                                  buckets, max_clients, slots_per_client, evaluator_spin_us)
+                                  buckets, max_clients, slots_per_client, evaluator_spin_us,
+                                  spin_us)
         seg, address = segment.create(spec, name)
         self = cls.__new__(cls)
         Client.__init__(self, address, spec, spin_us, _segment=seg)
@@ -345,7 +355,10 @@ class Evaluator(Client):
             if kind != "ready":
                 raise ModelError(f"the model factory failed in the evaluator process: {detail}")
         except BaseException:
-            self._shutdown()
+            # Start-up failed: nothing was served, so there is nothing to wait
+            # for before terminating the process (start_timeout is honoured).
+            self._shutdown.detach()
+            _shutdown(seg, address, self._owner_pid, None, proc, timeout=0.5)
             raise
         finally:
             receiver.close()

@@ -80,8 +80,9 @@ def attach(name: str, expect: Optional[Spec] = None) -> tuple["_ring.Segment", S
         shm.close_fd()
     try:
         spec = Spec.from_json(seg.spec)
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
-        raise SegmentError(f"segment {name} holds an unreadable spec: {e}") from None
+    except Exception as e:  # anything a hostile spec text can provoke
+        raise SegmentError(f"segment {name} holds an unreadable spec: "
+                           f"{type(e).__name__}: {e}") from None
     params = seg.params
     if (params["in_bytes"], params["out_bytes"], params["max_clients"],
             params["slots_per_client"], params["max_batch"]) != (

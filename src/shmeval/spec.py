@@ -6,6 +6,8 @@ as JSON in the segment header and compared on attach.
 from __future__ import annotations
 
 import json
+import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Tuple, Union
 
@@ -18,15 +20,25 @@ OutputsLike = Mapping[str, Tuple[ShapeLike, DTypeLike]]
 _ALIGN = 8  # each output field of a result row starts 8-byte aligned
 
 
+_MAX_DIM = 1 << 31
+_MAX_NDIM = 32
+_MAX_ROW_BYTES = 1 << 30  # ring.h: SHM_MAX_ROW_BYTES
+
+
 def _shape(x: ShapeLike, what: str) -> tuple[int, ...]:
-    if isinstance(x, (int, np.integer)):
-        x = (int(x),)
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        x = (x,)
     try:
-        shape = tuple(int(d) for d in x)
+        dims = list(x)  # type: ignore[arg-type]
+        if any(isinstance(d, (bool, np.bool_)) for d in dims):
+            raise TypeError
+        shape = tuple(operator.index(d) for d in dims)
     except TypeError:
         raise TypeError(f"{what} must be a tuple of ints, got {x!r}") from None
-    if any(d < 0 for d in shape):
-        raise ValueError(f"{what} must not have negative dimensions, got {shape}")
+    if len(shape) > _MAX_NDIM:
+        raise ValueError(f"{what} has {len(shape)} dimensions, at most {_MAX_NDIM} are supported")
+    if any(d < 0 or d > _MAX_DIM for d in shape):
+        raise ValueError(f"{what} dimensions must be in 0..{_MAX_DIM}, got {shape}")
     return shape
 
 
@@ -60,7 +72,7 @@ class Spec:
 
     @property
     def in_bytes(self) -> int:
-        return int(np.prod(self.input_shape, dtype=np.int64)) * self.input_dtype.itemsize
+        return math.prod(self.input_shape) * self.input_dtype.itemsize
 
     @property
     def out_bytes(self) -> int:
@@ -98,7 +110,7 @@ class Spec:
                     f"outputs[{name!r}] must be (shape, dtype), got {desc!r}") from None
             s = _shape(oshape, f"outputs[{name!r}] shape")
             d = _dtype(odtype, f"outputs[{name!r}] dtype")
-            nbytes = int(np.prod(s, dtype=np.int64)) * d.itemsize
+            nbytes = math.prod(s) * d.itemsize
             offset = -(-offset // _ALIGN) * _ALIGN
             outs.append(OutputSpec(name, s, d, offset, nbytes))
             offset += nbytes
@@ -112,6 +124,10 @@ class Spec:
                    int(slots_per_client))
         if spec.in_bytes == 0:
             raise ValueError(f"input_shape {shape} has no elements")
+        for what, nbytes in (("one input", spec.in_bytes), ("one result", spec.out_bytes)):
+            if nbytes > _MAX_ROW_BYTES:
+                raise ValueError(f"{what} would take {nbytes} bytes; at most {_MAX_ROW_BYTES} "
+                                 "are supported")
         return spec
 
     def to_json(self) -> bytes:
