@@ -88,6 +88,19 @@ def segment_size(in_bytes, out_bytes, max_clients, slots_per_client, max_batch):
     return l.total
 
 
+cdef extern from "sys/prctl.h" nogil:
+    int prctl(int option, unsigned long arg2, unsigned long arg3, unsigned long arg4,
+              unsigned long arg5)
+    enum: PR_SET_TIMERSLACK
+
+
+def set_timer_slack_ns(unsigned long ns):
+    """Sets the calling thread's timer slack.  Linux rounds sleeps with a
+    timeout up by this much (50 µs by default), which would stretch a
+    max_wait_us of a few tens of µs."""
+    return prctl(PR_SET_TIMERSLACK, ns, 0, 0, 0) == 0
+
+
 def now_ns():
     """CLOCK_MONOTONIC in ns, the clock the segment's timestamps use."""
     return shm_now_ns()

@@ -102,6 +102,7 @@ class _ServingLoop:
         seg, pol, server = self.seg, self.policy, self.server
         me = os.getpid()
         owner = seg.owner_pid
+        _ring.set_timer_slack_ns(1000)  # this thread's max_wait_us sleeps stay precise
         seg.set_serving(me, segment.process_starttime(me) or 0)
         if started is not None:
             started.set()
