@@ -1,5 +1,5 @@
 # Declarations of the C core (_core/ring.h).  Only _ring.pyx cimports this.
-from libc.stdint cimport int32_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 
 cdef extern from "ring.h" nogil:
@@ -64,6 +64,7 @@ cdef extern from "ring.h" nogil:
         EV_CLOSING
         EV_CLOSED
         EV_DIED
+        ST_BUSY_NS
 
     int shm_layout_compute(const shm_params *p, shm_layout *l)
     int shm_init(shm_seg *s, char *base, uint64_t size, const shm_params *p,
@@ -93,8 +94,8 @@ cdef extern from "ring.h" nogil:
                     uint64_t max_wait_ns, uint64_t timeout_ns)
     uint32_t shm_complete_fields(shm_seg *s, shm_taken *taken, uint32_t n,
                                  uint32_t nfields, const char *const *fields,
-                                 const uint64_t *field_bytes, const uint64_t *field_off,
-                                 uint64_t model_version)
+                                 const uint64_t *field_bytes, const int64_t *field_stride,
+                                 const uint64_t *field_off, uint64_t model_version)
     uint32_t shm_fail(shm_seg *s, shm_taken *taken, uint32_t n,
                       const char *msg, uint32_t len)
     void shm_record_batch(shm_seg *s, uint32_t n, uint32_t rows,

@@ -15,6 +15,10 @@ SERVING: int
 CLOSING: int
 CLOSED_STATE: int
 DIED: int
+SERVE_IDLE: int
+SERVE_CLOSED: int
+SERVE_SLOW: int
+SERVE_RAISED: int
 STAT_NAMES: tuple[str, ...]
 STAT_INDEX: dict[str, int]
 
@@ -79,6 +83,13 @@ class ClientPort:
 
 class Server:
     def __init__(self, seg: Segment, batch: np.ndarray) -> None: ...
+    def set_outputs(self, names: tuple[str, ...],
+                    out_specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> None: ...
+    def serve(self, model: Callable[[np.ndarray], Any], max_batch: int, spin_ns: int,
+              max_wait_ns: int, timeout_ns: int, version: int, reject_nonfinite: bool,
+              buckets: Optional[list[int]], until_ns: int) -> tuple[int, int, int, Any, int]: ...
+    def finish_fast(self, out: Any, rows: int, model_ns: int, version: int,
+                    reject_nonfinite: bool) -> bool: ...
     def collect(self, max_batch: int, spin_ns: int, max_wait_ns: int, timeout_ns: int) -> int: ...
     @property
     def pending(self) -> int: ...

@@ -29,6 +29,12 @@ FAILED = SLOT_FAILED
 TIMEOUT = SHM_TIMEOUT
 CLOSED = SHM_CLOSED
 
+# What Server.serve() returns to the Python serving loop for.
+SERVE_IDLE = 0
+SERVE_CLOSED = 1
+SERVE_SLOW = 2
+SERVE_RAISED = 3
+
 # Evaluator lifecycle (ev_state()).
 STARTING = EV_STARTING
 SERVING = EV_SERVING
@@ -38,7 +44,7 @@ DIED = EV_DIED
 
 STAT_NAMES = (
     "requests", "batches", "padded_rows", "failed_requests", "failed_batches",
-    "model_ns", "overhead_ns", "serve_start_ns", "model_version",
+    "model_ns", "busy_ns", "serve_start_ns", "model_version",
     "reclaimed_clients", "reclaimed_writing", "stale_completions", "warmup_ns",
 )
 STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
@@ -512,36 +518,71 @@ cdef class ClientPort:
         return result
 
 
-def all_finite(cnp.ndarray a, Py_ssize_t rows):
-    """True when the first `rows` rows of C-contiguous float32/float64 array a
-    hold no NaN or inf; None for other dtypes (the caller uses NumPy)."""
-    cdef Py_ssize_t i, count
+cdef bint _rows_ok(object x, Py_ssize_t rows, uint64_t row_bytes):
+    """x is an ndarray with at least `rows` rows (axis 0) of exactly
+    row_bytes each, every row contiguous in memory (axis 0 may be strided)."""
+    cdef cnp.ndarray a
+    cdef int i, nd
+    cdef Py_ssize_t expect
+    if type(x) is not cnp.ndarray:
+        return False
+    a = <cnp.ndarray>x
+    nd = cnp.PyArray_NDIM(a)
+    if nd < 1 or cnp.PyArray_DIM(a, 0) < rows:
+        return False
+    expect = cnp.PyArray_ITEMSIZE(a)
+    if cnp.PyArray_SIZE(a) == 0:  # rows of no elements: nothing to copy
+        return row_bytes == 0
+    for i in range(nd - 1, 0, -1):
+        if cnp.PyArray_DIM(a, i) != 1 and cnp.PyArray_STRIDE(a, i) != expect:
+            return False
+        expect *= cnp.PyArray_DIM(a, i)
+    return <uint64_t>expect == row_bytes
+
+
+cdef int _finite(cnp.ndarray a, Py_ssize_t rows) except -2:
+    """1 when the first `rows` rows of native float32/float64 array a (rows
+    contiguous, axis 0 may be strided) hold no NaN or inf, 0 when they do,
+    -1 for other arrays."""
+    cdef Py_ssize_t i, r, per_row, stride
+    cdef const char *base
     cdef const float *f
     cdef const double *d
-    cdef bint ok = True
-    if not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_NDIM(a) == 0 or \
-            not cnp.PyArray_ISNOTSWAPPED(a):
-        return None
-    count = rows * (cnp.PyArray_SIZE(a) // cnp.PyArray_DIM(a, 0)) if cnp.PyArray_DIM(a, 0) else 0
-    if count > cnp.PyArray_SIZE(a):
+    cdef int ok = 1, typ = cnp.PyArray_TYPE(a)
+    if cnp.PyArray_NDIM(a) and cnp.PyArray_DIM(a, 0) < rows:
         raise ValueError("rows exceeds the array")
-    if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT32:
-        f = <const float *>cnp.PyArray_DATA(a)
-        with nogil:
-            for i in range(count):
-                if not isfinite(f[i]):
-                    ok = False
-                    break
-        return ok
-    if cnp.PyArray_TYPE(a) == cnp.NPY_FLOAT64:
-        d = <const double *>cnp.PyArray_DATA(a)
-        with nogil:
-            for i in range(count):
-                if not isfinite(d[i]):
-                    ok = False
-                    break
-        return ok
-    return None
+    if cnp.PyArray_NDIM(a) == 0 or not cnp.PyArray_ISNOTSWAPPED(a) or \
+            (typ != cnp.NPY_FLOAT32 and typ != cnp.NPY_FLOAT64) or \
+            not _rows_ok(a, rows, (cnp.PyArray_SIZE(a) // cnp.PyArray_DIM(a, 0) if
+                                   cnp.PyArray_DIM(a, 0) else 0) * cnp.PyArray_ITEMSIZE(a)):
+        return -1
+    per_row = cnp.PyArray_SIZE(a) // cnp.PyArray_DIM(a, 0) if cnp.PyArray_DIM(a, 0) else 0
+    stride = cnp.PyArray_STRIDE(a, 0)
+    base = <const char *>cnp.PyArray_DATA(a)
+    with nogil:
+        for r in range(rows):
+            if typ == cnp.NPY_FLOAT32:
+                f = <const float *>(base + r * stride)
+                for i in range(per_row):
+                    if not isfinite(f[i]):
+                        ok = 0
+                        break
+            else:
+                d = <const double *>(base + r * stride)
+                for i in range(per_row):
+                    if not isfinite(d[i]):
+                        ok = 0
+                        break
+            if not ok:
+                break
+    return ok
+
+
+def all_finite(cnp.ndarray a, Py_ssize_t rows):
+    """True when the first `rows` rows of C-contiguous float32/float64 array a
+    hold no NaN or inf; None for other arrays (the caller uses NumPy)."""
+    cdef int r = _finite(a, rows)
+    return None if r < 0 else bool(r)
 
 
 cdef class Server:
@@ -560,6 +601,14 @@ cdef class Server:
     cdef uint32_t n
     cdef uint32_t cap
     cdef const char **fields
+    cdef int64_t *strides
+    cdef uint64_t busy_since
+    cdef tuple names
+    cdef list out_dims
+    cdef list out_types
+    cdef list out_float
+    cdef bint fast
+    cdef list views
 
     def __cinit__(self, Segment seg, cnp.ndarray batch):
         self.seg = seg
@@ -572,14 +621,30 @@ cdef class Server:
             raise ValueError("segment outputs not set")
         self.taken = <shm_taken *>malloc(sizeof(shm_taken) * self.cap)
         self.fields = <const char **>malloc(sizeof(char *) * seg.n_out)
-        if self.taken == NULL or self.fields == NULL:
+        self.strides = <int64_t *>malloc(sizeof(int64_t) * seg.n_out)
+        if self.taken == NULL or self.fields == NULL or self.strides == NULL:
             raise MemoryError()
         self.batch = <char *>cnp.PyArray_DATA(batch)
         self._keep = batch
+        self.fast = False
+        self.views = [None] * (cnp.PyArray_DIM(batch, 0) + 1)  # batch[:rows], made once
+
+    def set_outputs(self, tuple names, list out_specs):
+        """Declared outputs, [(shape, dtype)] in order, for finish_fast."""
+        if len(names) != self.seg.n_out or len(out_specs) != self.seg.n_out:
+            raise ValueError("outputs disagree with the segment")
+        self.names = names
+        self.out_dims = [tuple(shape) for shape, _ in out_specs]
+        self.out_types = [dtype.num for _, dtype in out_specs]
+        self.out_float = [dtype.kind in "fc" for _, dtype in out_specs]
+        # Only native built-in dtypes can be matched by type number.
+        self.fast = all(dtype.isnative and dtype.num < cnp.NPY_NTYPES_LEGACY
+                        for _, dtype in out_specs)
 
     def __dealloc__(self):
         free(self.taken)
         free(self.fields)
+        free(self.strides)
 
     def collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
                 uint64_t timeout_ns):
@@ -588,33 +653,131 @@ cdef class Server:
         if self.n:
             raise ShmevalError("collect() while a batch is outstanding")
         max_batch = min(max_batch, self.cap)
+        if self.busy_since:
+            shm_stat_inc(&self.seg.seg, ST_BUSY_NS, shm_now_ns() - self.busy_since)
+            self.busy_since = 0
         with nogil:
             rc = shm_collect(&self.seg.seg, self.batch, self.taken, max_batch, &self.cursor,
                              spin_ns, max_wait_ns, timeout_ns)
         if rc > 0:
             self.n = rc
+            self.busy_since = shm_now_ns()
         return rc
+
+    def serve(self, object model, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
+              uint64_t timeout_ns, uint64_t version, bint reject_nonfinite, object buckets,
+              uint64_t until_ns):
+        """The serving loop's common path without Python bytecode between
+        batches: collect -> model(batch[:rows]) -> finish_fast, repeated until
+        something needs the Python layer.  Returns (kind, n, rows, detail,
+        model_ns) with kind:
+          IDLE    nothing arrived within timeout_ns, or until_ns (CLOCK_MONOTONIC)
+                  passed: time for housekeeping
+          CLOSED  close requested
+          SLOW    the outputs (detail) need conversion or an explanation
+          RAISED  the model raised (detail is the exception)
+        Buckets: None, or a sorted list of padded batch sizes."""
+        cdef int rc
+        cdef uint32_t n, rows
+        cdef uint64_t t0, model_ns
+        cdef list views = self.views
+        cdef Py_ssize_t bi
+        while True:
+            rc = self.collect(max_batch, spin_ns, max_wait_ns, timeout_ns)
+            if rc == SHM_CLOSED:
+                return (SERVE_CLOSED, 0, 0, None, 0)
+            if rc == 0:
+                return (SERVE_IDLE, 0, 0, None, 0)
+            n = rc
+            rows = n
+            if buckets is not None:
+                for bi in range(len(buckets)):
+                    if <uint32_t>buckets[bi] >= n:
+                        rows = buckets[bi]
+                        break
+            view = views[rows]
+            if view is None:
+                view = views[rows] = self._keep[:rows]
+            t0 = shm_now_ns()
+            try:
+                out = model(view)
+            except Exception as e:
+                return (SERVE_RAISED, n, rows, e, shm_now_ns() - t0)
+            model_ns = shm_now_ns() - t0
+            if not self.finish_fast(out, rows, model_ns, version, reject_nonfinite):
+                return (SERVE_SLOW, n, rows, out, model_ns)
+            if until_ns and shm_now_ns() >= until_ns:
+                return (SERVE_IDLE, 0, 0, None, 0)
+
+    def finish_fast(self, object out, uint32_t rows, uint64_t model_ns, uint64_t version,
+                    bint reject_nonfinite):
+        """Records and completes the outstanding batch if the model's outputs
+        are already exactly as declared: arrays of the declared dtype (native
+        order, C-contiguous) and shape (rows, *shape), finite where required.
+        Returns False, having done nothing, otherwise: the caller then
+        converts the outputs or explains what is wrong."""
+        cdef list arrays
+        cdef cnp.ndarray a
+        cdef tuple dims
+        cdef Py_ssize_t j, i, nout = self.seg.n_out
+        if not self.fast or self.n == 0:
+            return False
+        if type(out) is dict:
+            arrays = []
+            for name in self.names:
+                x = (<dict>out).get(name)
+                if x is None:
+                    return False
+                arrays.append(x)
+        elif type(out) is tuple or type(out) is list:
+            if len(out) != nout:
+                return False
+            arrays = list(out)
+        elif nout == 1:
+            arrays = [out]
+        else:
+            return False
+        for j in range(nout):
+            x = arrays[j]
+            if type(x) is not cnp.ndarray:
+                return False
+            a = <cnp.ndarray>x
+            dims = <tuple>self.out_dims[j]
+            if not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_TYPE(a) != <int>self.out_types[j] or \
+                    cnp.PyArray_NDIM(a) != len(dims) + 1 or cnp.PyArray_DIM(a, 0) != rows:
+                return False
+            for i in range(len(dims)):
+                if cnp.PyArray_DIM(a, i + 1) != <Py_ssize_t>dims[i]:
+                    return False
+            if not _rows_ok(a, self.n, self.seg.out_nbytes[j]):
+                return False
+            if reject_nonfinite and self.out_float[j] and _finite(a, self.n) != 1:
+                return False
+        shm_record_batch(&self.seg.seg, self.n, rows, model_ns, 0)
+        self.complete(arrays, version)
+        return True
 
     @property
     def pending(self):
         return self.n
 
     def complete(self, list arrays, uint64_t model_version):
-        """Scatters row i of each output array (C-contiguous, the declared
-        dtype, at least n rows) into request i's slot; marks DONE and wakes."""
+        """Scatters row i of each output array into request i's slot; marks
+        DONE and wakes.  Each array needs at least n rows of exactly the
+        declared row size, each row contiguous (axis 0 may be strided)."""
         cdef uint32_t j, done, nf = self.seg.n_out
-        cdef cnp.ndarray a
         if len(arrays) != nf:
             raise ValueError("expected %d output arrays" % nf)
         for j in range(nf):
-            a = arrays[j]
-            if not cnp.PyArray_IS_C_CONTIGUOUS(a) or \
-                    <uint64_t>cnp.PyArray_NBYTES(a) < self.n * self.seg.out_nbytes[j]:
-                raise ValueError("output array %d too small or not C-contiguous" % j)
-            self.fields[j] = <const char *>cnp.PyArray_DATA(a)
+            if not _rows_ok(arrays[j], self.n, self.seg.out_nbytes[j]):
+                raise ValueError("output array %d: too few rows, wrong row size, or rows "
+                                 "not contiguous" % j)
+            self.fields[j] = <const char *>cnp.PyArray_DATA(<cnp.ndarray>arrays[j])
+            self.strides[j] = cnp.PyArray_STRIDE(<cnp.ndarray>arrays[j], 0)
         with nogil:
             done = shm_complete_fields(&self.seg.seg, self.taken, self.n, nf, self.fields,
-                                       self.seg.out_nbytes, self.seg.out_off, model_version)
+                                       self.seg.out_nbytes, self.strides, self.seg.out_off,
+                                       model_version)
         self.n = 0
         return done
 

@@ -7,7 +7,6 @@ reclaims the client entries of dead or detached processes.
 """
 from __future__ import annotations
 
-import bisect
 import multiprocessing as mp
 import os
 import signal
@@ -80,10 +79,6 @@ class BatchPolicy:
         """Rows of the batch buffer."""
         return max(self.max_batch, self.buckets[-1]) if self.buckets else self.max_batch
 
-    def rows_for(self, n: int) -> int:
-        if self.buckets is None:
-            return n
-        return self.buckets[bisect.bisect_left(self.buckets, n)]
 
 
 class _ServingLoop:
@@ -96,6 +91,7 @@ class _ServingLoop:
         self.reject_nonfinite = reject_nonfinite
         self.batch = np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype)
         self.server = _ring.Server(seg, self.batch)
+        self.server.set_outputs(spec.output_names, [(o.shape, o.dtype) for o in spec.outputs])
         self.version = 0
 
     def run(self, started: Optional[threading.Event] = None) -> None:
@@ -108,18 +104,22 @@ class _ServingLoop:
             started.set()
         spin_ns = int(pol.spin_us * 1000)
         wait_ns = int(pol.max_wait_us * 1000)
-        next_housekeeping = 0
+        buckets = list(pol.buckets) if pol.buckets else None
         final = _ring.CLOSED_STATE
         try:
             while True:
-                n = server.collect(pol.max_batch, spin_ns, wait_ns, IDLE_TIMEOUT_NS)
-                if n == _ring.CLOSED:
+                until = _ring.now_ns() + HOUSEKEEPING_NS
+                # Batches are served in C until something needs Python.
+                kind, n, rows, detail, model_ns = server.serve(
+                    self.model, pol.max_batch, spin_ns, wait_ns, IDLE_TIMEOUT_NS, self.version,
+                    self.reject_nonfinite, buckets, until)
+                if kind == _ring.SERVE_CLOSED:
                     break
-                if n > 0:
-                    self.serve_batch(n)
-                now = time.monotonic_ns()
-                if n == 0 or now >= next_housekeeping:
-                    next_housekeeping = now + HOUSEKEEPING_NS
+                if kind == _ring.SERVE_SLOW:
+                    self.finish_slow(detail, n, rows, model_ns)
+                elif kind == _ring.SERVE_RAISED:
+                    self.finish_failed(detail, n, rows, model_ns)
+                elif _ring.now_ns() >= until or kind == _ring.SERVE_IDLE:
                     self.reclaim_dead_clients()
                     if owner != me and not segment.is_alive(owner):
                         # Our creator is gone: nobody else will close or unlink.
@@ -133,27 +133,25 @@ class _ServingLoop:
             # a batch the loop held when it crashed: they raise EvaluatorDied.
             seg.close_and_wake(final)
 
-    def serve_batch(self, n: int) -> None:
-        t_in = time.perf_counter_ns()
-        rows = self.policy.rows_for(n)
-        error = None
-        t0 = time.perf_counter_ns()
-        t1 = 0
+    def finish_slow(self, out: Any, n: int, rows: int, model_ns: int) -> None:
+        """Outputs that finish_fast could not take as they are: convert them,
+        or fail the batch with a message saying what is wrong."""
         try:
-            out = self.model(self.batch[:rows])
-            t1 = time.perf_counter_ns()
             arrays = self.check_outputs(out, n, rows)
-        except Exception as e:  # the model's failure fails this batch only
-            t1 = t1 or time.perf_counter_ns()
-            error = e if isinstance(e, ModelError) else ModelError(f"{type(e).__name__}: {e}")
+        except Exception as e:
+            self.finish_failed(e, n, rows, model_ns)
+            return
         # Statistics first: a client that sees its answer also sees them.
-        self.server.record(n, rows, t1 - t0, error is not None)
-        if error is None:
+        self.server.record(n, rows, model_ns, False)
+        try:
             self.server.complete(arrays, self.version)
-        else:
-            self.server.fail(error.message)
-        t_out = time.perf_counter_ns()
-        self.seg.stat_inc("overhead_ns", (t0 - t_in) + (t_out - t1))
+        except ValueError as e:  # a shape check_outputs let through: fail, keep serving
+            self.server.fail(f"ModelError: {e}")
+
+    def finish_failed(self, e: Exception, n: int, rows: int, model_ns: int) -> None:
+        error = e if isinstance(e, ModelError) else ModelError(f"{type(e).__name__}: {e}")
+        self.server.record(n, rows, model_ns, True)
+        self.server.fail(error.message)
 
     def check_outputs(self, out: Any, n: int, rows: int) -> list[np.ndarray]:
         """The model's outputs as C-contiguous arrays of the declared dtypes,

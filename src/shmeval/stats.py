@@ -56,7 +56,10 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
         "queue_wait_us": {k: v / 1e3 for k, v in wait.items()},
         "model_ms": {k: v / 1e6 for k, v in model.items()},
         "model_time_share": raw["model_ns"] / uptime_ns if uptime_ns else 0.0,
-        "overhead_us_per_batch": raw["overhead_ns"] / batches / 1e3 if batches else 0.0,
+        # Serving-loop time per batch outside the model call (checks, gather,
+        # scatter, wake-ups; not the waits for requests).
+        "overhead_us_per_batch": (max(0, raw["busy_ns"] - raw["model_ns"]) / batches / 1e3
+                                  if batches else 0.0),
         "model_version": int(raw["model_version"]),
         "warmup_s": raw["warmup_ns"] / 1e9,
         "clients": int(raw["clients"]),

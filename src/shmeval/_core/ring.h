@@ -100,7 +100,8 @@ enum shm_stat {
     ST_FAILED_REQUESTS,
     ST_FAILED_BATCHES,
     ST_MODEL_NS,          /* total time inside the model call */
-    ST_OVERHEAD_NS,       /* serving-loop time outside the model and waits */
+    ST_BUSY_NS,           /* serving-loop time from a batch's collect to the
+                             next collect (model call included) */
     ST_SERVE_START_NS,    /* CLOCK_MONOTONIC when serving began */
     ST_MODEL_VERSION,
     ST_RECLAIMED_CLIENTS,
@@ -767,13 +768,16 @@ static inline uint32_t shm_finish(shm_seg *s, shm_taken *taken, uint32_t n,
 }
 
 /* Scatters the outputs of a batch into its slots, stamps the model version
- * and publishes DONE.  Output field j of row i is copied from
- * fields[j] + i * field_bytes[j] to offset field_off[j] of the slot's output
- * area (the caller checked that the fields fit in out_bytes). */
+ * and publishes DONE.  Output field j of request i is the field_bytes[j]
+ * contiguous bytes at fields[j] + i * field_stride[j] (a stride, so that a
+ * model output that is a strided view needs no copy); it goes to offset
+ * field_off[j] of the slot's output area (the caller checked that the fields
+ * fit in out_bytes and that the source rows exist). */
 static inline uint32_t shm_complete_fields(shm_seg *s, shm_taken *taken,
                                            uint32_t n, uint32_t nfields,
                                            const char *const *fields,
                                            const uint64_t *field_bytes,
+                                           const int64_t *field_stride,
                                            const uint64_t *field_off,
                                            uint64_t model_version) {
     for (uint32_t i = 0; i < n; i++) {
@@ -783,7 +787,7 @@ static inline uint32_t shm_complete_fields(shm_seg *s, shm_taken *taken,
         m->model_version = model_version;
         m->err_len = 0;
         for (uint32_t j = 0; j < nfields; j++)
-            memcpy(out + field_off[j], fields[j] + (uint64_t)i * field_bytes[j],
+            memcpy(out + field_off[j], fields[j] + (int64_t)i * field_stride[j],
                    field_bytes[j]);
     }
     return shm_finish(s, taken, n, SLOT_DONE);
@@ -794,8 +798,9 @@ static inline uint32_t shm_complete(shm_seg *s, shm_taken *taken,
                                     uint32_t n, const char *results,
                                     uint64_t model_version) {
     uint64_t off = 0;
-    return shm_complete_fields(s, taken, n, 1, &results, &s->p.out_bytes, &off,
-                               model_version);
+    int64_t stride = (int64_t)s->p.out_bytes;
+    return shm_complete_fields(s, taken, n, 1, &results, &s->p.out_bytes,
+                               &stride, &off, model_version);
 }
 
 /* Fails every slot of the batch with the same error text. */

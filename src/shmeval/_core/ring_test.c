@@ -1080,12 +1080,13 @@ static void test_state(void) {
         }
         const char *fields[2] = {(const char *)fb, (const char *)fa};
         const uint64_t fbytes[2] = {24, 8}, foff[2] = {8, 0};
+        const int64_t fstride[2] = {24, 8};
         for (uint32_t k = 0; k < 2; k++) {
             CHECK_EQ(shm_slot_begin(s, 0, k), SHM_OK);
             shm_slot_publish(s, 0, k);
         }
         CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 2);
-        CHECK_EQU(shm_complete_fields(s, taken, 2, 2, fields, fbytes, foff, 21),
+        CHECK_EQU(shm_complete_fields(s, taken, 2, 2, fields, fbytes, fstride, foff, 21),
                   2);
         for (int i = 0; i < 2; i++) {
             uint32_t k = taken[i].slot;
