@@ -1,7 +1,9 @@
 """Fake model and states shared by the tests (importable by spawn children)."""
 from __future__ import annotations
 
-from typing import Callable
+import os
+import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -30,3 +32,40 @@ def make_state(tag: int) -> np.ndarray:
 
 def expected(tag: int) -> tuple[np.ndarray, float]:
     return np.full(7, 2.0 * tag, np.float32) + np.arange(7, dtype=np.float32), float(-tag)
+
+
+def settled_stats(ev: Any, key: str, value: Any, timeout: float = 5.0) -> dict[str, Any]:
+    """ev.stats() once stats[key] == value, waiting up to timeout (counters
+    written by another process are read with relaxed loads: a snapshot)."""
+    s: dict[str, Any] = ev.stats()
+    deadline = time.monotonic() + timeout
+    while s[key] != value and time.monotonic() < deadline:
+        time.sleep(0.005)
+        s = ev.stats()
+    assert s[key] == value, (key, s[key], value, s)
+    return s
+
+
+def own_segments() -> set[str]:
+    """Segments created by this process (their names embed the creator pid)."""
+    prefix = f"shmeval-{os.getpid()}-"
+    return {e for e in os.listdir("/dev/shm") if e.startswith(prefix)}
+
+
+def make_ev(model: Callable[[np.ndarray], Any] = fake_model, **kw: Any) -> Any:
+    """A thread Evaluator over the fake-model spec, small capacities."""
+    import shmeval
+
+    args: dict[str, Any] = dict(input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=32,
+                                max_clients=8, slots_per_client=8)
+    args.update(kw)
+    return shmeval.Evaluator(model, **args)
+
+
+def check_answer(out: dict[str, np.ndarray], tag: int) -> None:
+    """out is the fake model's answer for make_state(tag), dtypes and shapes too."""
+    policy, value = expected(tag)
+    assert out["policy"].shape == (7,) and out["policy"].dtype == np.float32
+    assert out["value"].shape == () and out["value"].dtype == np.float32
+    np.testing.assert_array_equal(out["policy"], policy)
+    assert float(out["value"]) == value

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import shmeval
-from helpers import INPUT_SHAPE, OUTPUTS, expected, fake_model, make_state
+from helpers import (INPUT_SHAPE, OUTPUTS, check_answer, expected, fake_model, make_ev,
+                     make_state, own_segments, settled_stats)
 
 SHM_DIR = "/dev/shm"
 
@@ -43,46 +44,12 @@ class Recorder:
         return self.model(x)
 
 
-def make_ev(model: Callable[[np.ndarray], Any] = fake_model, **kw: Any) -> shmeval.Evaluator:
-    args: dict[str, Any] = dict(input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=32,
-                                max_clients=8, slots_per_client=8)
-    args.update(kw)
-    return shmeval.Evaluator(model, **args)
-
-
-def check_answer(out: dict[str, np.ndarray], tag: int) -> None:
-    policy, value = expected(tag)
-    assert out["policy"].shape == (7,) and out["policy"].dtype == np.float32
-    assert out["value"].shape == () and out["value"].dtype == np.float32
-    np.testing.assert_array_equal(out["policy"], policy)
-    assert float(out["value"]) == value
-
-
 def check_many(out: dict[str, np.ndarray], tags: list[int]) -> None:
     n = len(tags)
     assert out["policy"].shape == (n, 7) and out["value"].shape == (n,)
     t = np.array(tags, np.float32)
     np.testing.assert_array_equal(out["policy"], 2 * t[:, None] + np.arange(7, dtype=np.float32))
     np.testing.assert_array_equal(out["value"], -t)
-
-
-def settled_stats(ev: Any, key: str, value: Any, timeout: float = 5.0) -> dict[str, Any]:
-    """ev.stats() once stats[key] == value (a batch is counted just after its
-    clients are woken, so a client may read the counters a moment early)."""
-    import time
-    s: dict[str, Any] = ev.stats()
-    deadline = time.monotonic() + timeout
-    while s[key] != value and time.monotonic() < deadline:
-        time.sleep(0.005)
-        s = ev.stats()
-    assert s[key] == value, (key, s[key], value, s)
-    return s
-
-
-def own_segments() -> set[str]:
-    """Segments created by this process (their names embed the creator pid)."""
-    prefix = f"shmeval-{os.getpid()}-"
-    return {e for e in os.listdir(SHM_DIR) if e.startswith(prefix)}
 
 
 def leaked_by(fn: Callable[[], Any]) -> tuple[BaseException | None, list[str]]:

@@ -32,7 +32,8 @@ import pytest
 import shmeval
 from shmeval import segment
 from shmeval.spec import Spec
-from helpers import INPUT_SHAPE, OUTPUTS, expected, fake_factory, fake_model, make_state
+from helpers import (INPUT_SHAPE, OUTPUTS, check_answer, expected, fake_factory, fake_model,
+                     make_ev, make_state, own_segments, settled_stats)
 
 SHM_DIR = "/dev/shm"
 NO_HANG = 5.0          # generous bound for "raises instead of hanging"
@@ -46,19 +47,6 @@ OFF_OWNER_PID, OFF_SPEC = 64, 72
 
 # ---------------------------------------------------------------- helpers
 
-def make_ev(model: Callable[[np.ndarray], Any] = fake_model, **kw: Any) -> shmeval.Evaluator:
-    args: dict[str, Any] = dict(input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=32,
-                                max_clients=8, slots_per_client=8)
-    args.update(kw)
-    return shmeval.Evaluator(model, **args)
-
-
-def check_answer(out: dict[str, np.ndarray], tag: int) -> None:
-    policy, value = expected(tag)
-    np.testing.assert_array_equal(out["policy"], policy)
-    assert float(out["value"]) == value
-
-
 def check_many(out: dict[str, np.ndarray], tags: list[int]) -> None:
     t = np.array(tags, np.float32)
     np.testing.assert_array_equal(out["policy"], 2 * t[:, None] + np.arange(7, dtype=np.float32))
@@ -71,24 +59,6 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.005)
-
-
-def settled_stats(ev: Any, key: str, value: Any, timeout: float = NO_HANG) -> dict[str, Any]:
-    """ev.stats() once stats[key] == value.  Counters are recorded just after
-    the clients of a batch are woken, so a client may read them a moment
-    before its own batch is counted."""
-    s: dict[str, Any] = ev.stats()
-    deadline = time.monotonic() + timeout
-    while s[key] != value and time.monotonic() < deadline:
-        time.sleep(0.005)
-        s = ev.stats()
-    assert s[key] == value, (key, s[key], value, s)
-    return s
-
-
-def own_segments() -> set[str]:
-    prefix = f"shmeval-{os.getpid()}-"
-    return {e for e in os.listdir(SHM_DIR) if e.startswith(prefix)}
 
 
 def seg_path(address: str) -> str:

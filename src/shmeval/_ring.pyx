@@ -299,8 +299,12 @@ cdef class Segment:
         """Waits for slot (c, k) to finish.  Spins only while the attached
         clients plus the evaluator fit on the cores.  Returns DONE, FAILED,
         TIMEOUT or CLOSED."""
-        cdef int rc
         self._slot(c, k)
+        return self._wait(c, k, spin_ns, timeout_ns, ncpu)
+
+    cdef int _wait(self, uint32_t c, uint32_t k, uint64_t spin_ns, uint64_t timeout_ns,
+                   uint32_t ncpu):
+        cdef int rc
         if shm_n_attached(&self.seg) + 1 > ncpu:
             spin_ns = 0
         with nogil:
@@ -320,10 +324,7 @@ cdef class Segment:
         the slot still in flight."""
         cdef int rc
         self._slot(c, k)
-        if shm_n_attached(&self.seg) + 1 > ncpu:
-            spin_ns = 0
-        with nogil:
-            rc = shm_slot_wait(&self.seg, c, k, spin_ns, timeout_ns)
+        rc = self._wait(c, k, spin_ns, timeout_ns, ncpu)
         if rc < 0:
             return rc
         return self._fetch(c, k, dst, row)

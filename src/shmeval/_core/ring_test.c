@@ -1844,6 +1844,18 @@ static void *racer(void *arg) {
     return NULL;
 }
 
+/* Formats mem as a serving segment with one client whose slot 0 holds a
+ * published request: the starting point of the close-race schedules. */
+static void one_ready_request(shm_seg *seg, char *mem, const shm_layout *l,
+                              const shm_params *P) {
+    memset(mem, 0, l->total);
+    CHECK_EQ(shm_init(seg, mem, l->total, P, "", 0, 1), SHM_OK);
+    CHECK_EQ(shm_set_serving(seg, 1, 1), EV_SERVING);
+    CHECK_EQ(shm_client_register(seg, 1, 1), 0);
+    CHECK_EQ(shm_slot_begin(seg, 0, 0), SHM_OK);
+    shm_slot_publish(seg, 0, 0);
+}
+
 static void test_close(void) {
     start_test("close", 90);
     const uint64_t prompt = (BUILD_SLOW ? 2000 : 1000) * MS;
@@ -1989,12 +2001,7 @@ static void test_close(void) {
         /* (1) waiter vs shm_close_and_wake */
         for (int at = 1; at <= 4; at++) {
             shm_seg seg;
-            memset(mem, 0, l.total);
-            CHECK_EQ(shm_init(&seg, mem, l.total, &P, "", 0, 1), SHM_OK);
-            CHECK_EQ(shm_set_serving(&seg, 1, 1), EV_SERVING);
-            CHECK_EQ(shm_client_register(&seg, 1, 1), 0);
-            CHECK_EQ(shm_slot_begin(&seg, 0, 0), SHM_OK);
-            shm_slot_publish(&seg, 0, 0);
+            one_ready_request(&seg, mem, &l, &P);
             park_arg pa;
             memset(&pa, 0, sizeof pa);
             pa.s = &seg;
@@ -2071,12 +2078,7 @@ static void test_close(void) {
         uint64_t worst = 0;
         for (unsigned i = 0; i < trials; i++) {
             shm_seg seg;
-            memset(mem, 0, l.total);
-            CHECK_EQ(shm_init(&seg, mem, l.total, &P, "", 0, 1), SHM_OK);
-            CHECK_EQ(shm_set_serving(&seg, 1, 1), EV_SERVING);
-            CHECK_EQ(shm_client_register(&seg, 1, 1), 0);
-            CHECK_EQ(shm_slot_begin(&seg, 0, 0), SHM_OK);
-            shm_slot_publish(&seg, 0, 0);
+            one_ready_request(&seg, mem, &l, &P);
             racer_arg ra;
             memset(&ra, 0, sizeof ra);
             ra.s = &seg;
@@ -2158,6 +2160,29 @@ static void drain(shm_seg *s, shm_taken *taken, int n) {
     }
 }
 
+/* Publishes slot (0, 0) now when now_one, starts a thread that publishes
+ * `late` slots of client 1 after 30 ms, then collects with the given limits.
+ * Returns what collect returned; *el is how long collect took. */
+static int collect_with_late(shm_seg *s, char *batch, shm_taken *taken,
+                             uint32_t *cursor, int now_one, uint32_t late,
+                             uint32_t max_batch, uint64_t max_wait,
+                             uint64_t timeout, uint64_t *el) {
+    if (now_one) {
+        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+        shm_slot_publish(s, 0, 0);
+        shm_notify_evaluator(s, 1);
+    }
+    late_arg la = {s, 1, late, 30 * MS, 0};
+    pthread_t tid;
+    CHECK_EQ(pthread_create(&tid, NULL, late_publisher, &la), 0);
+    uint64_t t0 = shm_now_ns();
+    int n = shm_collect(s, batch, taken, max_batch, cursor, 0, max_wait,
+                        timeout);
+    *el = shm_now_ns() - t0;
+    CHECK_EQ(pthread_join(tid, NULL), 0);
+    return n;
+}
+
 static void test_max_wait(void) {
     start_test("max_wait", 60);
     const shm_params P = mkparams(336, 32, 4, 4, 8);
@@ -2188,13 +2213,8 @@ static void test_max_wait(void) {
     /* greedy with a sleeper: the evaluator asleep on the doorbell wakes
      * for one request and returns it alone */
     {
-        late_arg la = {s, 1, 1, 30 * MS, 0};
-        pthread_t tid;
-        CHECK_EQ(pthread_create(&tid, NULL, late_publisher, &la), 0);
-        t0 = shm_now_ns();
-        n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 5000 * MS);
-        el = shm_now_ns() - t0;
-        CHECK_EQ(pthread_join(tid, NULL), 0);
+        n = collect_with_late(s, batch, taken, &cursor, 0, 1, 8, 0, 5000 * MS,
+                              &el);
         CHECK_EQ(n, 1);
         CHECK_MSG(el < 2000 * MS, "doorbell wake took %.1f ms",
                   (double)el / 1e6);
@@ -2205,16 +2225,8 @@ static void test_max_wait(void) {
      * about max_wait (not before the late ones, not at the timeout) */
     uint64_t fuller_el;
     {
-        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
-        shm_slot_publish(s, 0, 0);
-        shm_notify_evaluator(s, 1);
-        late_arg la = {s, 1, 3, 30 * MS, 0};
-        pthread_t tid;
-        CHECK_EQ(pthread_create(&tid, NULL, late_publisher, &la), 0);
-        t0 = shm_now_ns();
-        n = shm_collect(s, batch, taken, 8, &cursor, 0, 300 * MS, 5000 * MS);
-        el = shm_now_ns() - t0;
-        CHECK_EQ(pthread_join(tid, NULL), 0);
+        n = collect_with_late(s, batch, taken, &cursor, 1, 3, 8, 300 * MS,
+                              5000 * MS, &el);
         CHECK_EQ(n, 4);
         CHECK_MSG(el >= 290 * MS && el < 3000 * MS,
                   "max_wait collect took %.1f ms", (double)el / 1e6);
@@ -2224,16 +2236,8 @@ static void test_max_wait(void) {
 
     /* max_wait, but the batch fills up first -> returns when full */
     {
-        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
-        shm_slot_publish(s, 0, 0);
-        shm_notify_evaluator(s, 1);
-        late_arg la = {s, 1, 3, 30 * MS, 0};
-        pthread_t tid;
-        CHECK_EQ(pthread_create(&tid, NULL, late_publisher, &la), 0);
-        t0 = shm_now_ns();
-        n = shm_collect(s, batch, taken, 4, &cursor, 0, 3000 * MS, 5000 * MS);
-        el = shm_now_ns() - t0;
-        CHECK_EQ(pthread_join(tid, NULL), 0);
+        n = collect_with_late(s, batch, taken, &cursor, 1, 3, 4, 3000 * MS,
+                              5000 * MS, &el);
         CHECK_EQ(n, 4);
         CHECK_MSG(el < 2000 * MS, "full batch took %.1f ms", (double)el / 1e6);
         drain(s, taken, n);
