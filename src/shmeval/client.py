@@ -58,7 +58,6 @@ class Client:
         self._lock = threading.Lock()
         self._slot_freed = threading.Condition(self._lock)
         self._lock_pid = os.getpid()
-        self._closed = False
         self._finalizer: Optional["weakref.finalize[Any, Any]"] = None
         self._ncpu = _ncpu()
 
@@ -104,8 +103,6 @@ class Client:
         with self._lock:
             if self._pid == pid:
                 return self._c
-            if self._closed:
-                raise EvaluatorClosed(f"{self} was closed in this process")
             seg = self._attach()
             self._check_state(seg)
             c = seg.register(pid, segment.process_starttime(pid) or 0)
