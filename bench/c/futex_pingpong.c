@@ -1,0 +1,57 @@
+/* The machine's wake-up cost: two processes bounce a futex word in shared
+ * memory.  Usage: futex_pingpong [pin]  ("pin": both on CPU 0).
+ * Prints µs per round trip (two wake-ups, two context switches). */
+#define _GNU_SOURCE
+#include <linux/futex.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static void futex_wait(_Atomic uint32_t *w, uint32_t v) {
+    syscall(SYS_futex, w, FUTEX_WAIT, v, NULL, NULL, 0);
+}
+static void futex_wake(_Atomic uint32_t *w) {
+    syscall(SYS_futex, w, FUTEX_WAKE, 1, NULL, NULL, 0);
+}
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+    const int rounds = 100000;
+    _Atomic uint32_t *w = mmap(NULL, 4096, PROT_READ | PROT_WRITE,
+                               MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (argc > 1) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(0, &set);
+        sched_setaffinity(0, sizeof set, &set);
+    }
+    pid_t child = fork();
+    if (child == 0) {
+        for (int i = 0; i < rounds; i++) {
+            while (atomic_load(w) != 1) futex_wait(w, 0);
+            atomic_store(w, 0);
+            futex_wake(w);
+        }
+        _exit(0);
+    }
+    double t = now_s();
+    for (int i = 0; i < rounds; i++) {
+        atomic_store(w, 1);
+        futex_wake(w);
+        while (atomic_load(w) != 0) futex_wait(w, 1);
+    }
+    double dt = now_s() - t;
+    waitpid(child, NULL, 0);
+    printf("%.2f\n", dt / rounds * 1e6);
+    return 0;
+}
