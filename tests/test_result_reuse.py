@@ -1,0 +1,91 @@
+"""evaluate() reuses the previous result's dict and arrays only when the
+caller kept no reference to them (docs/performance.md, finding 8)."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from helpers import check_answer, make_ev, make_state
+
+
+@pytest.mark.timeout(30)
+def test_dropped_result_is_reused() -> None:
+    """The optimisation is in effect: a dropped result's dict comes back."""
+    with make_ev() as ev:
+        ev.evaluate(make_state(0))  # the first call registers this process
+        first_id = id(ev.evaluate(make_state(1)))
+        out = ev.evaluate(make_state(2))
+        assert id(out) == first_id
+        check_answer(out, 2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("keep", ["dict", "array", "view", "memoryview", "scalar"])
+def test_kept_results_are_never_overwritten(keep: str) -> None:
+    with make_ev() as ev:
+        ev.evaluate(make_state(0))  # registers; later results take the fast path
+        ev.evaluate(make_state(0))
+        out = ev.evaluate(make_state(1))
+        held: Any = {"dict": out, "array": out["policy"], "view": out["policy"][2:5],
+                     "memoryview": memoryview(out["policy"]), "scalar": out["value"]}[keep]
+        snapshot = np.array(held, copy=True)
+        del out
+        for tag in range(2, 6):
+            check_answer(ev.evaluate(make_state(tag)), tag)
+        if keep == "dict":
+            check_answer(held, 1)
+        else:
+            np.testing.assert_array_equal(np.asarray(held), snapshot)
+
+
+@pytest.mark.timeout(30)
+def test_changed_results_are_not_reused() -> None:
+    """A dropped result that the caller changed is not handed back changed."""
+    with make_ev() as ev:
+        ev.evaluate(make_state(0))  # registers; later results take the fast path
+        ev.evaluate(make_state(0))
+        out = ev.evaluate(make_state(1))
+        out["extra"] = 1
+        del out
+        out = ev.evaluate(make_state(2))
+        assert set(out) == {"policy", "value"}
+        out["policy"].shape = (7, 1)
+        del out
+        check_answer(ev.evaluate(make_state(3)), 3)
+        out = ev.evaluate(make_state(4))
+        out["value"] = np.float32(0)
+        del out
+        check_answer(ev.evaluate(make_state(5)), 5)
+
+
+@pytest.mark.timeout(60)
+def test_threads_never_share_a_result() -> None:
+    """Threads of one process each get their own result objects: a thread
+    holds its answer across a GIL release while the others keep evaluating,
+    and the answer must not change under it."""
+    errors: list[str] = []
+    with make_ev(slots_per_client=8) as ev:
+        ev.evaluate(make_state(0))
+
+        def run(t: int) -> None:
+            rng = random.Random(t)
+            for j in range(400):
+                tag = t * 1000 + j
+                out = ev.evaluate(make_state(tag))
+                time.sleep(rng.random() * 1e-4)  # others run meanwhile
+                if float(out["value"]) != -tag:
+                    errors.append(f"{tag}: {out}")
+                del out
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert not any(th.is_alive() for th in threads)
+    assert not errors, errors[:3]
