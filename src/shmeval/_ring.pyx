@@ -20,6 +20,23 @@ from cpython.ref cimport PyObject
 cdef extern from "Python.h":
     Py_ssize_t Py_REFCNT(PyObject *o)
 
+cdef extern from "<pthread.h>" nogil:
+    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
+                       void (*child)() noexcept nogil)
+
+from posix.unistd cimport getpid
+
+# This process's pid, kept current across fork() by an atfork handler, so the
+# hot path can tell "still the process that registered" without a getpid()
+# system call per request (glibc no longer caches the pid).
+cdef int _current_pid = getpid()
+
+cdef void _after_fork_in_child() noexcept nogil:
+    global _current_pid
+    _current_pid = getpid()
+
+pthread_atfork(NULL, NULL, _after_fork_in_child)
+
 from shmeval._ring cimport *
 
 from shmeval.errors import SegmentError, ShmevalError, ClientTableFull
@@ -438,6 +455,7 @@ cdef class ClientPort:
     cdef uint32_t ncpu
     cdef dict last        # the previous result, reused once nobody holds it
     cdef list last_outs
+    cdef int pid          # the process this port's client entry belongs to
 
     def __cinit__(self, Segment seg, uint32_t c, list free, tuple names, list out_specs,
                   object in_dtype, tuple in_shape, uint64_t spin_ns, uint64_t timeout_ns,
@@ -445,6 +463,7 @@ cdef class ClientPort:
         cdef int i
         self.seg = seg
         self.c = c
+        self.pid = _current_pid
         self.free = free
         self.names = names
         self.in_dtype = in_dtype
@@ -475,7 +494,8 @@ cdef class ClientPort:
         """Returns the result dict; the error text (str) when the batch
         failed; a tuple (status, slot, outputs) when the wait timed out or the
         evaluator closed (the slot is still in flight); or None when the fast
-        path does not apply (the caller takes the general path)."""
+        path does not apply (the caller takes the general path), which
+        includes a call from a forked child of the registering process."""
         cdef cnp.ndarray a
         cdef uint32_t k, j
         cdef int rc, nd, i
@@ -485,7 +505,7 @@ cdef class ClientPort:
         cdef tuple shape
         cdef dict result
         cdef bint reuse
-        if type(state) is not cnp.ndarray or not self.fast:
+        if type(state) is not cnp.ndarray or not self.fast or self.pid != _current_pid:
             return None
         a = <cnp.ndarray>state
         if not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_NDIM(a) != self.in_nd:

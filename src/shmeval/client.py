@@ -122,12 +122,13 @@ class Client:
     # ------------------------------------------------------------ public API
     def evaluate(self, state: Any) -> Outputs:
         """Evaluates one state; returns ``{name: array of the output's shape}``."""
-        r = self._port.evaluate(state) if self._pid == os.getpid() else None  # type: ignore[union-attr]
+        port = self._port
+        r = port.evaluate(state) if port is not None else None
         if type(r) is dict:
             return r
-        return self._evaluate_slow(state, r)
+        return self._evaluate_slow(state, r, port)
 
-    def _evaluate_slow(self, state: Any, r: Any) -> Outputs:
+    def _evaluate_slow(self, state: Any, r: Any, port: Optional["_ring.ClientPort"]) -> Outputs:
         spec = self.spec
         if r is None:  # the fast path did not apply: the general one
             a = self._as_input(state, spec.input_shape, "state")
@@ -138,9 +139,9 @@ class Client:
             raise ModelError(r)
         rc, k, outs = r  # the wait timed out or the evaluator closed
         seg = self._seg
-        assert seg is not None and self._port is not None
+        assert seg is not None and port is not None
         try:
-            r = self._wait_slow(seg, self._port.c, k, outs, 0, rc)
+            r = self._wait_slow(seg, port.c, k, outs, 0, rc)
         except BaseException:
             self._give_back([], [k])
             raise
@@ -175,6 +176,7 @@ class Client:
             # ours) at their next wait timeout and raise EvaluatorClosed.
             self._pid = -1
             self._c = -1
+            self._port = None
             self._free = []
             self._abandoned = []
 
