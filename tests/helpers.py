@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -69,3 +70,15 @@ def check_answer(out: dict[str, np.ndarray], tag: int) -> None:
     assert out["value"].shape == () and out["value"].dtype == np.float32
     np.testing.assert_array_equal(out["policy"], policy)
     assert float(out["value"]) == value
+
+
+def run_threads(target: Callable[[int], None], n: int, timeout: float) -> None:
+    """Runs target(0..n-1) in n threads; fails if any is still running after
+    timeout seconds (a hang fails the test instead of blocking it)."""
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(n)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + timeout
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    assert not any(th.is_alive() for th in threads), "a thread hung"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import shmeval
-from helpers import INPUT_SHAPE, OUTPUTS, fake_factory, fake_model, make_state
+from helpers import INPUT_SHAPE, OUTPUTS, fake_factory, fake_model, make_state, run_threads
 
 WORKERS = 16
 REQUESTS = 2000
@@ -109,7 +109,6 @@ def test_spawned_evaluator() -> None:
 @pytest.mark.timeout(120)
 def test_threads_of_one_process() -> None:
     """Several threads of one process share its client entry's slots."""
-    import threading
 
     errors: list[str] = []
     sent: list[int] = []
@@ -130,11 +129,6 @@ def test_threads_of_one_process() -> None:
                     if not (many["value"] == -np.array(tags, np.float32)).all():
                         errors.append(f"{tags}: {many}")
 
-        threads = [threading.Thread(target=run, args=(t,)) for t in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-        assert not any(th.is_alive() for th in threads)
+        run_threads(run, 8, 60)
         assert not errors, errors[:3]
         assert ev.stats()["requests"] == sum(sent)

@@ -23,7 +23,7 @@ import pytest
 
 import shmeval
 from helpers import (INPUT_SHAPE, OUTPUTS, check_answer, expected, fake_model, make_ev,
-                     make_state, own_segments, settled_stats)
+                     make_state, own_segments, run_threads, settled_stats)
 
 SHM_DIR = "/dev/shm"
 
@@ -433,12 +433,7 @@ def test_model_exception_from_many_threads() -> None:
                 if float(out["value"]) != -tag:
                     errors.append(f"tag {tag}: {out}")
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
-        assert not any(t.is_alive() for t in threads)
+        run_threads(run, 4, 20)
         assert not errors, errors[:3]
         assert outcome["poisoned_ok"] == 0
         assert outcome["model_error"] >= 24   # every poisoned request failed

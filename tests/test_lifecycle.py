@@ -33,7 +33,7 @@ import shmeval
 from shmeval import segment
 from shmeval.spec import Spec
 from helpers import (INPUT_SHAPE, OUTPUTS, check_answer, expected, fake_factory, fake_model,
-                     make_ev, make_state, own_segments, settled_stats)
+                     make_ev, make_state, own_segments, run_threads, settled_stats)
 
 SHM_DIR = "/dev/shm"
 NO_HANG = 5.0          # generous bound for "raises instead of hanging"
@@ -1159,12 +1159,7 @@ def test_several_evaluators_in_one_process() -> None:
                 if got != x.sum() * (k + 1):
                     errors.append(f"evaluator {k}: {got} != {x.sum() * (k + 1)}")
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(20)
-        assert not any(th.is_alive() for th in threads)
+        run_threads(run, 4, 20)
         assert not errors, errors[:3]
         wait_for(lambda: sum(e.stats()["requests"] for e in evs) == 200, NO_HANG,
                  "the stats to count every request")

@@ -3,14 +3,13 @@ caller kept no reference to them (docs/performance.md, finding 8)."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 
-from helpers import check_answer, make_ev, make_state
+from helpers import check_answer, make_ev, make_state, run_threads
 
 
 @pytest.mark.timeout(30)
@@ -82,10 +81,5 @@ def test_threads_never_share_a_result() -> None:
                     errors.append(f"{tag}: {out}")
                 del out
 
-        threads = [threading.Thread(target=run, args=(t,)) for t in range(6)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
-        assert not any(th.is_alive() for th in threads)
+        run_threads(run, 6, 30)
     assert not errors, errors[:3]
