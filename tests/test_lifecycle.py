@@ -1173,3 +1173,32 @@ def test_several_evaluators_in_one_process() -> None:
         for e in evs:
             e.close()
     assert not any(os.path.exists(seg_path(e.address)) for e in evs)
+
+
+@pytest.mark.timeout(60)
+def test_housekeeping_runs_while_every_batch_takes_the_slow_path() -> None:
+    """Outputs that need converting (float64 here) send every batch back to
+    Python; dead or detached clients must still be reclaimed under load."""
+    def model(x: np.ndarray) -> dict[str, np.ndarray]:
+        out = fake_model(x)
+        return {k: v.astype(np.float64) for k, v in out.items()}
+
+    with make_ev(model) as ev:
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                check_answer(ev.evaluate(make_state(7)), 7)
+
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        try:
+            other = shmeval.connect(ev.address)
+            check_answer(other.evaluate(make_state(3)), 3)
+            other.close()  # detached: the evaluator should reclaim its entry
+            wait_for(lambda: ev.stats()["reclaimed_clients"] >= 1, NO_HANG,
+                     "the detached client to be reclaimed under load")
+        finally:
+            stop.set()
+            loader.join(10)
+        assert ev.stats()["failed_requests"] == 0

@@ -45,7 +45,6 @@ cnp.import_array()
 
 LAYOUT_VERSION = SHM_LAYOUT_VERSION
 SPEC_MAX = SHM_SPEC_MAX
-HIST_BINS = SHM_HIST_BINS
 
 # Return values of Segment.wait(); final slot states are positive.
 DONE = SLOT_DONE
@@ -148,6 +147,11 @@ cdef class Segment:
     cdef uint32_t n_out
     cdef uint64_t *out_off
     cdef uint64_t *out_nbytes
+    cdef tuple out_names   # declared outputs, in order (set_outputs)
+    cdef list out_dims     # their shapes (tuples)
+    cdef list out_types    # their NumPy type numbers
+    cdef list out_float    # float or complex kind
+    cdef bint out_native   # every output a native built-in dtype: matched by type number
     cdef readonly object name
 
     def __dealloc__(self):
@@ -194,23 +198,29 @@ cdef class Segment:
         _check(shm_attach(&self.seg, self.addr, size), "attach %s" % name)
         return self
 
-    def set_outputs(self, list offsets):
-        """Output fields of a result row: a list of (offset, nbytes)."""
+    def set_outputs(self, tuple outputs):
+        """The declared outputs (spec.OutputSpec: name, offset, nbytes, shape,
+        dtype), in order.  Client and server fast paths read them from here."""
         cdef Py_ssize_t j
-        cdef uint64_t off, nb
         free(self.out_off)
         free(self.out_nbytes)
         self.n_out = 0
-        self.out_off = <uint64_t *>malloc(sizeof(uint64_t) * max(1, len(offsets)))
-        self.out_nbytes = <uint64_t *>malloc(sizeof(uint64_t) * max(1, len(offsets)))
+        self.out_off = <uint64_t *>malloc(sizeof(uint64_t) * max(1, len(outputs)))
+        self.out_nbytes = <uint64_t *>malloc(sizeof(uint64_t) * max(1, len(outputs)))
         if self.out_off == NULL or self.out_nbytes == NULL:
             raise MemoryError()
-        for j, (off, nb) in enumerate(offsets):
-            if off + nb > self.seg.p.out_bytes:
+        for j, o in enumerate(outputs):
+            if o.offset + o.nbytes > self.seg.p.out_bytes:
                 raise ValueError("output field exceeds the result row")
-            self.out_off[j] = off
-            self.out_nbytes[j] = nb
-        self.n_out = len(offsets)
+            self.out_off[j] = o.offset
+            self.out_nbytes[j] = o.nbytes
+        self.out_names = tuple(o.name for o in outputs)
+        self.out_dims = [tuple(o.shape) for o in outputs]
+        self.out_types = [o.dtype.num for o in outputs]
+        self.out_float = [o.dtype.kind in "fc" for o in outputs]
+        self.out_native = all(o.dtype.isnative and o.dtype.num < cnp.NPY_NTYPES_LEGACY and
+                              len(o.shape) <= 32 for o in outputs)
+        self.n_out = len(outputs)
 
     # ---------------------------------------------------------------- header
     @property
@@ -242,9 +252,6 @@ cdef class Segment:
         cdef uint64_t st
         cdef int32_t pid = shm_ev_pid(&self.seg, &st)
         return pid, st
-
-    def heartbeat_ns(self):
-        return shm_heartbeat(&self.seg)
 
     def n_attached(self):
         return shm_n_attached(&self.seg)
@@ -326,11 +333,16 @@ cdef class Segment:
         self._slot(c, k)
         return self._wait(c, k, spin_ns, timeout_ns, ncpu)
 
+    cdef inline uint64_t _spin(self, uint64_t spin_ns, uint32_t ncpu) noexcept nogil:
+        """The client spin budget: none when the attached processes plus the
+        evaluator outnumber the CPUs (spinning would steal the CPU of the
+        process we wait for)."""
+        return spin_ns if shm_n_attached(&self.seg) + 1 <= ncpu else 0
+
     cdef int _wait(self, uint32_t c, uint32_t k, uint64_t spin_ns, uint64_t timeout_ns,
                    uint32_t ncpu):
         cdef int rc
-        if shm_n_attached(&self.seg) + 1 > ncpu:
-            spin_ns = 0
+        spin_ns = self._spin(spin_ns, ncpu)
         with nogil:
             rc = shm_slot_wait(&self.seg, c, k, spin_ns, timeout_ns)
         return rc
@@ -443,9 +455,6 @@ cdef class ClientPort:
     cdef readonly list free
     cdef public int waiters
     cdef object notify
-    cdef tuple names
-    cdef list out_dims
-    cdef list out_types
     cdef bint fast
     cdef object in_dtype
     cdef int in_nd
@@ -457,33 +466,24 @@ cdef class ClientPort:
     cdef list last_outs
     cdef int pid          # the process this port's client entry belongs to
 
-    def __cinit__(self, Segment seg, uint32_t c, list free, tuple names, list out_specs,
-                  object in_dtype, tuple in_shape, uint64_t spin_ns, uint64_t timeout_ns,
-                  uint32_t ncpu, object notify):
+    def __cinit__(self, Segment seg, uint32_t c, list free, object in_dtype, tuple in_shape,
+                  uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu, object notify):
         cdef int i
         self.seg = seg
         self.c = c
         self.pid = _current_pid
         self.free = free
-        self.names = names
         self.in_dtype = in_dtype
         self.in_nd = len(in_shape)
-        self.fast = len(names) == seg.n_out and self.in_nd <= 32
+        # Outputs of a native built-in dtype are created with PyArray_EMPTY;
+        # any other declared output keeps this port on the slow path.
+        self.fast = seg.out_native and seg.n_out > 0 and self.in_nd <= 32
         for i in range(min(self.in_nd, 32)):
             self.in_dims[i] = in_shape[i]
         self.spin_ns = spin_ns
         self.timeout_ns = timeout_ns
         self.ncpu = ncpu
         self.notify = notify
-        self.out_dims = []
-        self.out_types = []
-        # Outputs of a native built-in dtype are created with PyArray_EMPTY;
-        # any other declared output keeps this port on the slow path.
-        for shape, dtype in out_specs:
-            self.fast = self.fast and dtype.isnative and dtype.num < cnp.NPY_NTYPES_LEGACY \
-                and len(shape) <= 32
-            self.out_dims.append(tuple(shape))
-            self.out_types.append(dtype.num)
 
     cpdef give_back(self, uint32_t k):
         self.free.append(k)
@@ -528,18 +528,18 @@ cdef class ClientPort:
             else:
                 outs = []
                 for j in range(self.seg.n_out):
-                    shape = self.out_dims[j]
+                    shape = self.seg.out_dims[j]
                     nd = len(shape)
                     for i in range(nd):
                         dims[i] = shape[i]
-                    outs.append(cnp.PyArray_EMPTY(nd, dims, self.out_types[j], 0))
+                    outs.append(cnp.PyArray_EMPTY(nd, dims, self.seg.out_types[j], 0))
             _check(shm_slot_begin(&self.seg.seg, self.c, k), "evaluate")
         except BaseException:
             self.free.append(k)
             raise
         memcpy(shm_slot_in(&self.seg.seg, self.c, k), cnp.PyArray_DATA(a),
                self.seg.seg.p.in_bytes)
-        spin = self.spin_ns if shm_n_attached(&self.seg.seg) + 1 <= self.ncpu else 0
+        spin = self.seg._spin(self.spin_ns, self.ncpu)
         with nogil:
             shm_slot_publish(&self.seg.seg, self.c, k)
             shm_notify_evaluator(&self.seg.seg, 1)
@@ -553,7 +553,7 @@ cdef class ClientPort:
         if not reuse:
             result = {}
             for j in range(self.seg.n_out):
-                result[self.names[j]] = outs[j]
+                result[self.seg.out_names[j]] = outs[j]
         self.last = result
         self.last_outs = outs
         return result
@@ -575,12 +575,12 @@ cdef class ClientPort:
         for j in range(self.seg.n_out):
             x = PyList_GET_ITEM(self.last_outs, j)
             # One reference from last_outs, one from the dict: nobody else.
-            if Py_REFCNT(x) != 2 or PyDict_GetItem(self.last, self.names[j]) != x:
+            if Py_REFCNT(x) != 2 or PyDict_GetItem(self.last, self.seg.out_names[j]) != x:
                 return False
             arr = <cnp.ndarray>x
-            shape = self.out_dims[j]
+            shape = self.seg.out_dims[j]
             if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or \
-                    cnp.PyArray_TYPE(arr) != <int>self.out_types[j] or \
+                    cnp.PyArray_TYPE(arr) != <int>self.seg.out_types[j] or \
                     cnp.PyArray_NDIM(arr) != len(shape):
                 return False
             for i in range(len(shape)):
@@ -674,11 +674,6 @@ cdef class Server:
     cdef const char **fields
     cdef int64_t *strides
     cdef uint64_t busy_since
-    cdef tuple names
-    cdef list out_dims
-    cdef list out_types
-    cdef list out_float
-    cdef bint fast
     cdef list views
 
     def __cinit__(self, Segment seg, cnp.ndarray batch):
@@ -697,20 +692,7 @@ cdef class Server:
             raise MemoryError()
         self.batch = <char *>cnp.PyArray_DATA(batch)
         self._keep = batch
-        self.fast = False
         self.views = [None] * (cnp.PyArray_DIM(batch, 0) + 1)  # batch[:rows], made once
-
-    def set_outputs(self, tuple names, list out_specs):
-        """Declared outputs, [(shape, dtype)] in order, for finish_fast."""
-        if len(names) != self.seg.n_out or len(out_specs) != self.seg.n_out:
-            raise ValueError("outputs disagree with the segment")
-        self.names = names
-        self.out_dims = [tuple(shape) for shape, _ in out_specs]
-        self.out_types = [dtype.num for _, dtype in out_specs]
-        self.out_float = [dtype.kind in "fc" for _, dtype in out_specs]
-        # Only native built-in dtypes can be matched by type number.
-        self.fast = all(dtype.isnative and dtype.num < cnp.NPY_NTYPES_LEGACY
-                        for _, dtype in out_specs)
 
     def __dealloc__(self):
         free(self.taken)
@@ -791,11 +773,12 @@ cdef class Server:
         cdef cnp.ndarray a
         cdef tuple dims
         cdef Py_ssize_t j, i, nout = self.seg.n_out
-        if not self.fast or self.n == 0:
+        cdef Segment seg = self.seg
+        if not seg.out_native or self.n == 0:
             return False
         if type(out) is dict:
             arrays = []
-            for name in self.names:
+            for name in seg.out_names:
                 x = (<dict>out).get(name)
                 if x is None:
                     return False
@@ -813,8 +796,8 @@ cdef class Server:
             if type(x) is not cnp.ndarray:
                 return False
             a = <cnp.ndarray>x
-            dims = <tuple>self.out_dims[j]
-            if not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_TYPE(a) != <int>self.out_types[j] or \
+            dims = <tuple>seg.out_dims[j]
+            if not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_TYPE(a) != <int>seg.out_types[j] or \
                     cnp.PyArray_NDIM(a) != len(dims) + 1 or cnp.PyArray_DIM(a, 0) != rows:
                 return False
             for i in range(len(dims)):
@@ -822,7 +805,7 @@ cdef class Server:
                     return False
             if not _rows_ok(a, self.n, self.seg.out_nbytes[j]):
                 return False
-            if reject_nonfinite and self.out_float[j] and _finite(a, self.n) != 1:
+            if reject_nonfinite and seg.out_float[j] and _finite(a, self.n) != 1:
                 return False
         shm_record_batch(&self.seg.seg, self.n, rows, model_ns, 0)
         self.complete(arrays, version)

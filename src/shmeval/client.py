@@ -110,9 +110,7 @@ class Client:
             self._free = list(range(spec.slots_per_client))
             self._abandoned = []
             self._port = _ring.ClientPort(
-                seg, c, self._free, spec.output_names,
-                [(o.shape, o.dtype) for o in spec.outputs], spec.input_dtype,
-                spec.input_shape, int(self._spin_us * 1000), WAIT_TIMEOUT_NS, self._ncpu,
+                seg, c, self._free, spec.input_dtype, spec.input_shape, int(self._spin_us * 1000), WAIT_TIMEOUT_NS, self._ncpu,
                 self._notify_waiters)
             self._c = c
             self._pid = pid

@@ -91,7 +91,6 @@ class _ServingLoop:
         self.reject_nonfinite = reject_nonfinite
         self.batch = np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype)
         self.server = _ring.Server(seg, self.batch)
-        self.server.set_outputs(spec.output_names, [(o.shape, o.dtype) for o in spec.outputs])
         self.version = 0
 
     def run(self, started: Optional[threading.Event] = None) -> None:
@@ -106,20 +105,22 @@ class _ServingLoop:
         wait_ns = int(pol.max_wait_us * 1000)
         buckets = list(pol.buckets) if pol.buckets else None
         final = _ring.CLOSED_STATE
+        housekeeping_at = _ring.now_ns() + HOUSEKEEPING_NS
         try:
             while True:
-                until = _ring.now_ns() + HOUSEKEEPING_NS
                 # Batches are served in C until something needs Python.
                 kind, n, rows, detail, model_ns = server.serve(
                     self.model, pol.max_batch, spin_ns, wait_ns, IDLE_TIMEOUT_NS, self.version,
-                    self.reject_nonfinite, buckets, until)
+                    self.reject_nonfinite, buckets, housekeeping_at)
                 if kind == _ring.SERVE_CLOSED:
                     break
                 if kind == _ring.SERVE_SLOW:
                     self.finish_slow(detail, n, rows, model_ns)
                 elif kind == _ring.SERVE_RAISED:
                     self.finish_failed(detail, n, rows, model_ns)
-                elif _ring.now_ns() >= until or kind == _ring.SERVE_IDLE:
+                # Also due while every batch takes the slow path.
+                if kind == _ring.SERVE_IDLE or _ring.now_ns() >= housekeeping_at:
+                    housekeeping_at = _ring.now_ns() + HOUSEKEEPING_NS
                     self.reclaim_dead_clients()
                     if owner != me and not segment.is_alive(owner):
                         # Our creator is gone: nobody else will close or unlink.

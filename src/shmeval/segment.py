@@ -6,7 +6,6 @@ find (``/dev/shm/shmeval-*``) and to attribute to a process.
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from typing import Optional
@@ -53,7 +52,7 @@ def create(spec: Spec, name: Optional[str] = None) -> tuple["_ring.Segment", str
         unlink(name)
         raise
     shm.close_fd()
-    seg.set_outputs([(o.offset, o.nbytes) for o in spec.outputs])
+    seg.set_outputs(spec.outputs)
     return seg, name
 
 
@@ -93,7 +92,7 @@ def attach(name: str, expect: Optional[Spec] = None) -> tuple["_ring.Segment", S
         raise SegmentError(
             f"segment {name} serves another spec: expected {expect.to_json().decode()}, "
             f"found {spec.to_json().decode()}")
-    seg.set_outputs([(o.offset, o.nbytes) for o in spec.outputs])
+    seg.set_outputs(spec.outputs)
     return seg, spec
 
 
@@ -170,11 +169,3 @@ def cleanup_stale(dry_run: bool = False) -> list[str]:
             if dry_run or unlink(address):
                 removed.append(address)
     return removed
-
-
-def describe(name: str) -> dict[str, object]:
-    """Header facts of a segment, for `shmeval stats` and error messages."""
-    seg, spec = attach(name)
-    pid, _ = seg.ev_pid()
-    return {"address": name, "owner_pid": seg.owner_pid, "evaluator_pid": pid,
-            "spec": json.loads(spec.to_json())}
