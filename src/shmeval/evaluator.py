@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -79,6 +79,32 @@ class BatchPolicy:
         """Rows of the batch buffer."""
         return max(self.max_batch, self.buckets[-1]) if self.buckets else self.max_batch
 
+
+
+def _prepare(model: Model, spec: Spec, policy: BatchPolicy) -> BatchPolicy:
+    """Calls the model's optional ``prepare(spec, buckets)`` hook (build,
+    check the outputs against the spec, warm up every batch size): errors
+    surface at start-up, not at the first request.  The hook may return the
+    bucket sizes it wants batches padded to, when the evaluator has none."""
+    hook = getattr(model, "prepare", None)
+    if hook is None:
+        return policy
+    try:
+        wanted = hook(spec, policy.buckets)
+    except ModelError:
+        raise
+    except Exception as e:
+        raise ModelError(f"the model failed to prepare: {type(e).__name__}: {e}") from e
+    if wanted is None or policy.buckets is not None:
+        return policy
+    try:
+        b = tuple(sorted({int(x) for x in wanted}))
+    except (TypeError, ValueError):
+        raise ModelError(f"prepare() returned {wanted!r}, not a list of batch sizes") from None
+    if not b or b[0] < 1 or b[-1] < policy.max_batch:
+        raise ModelError(f"prepare() returned buckets {b}: they must be positive and the "
+                         f"largest must be >= max_batch ({policy.max_batch})")
+    return replace(policy, buckets=b)
 
 
 class _ServingLoop:
@@ -292,10 +318,14 @@ class Evaluator(Client):
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
                                   buckets, max_clients, slots_per_client, evaluator_spin_us,
                                   spin_us)
+        t0 = time.perf_counter_ns()
+        policy = _prepare(model, spec, policy)  # before any segment exists
+        warmup_ns = time.perf_counter_ns() - t0
         seg, address = segment.create(spec, name)
         super().__init__(address, spec, spin_us, _segment=seg)
         self._owner_pid = os.getpid()
         self._policy = policy
+        seg.stat_put("warmup_ns", warmup_ns)
         loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite)
         started = threading.Event()
         thread = threading.Thread(target=loop.run, args=(started,),
@@ -398,6 +428,7 @@ def _serve_in_process(address: str, spec_json: bytes, factory: Callable[[], Mode
         model = factory()
         if not callable(model):
             raise TypeError(f"factory returned a {type(model).__name__}, not a callable")
+        policy = _prepare(model, spec, policy)
         loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite)
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
