@@ -847,7 +847,7 @@ def test_layout_version_mismatch() -> None:
         shm.close_fd()
         try:
             old = int.from_bytes(m[OFF_VERSION:OFF_VERSION + 4], "little")
-            assert old == 1
+            assert old == shmeval._ring.LAYOUT_VERSION
             m[OFF_VERSION:OFF_VERSION + 4] = (old + 1).to_bytes(4, "little")
             with pytest.raises(shmeval.SegmentError) as ei:
                 shmeval.connect(ev.address)

@@ -51,6 +51,7 @@ cdef extern from "ring.h" nogil:
         SHM_TIMEOUT
         SHM_CLOSED
         SHM_E_STATE
+        SHM_CONTROL
         SLOT_FREE
         SLOT_WRITING
         SLOT_READY
@@ -114,4 +115,7 @@ cdef extern from "ring.h" nogil:
     const char *shm_spec(shm_seg *s, uint32_t *len)
     int32_t shm_owner_pid(shm_seg *s)
     void shm_request_close(shm_seg *s)
+    uint32_t shm_request_control(shm_seg *s)
+    void shm_control_done(shm_seg *s, uint32_t ticket)
+    uint32_t shm_control_pending(shm_seg *s, uint32_t *done)
     void shm_close_and_wake(shm_seg *s, uint32_t final_state)

@@ -51,12 +51,14 @@ DONE = SLOT_DONE
 FAILED = SLOT_FAILED
 TIMEOUT = SHM_TIMEOUT
 CLOSED = SHM_CLOSED
+CONTROL = SHM_CONTROL
 
 # What Server.serve() returns to the Python serving loop for.
 SERVE_IDLE = 0
 SERVE_CLOSED = 1
 SERVE_SLOW = 2
 SERVE_RAISED = 3
+SERVE_CONTROL = 4
 
 # Evaluator lifecycle (ev_state()).
 STARTING = EV_STARTING
@@ -69,6 +71,7 @@ STAT_NAMES = (
     "requests", "batches", "padded_rows", "failed_requests", "failed_batches",
     "model_ns", "busy_ns", "serve_start_ns", "model_version",
     "reclaimed_clients", "reclaimed_writing", "stale_completions", "warmup_ns",
+    "weight_updates",
 )
 STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
 
@@ -432,6 +435,21 @@ cdef class Segment:
         self._client(c)
         return shm_client_reclaim(&self.seg, c)
 
+    def request_control(self):
+        """Controller side: asks the serving loop to handle one control
+        request between batches; returns its ticket (1, 2, ...)."""
+        return shm_request_control(&self.seg)
+
+    def control_pending(self):
+        """(requested, done) ticket counters."""
+        cdef uint32_t done
+        cdef uint32_t req = shm_control_pending(&self.seg, &done)
+        return req, done
+
+    def control_done(self, uint32_t ticket):
+        """Evaluator side: control requests up to ticket are handled."""
+        shm_control_done(&self.seg, ticket)
+
     def stat_put(self, name, uint64_t v):
         shm_stat_put(&self.seg, STAT_INDEX[name], v)
 
@@ -496,6 +514,13 @@ cdef class ClientPort:
         evaluator closed (the slot is still in flight); or None when the fast
         path does not apply (the caller takes the general path), which
         includes a call from a forked child of the registering process."""
+        return self._evaluate(state, False)
+
+    def evaluate_versioned(self, object state):
+        """As evaluate, but a result comes as (dict, model version)."""
+        return self._evaluate(state, True)
+
+    cdef object _evaluate(self, object state, bint versioned):
         cdef cnp.ndarray a
         cdef uint32_t k, j
         cdef int rc, nd, i
@@ -556,6 +581,8 @@ cdef class ClientPort:
                 result[self.seg.out_names[j]] = outs[j]
         self.last = result
         self.last_outs = outs
+        if versioned:
+            return (result, r)
         return result
 
     cdef bint _last_unreferenced(self):
@@ -701,14 +728,13 @@ cdef class Server:
 
     def collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
                 uint64_t timeout_ns):
-        """Returns n > 0 requests gathered, 0 on timeout, or CLOSED."""
+        """Returns n > 0 requests gathered, 0 on timeout, CLOSED, or
+        CONTROL (a control request is pending; nothing was taken)."""
         cdef int rc
         if self.n:
             raise ShmevalError("collect() while a batch is outstanding")
         max_batch = min(max_batch, self.cap)
-        if self.busy_since:
-            shm_stat_inc(&self.seg.seg, ST_BUSY_NS, shm_now_ns() - self.busy_since)
-            self.busy_since = 0
+        self.end_busy()
         with nogil:
             rc = shm_collect(&self.seg.seg, self.batch, self.taken, max_batch, &self.cursor,
                              spin_ns, max_wait_ns, timeout_ns)
@@ -716,6 +742,13 @@ cdef class Server:
             self.n = rc
             self.busy_since = shm_now_ns()
         return rc
+
+    cpdef end_busy(self):
+        """Ends the busy period of the last batch (its time counts in
+        busy_ns); call before work between batches that is not serving."""
+        if self.busy_since:
+            shm_stat_inc(&self.seg.seg, ST_BUSY_NS, shm_now_ns() - self.busy_since)
+            self.busy_since = 0
 
     def serve(self, object model, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
               uint64_t timeout_ns, uint64_t version, bint reject_nonfinite, object buckets,
@@ -729,6 +762,7 @@ cdef class Server:
           CLOSED  close requested
           SLOW    the outputs (detail) need conversion or an explanation
           RAISED  the model raised (detail is the exception)
+          CONTROL a control request is pending (no batch outstanding)
         Buckets: None, or a sorted list of padded batch sizes."""
         cdef int rc
         cdef uint32_t n, rows
@@ -741,6 +775,8 @@ cdef class Server:
                 return (SERVE_CLOSED, 0, 0, None, 0)
             if rc == 0:
                 return (SERVE_IDLE, 0, 0, None, 0)
+            if rc == SHM_CONTROL:
+                return (SERVE_CONTROL, 0, 0, None, 0)
             n = rc
             rows = n
             if buckets is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional, overload
 
 import numpy as np
 
@@ -118,47 +118,86 @@ class Client:
         return c
 
     # ------------------------------------------------------------ public API
-    def evaluate(self, state: Any) -> Outputs:
-        """Evaluates one state; returns ``{name: array of the output's shape}``."""
+    @overload
+    def evaluate(self, state: Any) -> Outputs: ...
+    @overload
+    def evaluate(self, state: Any, return_version: Literal[False]) -> Outputs: ...
+    @overload
+    def evaluate(self, state: Any, return_version: Literal[True]) -> tuple[Outputs, int]: ...
+    @overload
+    def evaluate(self, state: Any, return_version: bool) -> Outputs | tuple[Outputs, int]: ...
+
+    def evaluate(self, state: Any, return_version: bool = False) -> Outputs | tuple[Outputs, int]:
+        """Evaluates one state; returns ``{name: array of the output's shape}``,
+        or ``(outputs, model_version)`` with ``return_version=True``: the
+        version of the weights that computed it (0 for the model the
+        evaluator started with, then as set by ``Evaluator.set_weights``)."""
         port = self._port
+        if return_version:
+            rv = port.evaluate_versioned(state) if port is not None else None
+            if type(rv) is tuple and len(rv) == 2:
+                return rv
+            return self._evaluate_slow(state, rv, port, True)
         r = port.evaluate(state) if port is not None else None
         if type(r) is dict:
             return r
-        return self._evaluate_slow(state, r, port)
+        return self._evaluate_slow(state, r, port, False)
 
-    def _evaluate_slow(self, state: Any, r: Any, port: Optional["_ring.ClientPort"]) -> Outputs:
+    def _evaluate_slow(self, state: Any, r: Any, port: Optional["_ring.ClientPort"],
+                       versioned: bool) -> Outputs | tuple[Outputs, int]:
         spec = self.spec
+        version = np.zeros(1, np.int64)
         if r is None:  # the fast path did not apply: the general one
             a = self._as_input(state, spec.input_shape, "state")
             outs = [np.empty(o.shape, o.dtype) for o in spec.outputs]
-            self._roundtrip(a, 1, outs)
-            return dict(zip(spec.output_names, outs))
-        if isinstance(r, str):
-            raise ModelError(r)
-        rc, k, outs = r  # the wait timed out or the evaluator closed
-        seg = self._seg
-        assert seg is not None and port is not None
-        try:
-            r = self._wait_slow(seg, port.c, k, outs, 0, rc)
-        except BaseException:
-            self._give_back([], [k])
-            raise
-        self._give_back([k], [])
-        if isinstance(r, str):
-            raise ModelError(r)
-        return dict(zip(spec.output_names, outs))
+            self._roundtrip(a, 1, outs, version)
+        else:
+            if isinstance(r, str):
+                raise ModelError(r)
+            rc, k, outs = r  # the wait timed out or the evaluator closed
+            seg = self._seg
+            assert seg is not None and port is not None
+            try:
+                r = self._wait_slow(seg, port.c, k, outs, 0, rc)
+            except BaseException:
+                self._give_back([], [k])
+                raise
+            self._give_back([k], [])
+            if isinstance(r, str):
+                raise ModelError(r)
+            version[0] = r
+        result = dict(zip(spec.output_names, outs))
+        return (result, int(version[0])) if versioned else result
 
-    def evaluate_many(self, states: Any) -> Outputs:
+    @overload
+    def evaluate_many(self, states: Any) -> Outputs: ...
+    @overload
+    def evaluate_many(self, states: Any, return_version: Literal[False]) -> Outputs: ...
+    @overload
+    def evaluate_many(self, states: Any,
+                      return_version: Literal[True]) -> tuple[Outputs, np.ndarray]: ...
+    @overload
+    def evaluate_many(self, states: Any,
+                      return_version: bool) -> Outputs | tuple[Outputs, np.ndarray]: ...
+
+    def evaluate_many(self, states: Any,
+                      return_version: bool = False) -> Outputs | tuple[Outputs, np.ndarray]:
         """Evaluates a batch ``[n, *input_shape]``; returns arrays with a
         leading dimension n.  Any n works: more than the client's slots are
-        sent in several rounds."""
+        sent in several rounds.  With ``return_version=True`` returns
+        ``(outputs, versions)``, versions an int64 array of n model versions
+        (rows may be computed in different batches, so versions may differ)."""
         spec = self.spec
         a = self._as_input(states, None, "states")
         n = a.shape[0]
         outs = [np.empty((n,) + o.shape, o.dtype) for o in spec.outputs]
+        versions = np.zeros(n, np.int64) if return_version else None
         if n:
-            self._roundtrip(a, n, outs)
-        return dict(zip(spec.output_names, outs))
+            self._roundtrip(a, n, outs, versions)
+        result = dict(zip(spec.output_names, outs))
+        if versions is not None:
+            return result, versions
+        return result
 
     def stats(self) -> Dict[str, Any]:
         """Evaluator statistics read from the segment (any process may ask)."""
@@ -304,7 +343,8 @@ class Client:
                 return r
             rc = r
 
-    def _roundtrip(self, a: np.ndarray, n: int, outs: List[np.ndarray]) -> None:
+    def _roundtrip(self, a: np.ndarray, n: int, outs: List[np.ndarray],
+                   versions: Optional[np.ndarray] = None) -> None:
         c = self._c if self._pid == os.getpid() else self._register()
         seg = self._seg
         assert seg is not None
@@ -327,9 +367,11 @@ class Client:
                     r = seg.answer(c, k, outs, done + fetched, spin_ns, WAIT_TIMEOUT_NS, ncpu)
                     if type(r) is int and r < 0:
                         r = self._wait_slow(seg, c, k, outs, done + fetched, r)
-                    fetched += 1
                     if type(r) is str:
                         error = r
+                    elif versions is not None:
+                        versions[done + fetched] = r
+                    fetched += 1
             finally:
                 if posted:
                     self._give_back(slots[:fetched], slots[fetched:])

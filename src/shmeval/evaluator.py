@@ -8,6 +8,7 @@ reclaims the client entries of dead or detached processes.
 from __future__ import annotations
 
 import multiprocessing as mp
+import operator
 import os
 import signal
 import threading
@@ -109,11 +110,12 @@ def _prepare(model: Model, spec: Spec, policy: BatchPolicy) -> BatchPolicy:
 
 class _ServingLoop:
     def __init__(self, seg: "_ring.Segment", spec: Spec, model: Model, policy: BatchPolicy,
-                 reject_nonfinite: bool) -> None:
+                 reject_nonfinite: bool, control: Any = None) -> None:
         self.seg = seg
         self.spec = spec
         self.model = model
         self.policy = policy
+        self.control = control  # our end of the owner's control pipe
         self.reject_nonfinite = reject_nonfinite
         self.batch = np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype)
         self.server = _ring.Server(seg, self.batch)
@@ -140,6 +142,10 @@ class _ServingLoop:
                     self.reject_nonfinite, buckets, housekeeping_at)
                 if kind == _ring.SERVE_CLOSED:
                     break
+                if kind == _ring.SERVE_CONTROL:
+                    server.end_busy()
+                    self.handle_control()
+                    continue
                 if kind == _ring.SERVE_SLOW:
                     self.finish_slow(detail, n, rows, model_ns)
                 elif kind == _ring.SERVE_RAISED:
@@ -147,7 +153,10 @@ class _ServingLoop:
                 # Also due while every batch takes the slow path.
                 if kind == _ring.SERVE_IDLE or _ring.now_ns() >= housekeeping_at:
                     housekeeping_at = _ring.now_ns() + HOUSEKEEPING_NS
+                    server.end_busy()
                     self.reclaim_dead_clients()
+                    if self.control is not None and self.control.poll():
+                        self.handle_control()  # a message that came late
                     if owner != me and not segment.is_alive(owner):
                         # Our creator is gone: nobody else will close or unlink.
                         segment.unlink(seg.name)
@@ -159,6 +168,52 @@ class _ServingLoop:
             # DIED (or CLOSED) wakes every waiter, including the requests of
             # a batch the loop held when it crashed: they raise EvaluatorDied.
             seg.close_and_wake(final)
+
+    def handle_control(self) -> None:
+        """Applies the owner's pending control requests (weight updates),
+        between batches: requests in flight are answered by the model as it
+        was before or after an update, never during one.  Messages are
+        (ticket, method, argument, version); each gets a reply
+        (ticket, True, version) or (ticket, False, error text)."""
+        seg, conn = self.seg, self.control
+        req, done = seg.control_pending()
+        while conn is not None:
+            try:
+                # The owner bumps the ticket just before sending: wait a
+                # little for a message announced but not yet here.
+                if not conn.poll(1.0 if req != done else 0):
+                    break
+                ticket, method, arg, version = conn.recv()
+            except (EOFError, OSError):  # the owner is gone
+                self.control = conn = None
+                break
+            reply = (ticket,) + self.apply(method, arg, version)
+            try:
+                conn.send(reply)
+            except OSError:
+                self.control = conn = None
+            done = ticket
+            req, _ = seg.control_pending()
+        # Whatever happened, the loop must not come straight back here.
+        seg.control_done(req)
+
+    def apply(self, method: str, arg: Any, version: int) -> tuple[bool, Any]:
+        if version <= self.version:
+            return False, (f"model version {version} is not newer than the one serving "
+                           f"({self.version})")
+        fn = getattr(self.model, method, None)
+        if not callable(fn):
+            return False, (f"the model ({type(self.model).__name__}) has no {method}() method: "
+                           "wrap a Keras model in shmeval.backends.tensorflow.TFModel, or "
+                           f"give your model a {method}() method")
+        try:
+            fn(arg)
+        except Exception as e:
+            return False, f"{method} failed in the evaluator: {type(e).__name__}: {e}"
+        self.version = version
+        self.seg.stat_put("model_version", version)
+        self.seg.stat_inc("weight_updates", 1)
+        return True, version
 
     def finish_slow(self, out: Any, n: int, rows: int, model_ns: int) -> None:
         """Outputs that finish_fast could not take as they are: convert them,
@@ -326,7 +381,9 @@ class Evaluator(Client):
         self._owner_pid = os.getpid()
         self._policy = policy
         seg.stat_put("warmup_ns", warmup_ns)
-        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite)
+        self._control, loop_end = mp.Pipe()
+        self._init_control()
+        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, loop_end)
         started = threading.Event()
         thread = threading.Thread(target=loop.run, args=(started,),
                                   name=f"shmeval-evaluator {address}", daemon=True)
@@ -360,7 +417,10 @@ class Evaluator(Client):
         self._policy = policy
         self._thread = None
         ctx: Any = mp.get_context(mp_context)
-        receiver, sender = ctx.Pipe(duplex=False)
+        # One pipe for the start-up report and then for control requests.
+        receiver, sender = ctx.Pipe()
+        self._control = receiver
+        self._init_control()
         proc = ctx.Process(target=_serve_in_process, name=f"shmeval-evaluator {address}",
                            args=(address, spec.to_json(), factory, policy, reject_nonfinite,
                                  sender),
@@ -389,10 +449,85 @@ class Evaluator(Client):
             # for before terminating the process (start_timeout is honoured).
             self._shutdown.detach()
             _shutdown(seg, address, self._owner_pid, None, proc, timeout=0.5)
-            raise
-        finally:
             receiver.close()
+            raise
         return self
+
+    _control: Any  # our end of the control pipe to the serving loop
+
+    def _init_control(self) -> None:
+        self._control_lock = threading.Lock()
+        self._version = 0
+
+    @property
+    def model_version(self) -> int:
+        """The version of the weights serving now (0: as started)."""
+        return self._version
+
+    def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
+                    timeout: float = 60.0) -> int:
+        """Replaces the model's weights between two batches, e.g. with a
+        learner's ``keras_model.get_weights()``; requests in flight are not
+        failed or dropped.  The model must have ``set_weights(list of
+        arrays)`` (:class:`shmeval.backends.tensorflow.TFModel` has).
+
+        Returns the new model version: ``version`` if given (it must be
+        larger than the current one), else the current one plus 1.  Every
+        result computed with these weights carries it (``evaluate(...,
+        return_version=True)``).  Returns once the evaluator applied them;
+        raises :class:`ModelError` (weights unchanged) if the model refused
+        them.  Only the process that created the evaluator can call this."""
+        arrays = [np.asarray(w) for w in weights]
+        return self._request("set_weights", arrays, version, timeout)
+
+    def load_weights(self, path: Union[str, "os.PathLike[str]"], *,
+                     version: Optional[int] = None, timeout: float = 60.0) -> int:
+        """As :meth:`set_weights`, but the evaluator process loads them from
+        ``path`` with the model's ``load_weights(path)`` (for TFModel: a
+        Keras weights file or an ``.npz`` of arrays in ``get_weights()``
+        order)."""
+        return self._request("load_weights", os.fspath(path), version, timeout)
+
+    def _request(self, method: str, arg: Any, version: Optional[int], timeout: float) -> int:
+        if os.getpid() != self._owner_pid:
+            raise ShmevalError(f"only the process that created the evaluator "
+                               f"({self._owner_pid}) can change its model")
+        seg = self._seg
+        assert seg is not None
+        with self._control_lock:
+            new = self._version + 1 if version is None else operator.index(version)
+            if new <= self._version:
+                raise ValueError(f"version must be larger than the current model version "
+                                 f"{self._version}, got {new}")
+            self._check_state(seg)
+            ticket = seg.request_control()
+            try:
+                self._control.send((ticket, method, arg, new))
+            except OSError:
+                self._check_alive(seg)
+                raise EvaluatorDied(f"the evaluator serving {self._address} is gone") from None
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    ready = self._control.poll(0.05)
+                    reply = self._control.recv() if ready else None
+                except (EOFError, OSError):
+                    self._check_alive(seg)
+                    raise EvaluatorDied(f"the evaluator serving {self._address} is gone "
+                                        "") from None
+                if reply is not None:
+                    t, ok, detail = reply
+                    if ok:  # also the late reply of a request that timed out
+                        self._version = max(self._version, detail)
+                    if t == ticket:
+                        if not ok:
+                            raise ModelError(detail)
+                        return int(detail)
+                    continue
+                self._check_alive(seg)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the evaluator did not apply {method} within "
+                                       f"{timeout} s (it may still do so)")
 
     @property
     def pid(self) -> int:
@@ -409,6 +544,8 @@ class Evaluator(Client):
             assert self._seg is not None
             _shutdown(self._seg, self._address, self._owner_pid, self._thread, self._process,
                       timeout)
+            with self._control_lock:
+                self._control.close()
 
     def __enter__(self) -> "Evaluator":
         return self
@@ -429,14 +566,13 @@ def _serve_in_process(address: str, spec_json: bytes, factory: Callable[[], Mode
         if not callable(model):
             raise TypeError(f"factory returned a {type(model).__name__}, not a callable")
         policy = _prepare(model, spec, policy)
-        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite)
+        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, conn)
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         conn.close()
         raise SystemExit(1)
     seg.stat_put("warmup_ns", time.perf_counter_ns() - t0)
     conn.send(("ready", os.getpid()))
-    conn.close()
     loop.run()
 
 

@@ -61,6 +61,7 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
         "overhead_us_per_batch": (max(0, raw["busy_ns"] - raw["model_ns"]) / batches / 1e3
                                   if batches else 0.0),
         "model_version": int(raw["model_version"]),
+        "weight_updates": int(raw["weight_updates"]),
         "warmup_s": raw["warmup_ns"] / 1e9,
         "clients": int(raw["clients"]),
         "reclaimed_clients": int(raw["reclaimed_clients"]),

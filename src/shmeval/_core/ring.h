@@ -43,7 +43,7 @@
 /* ------------------------------------------------------------------ */
 
 #define SHM_MAGIC 0x314C4156454D4853ULL /* "SHMEVAL1" little-endian */
-#define SHM_LAYOUT_VERSION 1u
+#define SHM_LAYOUT_VERSION 2u
 #define SHM_LINE 64u
 #define SHM_SPEC_MAX 4096u       /* bytes of JSON spec kept in the header */
 #define SHM_HIST_BINS 256u       /* log-scale latency histogram bins */
@@ -67,6 +67,7 @@ enum shm_status {
     SHM_TIMEOUT = -7,       /* wait timed out: caller checks liveness */
     SHM_CLOSED = -8,        /* evaluator closed or closing */
     SHM_E_STATE = -9,       /* slot not in the expected state */
+    SHM_CONTROL = -10,      /* shm_collect: a control request is pending */
 };
 
 /* Slot state word (32 bits, also the client's futex doorbell):
@@ -108,6 +109,7 @@ enum shm_stat {
     ST_RECLAIMED_WRITING, /* slots found mid-write in a reclaimed client */
     ST_STALE_COMPLETIONS, /* completions refused by the generation check */
     ST_WARMUP_NS,
+    ST_WEIGHT_UPDATES,    /* control requests that changed the model */
     SHM_N_STATS = 16,
 };
 
@@ -162,6 +164,12 @@ typedef struct {
     _Atomic int32_t ev_pid;
     _Atomic uint64_t ev_starttime;    /* /proc/<pid>/stat field 22 */
     _Atomic uint64_t heartbeat_ns;    /* CLOCK_MONOTONIC of the last loop */
+    /* Control requests (e.g. weight updates) for the serving loop: the
+     * controller bumps ctl_req, the loop sets ctl_done once handled.  The
+     * payload travels outside the segment; these words only make the loop
+     * return between batches and say how many requests are pending. */
+    _Atomic uint32_t ctl_req;
+    _Atomic uint32_t ctl_done;
 
     /* --- evaluator doorbell: written by every client on every submit --- */
     _Alignas(SHM_LINE) _Atomic uint32_t submit_seq; /* futex word */
@@ -675,6 +683,12 @@ static inline int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
         if (atomic_load_explicit(&h->ev_state, memory_order_acquire) !=
             EV_SERVING)
             return n > 0 ? (int)n : SHM_CLOSED;
+        /* Control requests are handled between batches: a batch already
+         * begun is returned first.  MO: acquire; pairs with the release
+         * fetch_add in shm_request_control. */
+        if (atomic_load_explicit(&h->ctl_req, memory_order_acquire) !=
+            atomic_load_explicit(&h->ctl_done, memory_order_relaxed))
+            return n > 0 ? (int)n : SHM_CONTROL;
         uint32_t before = n;
         n = shm_scan(s, batch, taken, n, max_batch, cursor, now);
         if (n > before && before == 0) first = now;
@@ -939,6 +953,33 @@ static inline void shm_request_close(shm_seg *s) {
      * shm_collect return at once. */
     atomic_fetch_add_explicit(&h->submit_seq, 1, memory_order_seq_cst);
     shm_futex_wake(&h->submit_seq, INT_MAX);
+}
+
+/* Asks the serving loop to handle a control request between batches and
+ * wakes it if asleep.  Returns the request's ticket (1, 2, ...): the loop
+ * reports it handled through shm_control_done.  Serialise callers. */
+static inline uint32_t shm_request_control(shm_seg *s) {
+    shm_header *h = shm_hdr(s);
+    /* MO: release; pairs with the acquire load in shm_collect. */
+    uint32_t ticket =
+        atomic_fetch_add_explicit(&h->ctl_req, 1, memory_order_release) + 1;
+    /* MO: seq_cst; as in shm_request_close: a changed submit_seq makes a
+     * sleeping or about-to-sleep evaluator return to its loop, where it sees
+     * ctl_req. */
+    atomic_fetch_add_explicit(&h->submit_seq, 1, memory_order_seq_cst);
+    shm_futex_wake(&h->submit_seq, INT_MAX);
+    return ticket;
+}
+/* Evaluator only: control requests up to `ticket` are handled. */
+static inline void shm_control_done(shm_seg *s, uint32_t ticket) {
+    /* MO: release; the controller may read ctl_done to see progress. */
+    atomic_store_explicit(&shm_hdr(s)->ctl_done, ticket, memory_order_release);
+}
+static inline uint32_t shm_control_pending(shm_seg *s, uint32_t *done) {
+    shm_header *h = shm_hdr(s);
+    /* MO: acquire; pairs with the release stores above. */
+    *done = atomic_load_explicit(&h->ctl_done, memory_order_acquire);
+    return atomic_load_explicit(&h->ctl_req, memory_order_acquire);
 }
 
 /* Final state (EV_CLOSED or EV_DIED), then wakes every sleeping client so it

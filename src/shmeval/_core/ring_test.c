@@ -2295,6 +2295,92 @@ static void test_max_wait(void) {
            (double)greedy_el / 1e6, (double)fuller_el / 1e6);
 }
 
+/* Control requests: a sleeping evaluator returns SHM_CONTROL promptly, a
+ * batch already begun comes first, close wins, and nothing is pending once
+ * the loop reports the ticket done. */
+static void *late_controller(void *arg) {
+    closer_arg *a = arg;
+    sleep_ns(a->delay_ns);
+    CHECK_EQU(shm_request_control(a->s), 1);
+    return NULL;
+}
+
+static void test_control(void) {
+    start_test("control", 60);
+    const shm_params P = mkparams(336, 32, 4, 4, 8);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+    CHECK_EQ(shm_client_register(s, 1, 1), 0);
+    char batch[8 * 336];
+    shm_taken taken[8];
+    uint32_t cursor = 0, done = 99;
+    uint64_t t0, el;
+
+    CHECK_EQU(shm_control_pending(s, &done), 0);
+    CHECK_EQU(done, 0);
+    /* asleep on the doorbell (spin 0, timeout 5 s): woken by the request */
+    closer_arg ca = {s, 30 * MS};
+    pthread_t tid;
+    CHECK_EQ(pthread_create(&tid, NULL, late_controller, &ca), 0);
+    t0 = shm_now_ns();
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 5000 * MS),
+             SHM_CONTROL);
+    el = shm_now_ns() - t0;
+    CHECK_EQ(pthread_join(tid, NULL), 0);
+    CHECK_MSG(el < 2000 * MS, "control wake took %.1f ms", (double)el / 1e6);
+    CHECK_EQU(shm_control_pending(s, &done), 1);
+    CHECK_EQU(done, 0);
+    /* still pending until reported done: collect keeps returning it */
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
+             SHM_CONTROL);
+    shm_control_done(s, 1);
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 0);
+
+    /* a request and a control request both waiting, nothing taken yet:
+     * the control request comes first and the request stays READY for
+     * the next collect */
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    shm_slot_publish(s, 0, 0);
+    shm_notify_evaluator(s, 1);
+    CHECK_EQU(shm_request_control(s), 2);
+    int n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
+    CHECK_EQ(n, SHM_CONTROL);  /* checked before scanning: nothing taken */
+    CHECK_EQ(shm_word_state(word_of(s, 0, 0)), SLOT_READY);
+    shm_control_done(s, 2);
+    n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
+    CHECK_EQ(n, 1);
+    drain(s, taken, n);
+
+    /* max_wait: a control request during the wait returns the partial
+     * batch first, then SHM_CONTROL */
+    CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_OK);
+    shm_slot_publish(s, 0, 1);
+    shm_notify_evaluator(s, 1);
+    ca.delay_ns = 30 * MS;
+    CHECK_EQ(pthread_create(&tid, NULL, late_controller, &ca), 0);
+    /* late_controller expects ticket 1: reset the counters first */
+    atomic_store(&shm_hdr(s)->ctl_req, 0);
+    shm_control_done(s, 0);
+    t0 = shm_now_ns();
+    n = shm_collect(s, batch, taken, 8, &cursor, 0, 5000 * MS, 10000 * MS);
+    el = shm_now_ns() - t0;
+    CHECK_EQ(pthread_join(tid, NULL), 0);
+    CHECK_EQ(n, 1);
+    CHECK_MSG(el < 2000 * MS, "control during max_wait took %.1f ms",
+              (double)el / 1e6);
+    drain(s, taken, n);
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
+             SHM_CONTROL);
+
+    /* close wins over a pending control request */
+    shm_request_close(s);
+    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
+             SHM_CLOSED);
+    seg_free(&t);
+}
+
 /* ------------------------------------------------------------------ */
 
 typedef struct {
@@ -2306,7 +2392,7 @@ static const test_case k_tests[] = {
     {"layout", test_layout},   {"attach", test_attach},
     {"state", test_state},     {"reclaim", test_reclaim},
     {"concurrency", test_concurrency}, {"close", test_close},
-    {"max_wait", test_max_wait},
+    {"max_wait", test_max_wait}, {"control", test_control},
 };
 
 int main(int argc, char **argv) {
