@@ -38,7 +38,7 @@ This module provides the game interface that :mod:`shmeval.mcts` searches
 from __future__ import annotations
 
 import operator
-from typing import Iterable, List, NamedTuple, Optional, Sequence
+from typing import Iterable, List, NamedTuple, Optional, Sequence, SupportsIndex
 
 import numpy as np
 
@@ -139,11 +139,12 @@ def legal_mask(s: State) -> np.ndarray:
     return out
 
 
-def play(s: State, col: int) -> State:
+def play(s: State, col: SupportsIndex) -> State:
     """The position after the player to move drops a stone into ``col``.
 
     Raises ``ValueError`` when ``col`` is not in 0..6, the column is full or
-    the game is already over (``TypeError`` when ``col`` is not an integer).
+    the game is already over (``TypeError`` when ``col`` is not an integer;
+    NumPy integers are fine).
     """
     c = operator.index(col)
     if not 0 <= c < COLS:
