@@ -241,6 +241,11 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="finished"):
         mcts.search_many(c4, [c4.from_moves([0, 1, 0, 1, 0, 1, 0])], CountingModel(), 5, rng)
 
+    m = mcts.MCTS(c4, CountingModel())
+    t = m.new_tree(c4.initial())
+    with pytest.raises(ValueError, match="twice"):
+        m.search([t, t], 5)
+
     def logits_model(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         return np.full((len(x), 7), -2.0), np.zeros(len(x))
 
