@@ -1,0 +1,71 @@
+"""Small TensorFlow models for the backend tests, and the functions spawn
+children run.  Importable without TensorFlow: it is imported only inside
+the functions that build models, so a worker process that unpickles
+``worker_report`` never loads it."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+INPUT_SHAPE = (6, 7, 2)
+OUTPUTS = {"policy": ((7,), "float32"), "value": ((), "float32")}
+
+
+def random_states(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, *INPUT_SHAPE)).astype(np.float32)
+
+
+def seeded_weights(model: Any, seed: int) -> None:
+    """Replaces the model's weights by a fixed function of seed (the same in
+    every process, whatever Keras' own initialisers do)."""
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.uniform(-0.3, 0.3, w.shape).astype(w.dtype)
+                       for w in model.get_weights()])
+
+
+def pv_net(seed: int = 0, outputs: str = "dict") -> Any:
+    """A functional policy-value net: conv, flatten, a 7-way policy head and
+    a Dense(1) tanh value head (shape (n, 1), served as a scalar).
+    outputs: "dict" ({"policy", "value"}) or "list" ([value, policy], heads
+    named by their layers)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    inp = keras.Input(INPUT_SHAPE)
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inp)
+    h = keras.layers.Flatten()(h)
+    policy = keras.layers.Dense(7, name="policy")(h)
+    value = keras.layers.Dense(1, activation="tanh", name="value")(h)
+    out = {"policy": policy, "value": value} if outputs == "dict" else [value, policy]
+    model = keras.Model(inp, out)
+    seeded_weights(model, seed)
+    return model
+
+
+def pv_factory() -> Any:
+    """Evaluator.spawn factory: runs in the evaluator process only."""
+    from shmeval.backends.tensorflow import TFModel
+
+    return TFModel(pv_net(seed=0))
+
+
+def worker_report(ev: Any, seed: int, conn: Any) -> None:
+    """A spawn worker: evaluates random states one by one and as a batch,
+    then reports the results and whether TensorFlow / Keras got loaded."""
+    try:
+        states = random_states(9, seed)
+        singles = [ev.evaluate(s) for s in states]
+        many = ev.evaluate_many(states)
+        conn.send({
+            "single_policy": np.stack([o["policy"] for o in singles]),
+            "single_value": np.stack([o["value"] for o in singles]),
+            "policy": many["policy"], "value": many["value"],
+            "tensorflow": "tensorflow" in sys.modules, "keras": "keras" in sys.modules,
+        })
+    except BaseException as e:
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+    finally:
+        conn.close()
