@@ -324,7 +324,10 @@ cdef class Segment:
         for i in range(n):
             k = slots[i]
             memcpy(shm_slot_in(&self.seg, c, k), src + (row0 + i) * inb, inb)
-            shm_slot_publish(&self.seg, c, k)
+        # Copy everything first, then publish in a tight loop: an evaluator
+        # scanning meanwhile then rarely splits the rows over two batches.
+        for i in range(n):
+            shm_slot_publish(&self.seg, c, <uint32_t>slots[i])
         with nogil:
             shm_notify_evaluator(&self.seg, <uint32_t>n)
 
