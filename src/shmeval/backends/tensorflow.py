@@ -221,11 +221,11 @@ class TFModel:
                  memory_limit_mb: Optional[int] = None, intra_op_threads: Optional[int] = None,
                  inter_op_threads: Optional[int] = None, device: Optional[str] = None) -> None:
         configure(memory_growth, memory_limit_mb, intra_op_threads, inter_op_threads)
+        self.buckets: Optional[tuple[int, ...]] = None
         if buckets is not None:
-            b = tuple(sorted({int(x) for x in buckets}))
-            if not b or b[0] < 1:
+            self.buckets = tuple(sorted({int(x) for x in buckets}))
+            if not self.buckets or self.buckets[0] < 1:
                 raise ValueError(f"TFModel buckets must be positive ints, got {buckets!r}")
-        self.buckets: Optional[tuple[int, ...]] = b if buckets is not None else None
         self.jit_compile = bool(jit_compile)
         self.device = device or ("/GPU:0" if tf.config.list_physical_devices("GPU")
                                  else "/CPU:0")
@@ -252,6 +252,7 @@ class TFModel:
         # The traced functions are for inputs [rows, *_row_shape] of _dtype.
         self._row_shape: Optional[tuple[int, ...]] = None
         self._dtype: Optional[np.dtype[Any]] = None
+        self._native = True
         self._function: Any = None     # tf.function over _body
         self._general: Any = None      # its concrete function for any batch size
         self._by_rows: dict[int, Any] = {}  # its concrete functions per bucket size
@@ -280,14 +281,15 @@ class TFModel:
 
     def _build(self, row_shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
         """Starts over for inputs [rows, *row_shape] of dtype."""
-        self._row_shape, self._dtype = row_shape, dtype
+        self._row_shape, self._dtype, self._native = row_shape, dtype, dtype.isnative
         self._function = tf.function(self._body, jit_compile=self.jit_compile)
         self._general = None
         self._by_rows = {}
 
     def _concrete(self, rows: Optional[int]) -> Any:
         assert self._row_shape is not None and self._dtype is not None
-        spec = tf.TensorSpec((rows, *self._row_shape), tf.as_dtype(self._dtype))
+        spec = tf.TensorSpec((rows, *self._row_shape),
+                             tf.as_dtype(self._dtype.newbyteorder("=")))
         self._trace_error = None
         try:
             return self._function.get_concrete_function(spec)
@@ -312,7 +314,7 @@ class TFModel:
             raise ModelError(f"TFModel buckets {sizes}: the largest must be >= max_batch "
                              f"({spec.max_batch})")
         self.spec = spec
-        self._build(spec.input_shape, spec.input_dtype.newbyteorder("="))
+        self._build(spec.input_shape, spec.input_dtype)
         if sizes is not None:
             self._by_rows = {n: self._concrete(n) for n in sizes}
             warm = sizes
@@ -351,18 +353,26 @@ class TFModel:
                 raise ValueError(f"TFModel was prepared for batches of shape "
                                  f"[n, *{self.spec.input_shape}] {self.spec.input_dtype}, "
                                  f"got {batch.shape} {batch.dtype}")
-            self._build(batch.shape[1:], batch.dtype.newbyteorder("="))
+            self._build(batch.shape[1:], batch.dtype)
         fn = self._by_rows.get(batch.shape[0])
         if fn is None:
             fn = self._general
             if fn is None:
                 fn = self._general = self._concrete(None)
-        # Calling style, measured on this project's 2-vCPU VM (TF 2.21, CPU,
-        # small conv net, best of 12 interleaved runs, outputs to numpy):
-        #   batch 1:  tf.function 418 us, concrete fn 275-293 us
-        #   batch 32: tf.function 508-547 us, concrete fn 332-379 us
-        # (tf.constant or ndarray argument: within noise of each other;
-        # model.predict_on_batch 469/574 us; eager model(x) 2.6/3.0 ms).
+        # Calling style: the concrete function, with a tf.constant copy of the
+        # batch (it copies: nothing aliases the evaluator's reused buffer).
+        # Measured on the project's busy 2-vCPU VM (TF 2.21 CPU, 8-filter
+        # conv + two dense heads, best of 12 interleaved runs of 300 calls,
+        # outputs to numpy), batch 1 / batch 32, microseconds per call:
+        #   tf.function(input_signature)(ndarray)      416-418 / 547-561
+        #   tf.function(input_signature)(tf.constant)  401-418 / 508-543
+        #   concrete fn, batch None (ndarray)           291-293 / 361-459
+        #   concrete fn, batch None (tf.constant)       278-292 / 346-413
+        #   concrete fn, fixed batch (tf.constant)      275     / 332-414
+        #   model.predict_on_batch                      452-469 / 574-615
+        #   eager model(x)                              2638    / 2691-3013
+        if not self._native:  # TensorFlow takes native byte order only
+            batch = batch.astype(batch.dtype.newbyteorder("="))
         out = fn(tf.constant(batch))
         if self.spec is None:
             return tf.nest.map_structure(lambda t: t.numpy(), out)
