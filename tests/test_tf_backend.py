@@ -9,7 +9,8 @@
 - Evaluator.spawn with a TFModel factory: worker processes never import
   TensorFlow or Keras;
 - set_weights / get_weights / load_weights (Keras weights file, .npz), bad
-  updates leave the weights alone;
+  updates leave the weights alone; the same through ev.set_weights /
+  ev.load_weights (thread and spawned evaluators);
 - configure() sets the thread pools (in a fresh process).
 
 TensorFlow is imported by fixtures, not at module import, so collecting the
@@ -330,11 +331,17 @@ def test_standalone_call_before_prepare(tf: Any, backend: Any) -> None:
         tm(np.zeros((2, 3), np.float32))
 
 
-def test_spawned_evaluator_keeps_tensorflow_out_of_workers(keras: Any) -> None:
+def test_spawned_evaluator_keeps_tensorflow_out_of_workers(keras: Any, tmp_path: Any) -> None:
+    """The evaluator process builds the TFModel and loads a weights file
+    (ev.load_weights); spawn workers get the evaluator pickled as a Process
+    argument, and are answered by those weights without loading TF."""
     ctx = mp.get_context("spawn")
+    path = str(tmp_path / "five.weights.h5")
+    pv_net(5).save_weights(path)
     with shmeval.Evaluator.spawn(tf_models.pv_factory, input_shape=INPUT_SHAPE,
                                  outputs=OUTPUTS, max_batch=32, max_clients=4,
                                  start_timeout=TIMEOUT) as ev:
+        assert ev.load_weights(path) == 1
         pipes, procs = [], []
         for seed in range(2):
             receiver, sender = ctx.Pipe(duplex=False)
@@ -351,7 +358,7 @@ def test_spawned_evaluator_keeps_tensorflow_out_of_workers(keras: Any) -> None:
         for p in procs:
             p.join(TIMEOUT)
             assert p.exitcode == 0
-    ref = keras_reference(pv_net(0))
+    ref = keras_reference(pv_net(5))
     for seed, r in enumerate(reports):
         assert "error" not in r, r.get("error")
         assert r["tensorflow"] is False and r["keras"] is False
@@ -417,6 +424,33 @@ def test_keras_weights(keras: Any, backend: Any, tmp_path: Any) -> None:
         tm.load_weights(tmp_path / "bad.npz")
     check(first)
     assert tm.trace_count == traces, "a weight update retraced"
+
+
+def test_hot_swap_through_evaluator(backend: Any, tmp_path: Any) -> None:
+    """ev.set_weights / ev.load_weights reach TFModel between batches:
+    answers follow the new weights, a refused update changes nothing, and
+    nothing is retraced."""
+    tm = backend.TFModel(pv_net(1))
+    with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
+                           max_clients=4, slots_per_client=32) as ev:
+        traces = tm.trace_count
+        serve_and_compare(ev, keras_reference(pv_net(1)), tuple(OUTPUTS), sizes=(3, 40))
+        assert ev.set_weights(pv_net(2).get_weights()) == 1
+        out, version = ev.evaluate(random_states(1, 9)[0], return_version=True)
+        assert version == 1
+        np.testing.assert_allclose(out["policy"],
+                                   keras_reference(pv_net(2))(random_states(1, 9))["policy"][0],
+                                   rtol=1e-5, atol=1e-5)
+        serve_and_compare(ev, keras_reference(pv_net(2)), tuple(OUTPUTS), sizes=(3, 40))
+        np.savez(tmp_path / "three.npz", *pv_net(3).get_weights())
+        assert ev.load_weights(tmp_path / "three.npz") == 2
+        three = keras_reference(pv_net(3))
+        serve_and_compare(ev, three, tuple(OUTPUTS), sizes=(3, 40))
+        with pytest.raises(shmeval.ModelError, match="set_weights: got 1 arrays"):
+            ev.set_weights([np.zeros(3, np.float32)])
+        assert ev.model_version == 2
+        serve_and_compare(ev, three, tuple(OUTPUTS), sizes=(3, 40))
+        assert tm.trace_count == traces
 
 
 @pytest.mark.parametrize("saved", [False, True])
