@@ -354,6 +354,8 @@ class TFModel:
                                  f"[n, *{self.spec.input_shape}] {self.spec.input_dtype}, "
                                  f"got {batch.shape} {batch.dtype}")
             self._build(batch.shape[1:], batch.dtype)
+        if not self._native:  # TensorFlow takes native byte order only
+            batch = batch.astype(batch.dtype.newbyteorder("="))
         fn = self._by_rows.get(batch.shape[0])
         if fn is None:
             fn = self._general
@@ -371,8 +373,6 @@ class TFModel:
         #   concrete fn, fixed batch (tf.constant)      275     / 332-414
         #   model.predict_on_batch                      452-469 / 574-615
         #   eager model(x)                              2638    / 2691-3013
-        if not self._native:  # TensorFlow takes native byte order only
-            batch = batch.astype(batch.dtype.newbyteorder("="))
         out = fn(tf.constant(batch))
         if self.spec is None:
             return tf.nest.map_structure(lambda t: t.numpy(), out)
