@@ -52,6 +52,17 @@ shows each method's CPU time per evaluation (workers and server together), the
 server's share of it, and "other load": busy CPU time of the machine that
 belongs to none of the measured processes (other programs skew every figure).
 
+Defaults.  The net has 3 conv layers of 32 filters (--filters): on this
+2-core VM it costs 0.4 ms per call at batch 1 and 18 us per state at batch
+256, near the "small conv net" of the design brief (0.7 ms, 22 us); 64
+filters cost 3x more per state.  The central servers (queue, tfserver,
+shmeval alike) run TensorFlow with one intra-op and one inter-op thread
+(--server-threads 1): measured here, TensorFlow's default of one thread per
+core makes a batch of 16 take 0.88 ms of wall time and 1.2 ms of CPU
+instead of 0.62 ms and 0.61 ms with one thread, and the second core is
+needed by the worker processes anyway.  docs/performance.md records a run
+with 64 filters and TensorFlow's default threads as well.
+
 Machine-independent: on a machine with a GPU, TensorFlow uses it in the
 evaluators, the tf.distribute server and the local workers (all with memory
 growth, so that 16 local workers fit); the tfserver workers only build graphs
@@ -1071,10 +1082,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--local-threads", type=int, default=1,
                         help="TF intra/inter-op threads of each local worker (default 1: N processes "
                              "share the cores; 0 = TensorFlow's default)")
-    parser.add_argument("--server-threads", type=int, default=0,
+    parser.add_argument("--server-threads", type=int, default=1,
                         help="TF intra/inter-op threads of the queue evaluator, the tf.distribute server "
-                             "and the shmeval evaluator (default 0 = TensorFlow's default, one per core)")
-    parser.add_argument("--filters", type=int, default=64, help="conv filters (default 64)")
+                             "and the shmeval evaluator (default 1; 0 = TensorFlow's default, one per "
+                             "core; see 'Defaults' in the module docstring)")
+    parser.add_argument("--filters", type=int, default=32, help="conv filters (default 32)")
     parser.add_argument("--layers", type=int, default=3, help="3x3 conv layers (default 3)")
     parser.add_argument("--overhead-workers", type=int, default=4,
                         help="processes calling evaluate_many in the large-batch phase (default 4; 0 skips it)")
