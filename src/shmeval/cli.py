@@ -41,12 +41,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     segs = segment.list_segments()
     for s in segs:
-        print(f"{s['address']}  owner {s['owner_pid']} "
-              f"{'alive' if s['owner_alive'] else 'DEAD'}  {s['bytes']:,} bytes")
-    removed = segment.cleanup_stale(dry_run=args.dry_run)
+        pid = s["owner_pid"]
+        state = ("owner unknown, kept" if not pid else
+                 "alive" if s["owner_alive"] else "DEAD")
+        uid = s["uid"]
+        print(f"{s['address']}  owner {pid or '?'} {state}  "
+              f"uid {uid}  {s['bytes']:,} bytes")
+    errors: dict[str, str] = {}
+    removed = segment.cleanup_stale(dry_run=args.dry_run, errors=errors)
     verb = "would remove" if args.dry_run else "removed"
     print(f"{verb} {len(removed)} stale segment(s)")
-    return 0
+    for address, why in sorted(errors.items()):
+        print(f"could not remove {address}: {why}")
+    print("shmeval creates no named semaphores or other named objects (its doorbells "
+          "are futex words inside the segment): there is nothing else to clean up")
+    return 1 if errors else 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -61,7 +70,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     s = sub.add_parser("stats", help="print an evaluator's statistics")
     s.add_argument("address")
     s.set_defaults(func=cmd_stats)
-    c = sub.add_parser("cleanup", help="list segments and remove those of dead owners")
+    c = sub.add_parser("cleanup", help="list shmeval segments in /dev/shm and remove those "
+                       "of dead owners (the only named objects shmeval creates)")
     c.add_argument("--dry-run", action="store_true")
     c.set_defaults(func=cmd_cleanup)
     args = p.parse_args(argv)

@@ -2,12 +2,15 @@
 
 A segment is one POSIX shared-memory object named
 ``/shmeval-<owner pid>-<random>``, mode 0600, so that stale ones are easy to
-find (``/dev/shm/shmeval-*``) and to attribute to a process.
+find (``/dev/shm/shmeval-*``) and to attribute to a process.  It is the only
+named object shmeval creates: the doorbells are futex words inside it, so
+there are no named semaphores (``/dev/shm/sem.*``) to leak or clean up.
 """
 from __future__ import annotations
 
 import os
 import secrets
+import struct
 from typing import Optional
 
 import posix_ipc
@@ -35,8 +38,12 @@ def _check_name(name: str) -> str:
 
 
 def create(spec: Spec, name: Optional[str] = None) -> tuple["_ring.Segment", str]:
-    """Creates and formats a new segment for spec; returns (segment, name)."""
+    """Creates and formats a new segment for spec; returns (segment, name).
+
+    First removes this user's stale segments (see :func:`cleanup_own_stale`),
+    so that processes killed without closing do not pile up in /dev/shm."""
     name = _check_name(name) if name else new_name()
+    cleanup_own_stale()
     size = _ring.segment_size(spec.in_bytes, spec.out_bytes, spec.max_clients,
                               spec.slots_per_client, spec.max_batch)
     try:
@@ -70,9 +77,7 @@ def attach(name: str, expect: Optional[Spec] = None) -> tuple["_ring.Segment", S
             f"no shmeval segment named {name}: the evaluator is not running "
             "(or was closed)") from None
     except posix_ipc.PermissionsError:
-        raise SegmentError(
-            f"permission denied on segment {name}: it belongs to another user "
-            "(segments are created mode 0600)") from None
+        raise SegmentError(f"permission denied on segment {name}: {_whose(name)}") from None
     try:
         seg = _ring.Segment.attach(shm.fd, shm.size, name)
     finally:
@@ -96,8 +101,33 @@ def attach(name: str, expect: Optional[Spec] = None) -> tuple["_ring.Segment", S
     return seg, spec
 
 
+def _user(uid: int) -> str:
+    try:
+        import pwd
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _whose(name: str) -> str:
+    """Why a segment is not ours to open: its owner and our user."""
+    me = _user(os.geteuid())
+    try:
+        st = os.stat(SHM_DIR + name)
+    except OSError:
+        return f"this process (running as {me}) may not open it"
+    if st.st_uid != os.geteuid():
+        return (f"it belongs to {_user(st.st_uid)} and this process runs as {me}; "
+                "shmeval segments are created mode 0600, so only processes of the "
+                "evaluator's user can attach")
+    return (f"it has mode {st.st_mode & 0o777:04o} although it belongs to this "
+            f"process's user ({me})")
+
+
 def unlink(name: str) -> bool:
-    """Removes the segment's name; returns False when it was already gone."""
+    """Removes the segment's name; returns False when it was already gone.
+    Raises posix_ipc.PermissionsError for another user's segment (the sticky
+    /dev/shm lets only its owner, or root, remove it)."""
     try:
         posix_ipc.unlink_shared_memory(_check_name(name))
         return True
@@ -137,35 +167,122 @@ def is_alive(pid: int, starttime: int = 0) -> bool:
 
 # ---------------------------------------------------------------- cleanup
 
+_MAGIC = 0x314C4156454D4853   # ring.h SHM_MAGIC, "SHMEVAL1"
+_OFF_OWNER_PID = 64           # ring.h shm_header.owner_pid (int32)
+
+
+def _name_pid(entry: str) -> int:
+    """The pid in ``shmeval-<pid>-...``, 0 when the name carries none."""
+    try:
+        return max(0, int(entry[len(PREFIX):].split("-", 1)[0]))
+    except ValueError:
+        return 0
+
+
+def _header_pid(path: str) -> int:
+    """The creator's pid as recorded in a formatted segment's header, 0 when
+    it cannot be read (another user's segment, not formatted yet, foreign)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return 0
+    try:
+        head = os.pread(fd, _OFF_OWNER_PID + 4, 0)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+    if len(head) < _OFF_OWNER_PID + 4 or struct.unpack_from("<Q", head)[0] != _MAGIC:
+        return 0
+    return max(0, int(struct.unpack_from("<i", head, _OFF_OWNER_PID)[0]))
+
+
+def _inspect(entry: str) -> Optional[dict[str, object]]:
+    path = os.path.join(SHM_DIR, entry)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None                  # removed meanwhile
+    # The header says who created a formatted segment (a name given with
+    # Evaluator(name=...) need not hold the creator's pid); otherwise the name.
+    pid = _header_pid(path) or _name_pid(entry)
+    return {"address": "/" + entry, "owner_pid": pid,
+            # An owner we cannot identify counts as alive: never removed.
+            "owner_alive": pid == 0 or is_alive(pid), "uid": st.st_uid,
+            "bytes": st.st_size}
+
+
 def list_segments() -> list[dict[str, object]]:
-    """Every shmeval segment in /dev/shm with its owner pid and liveness."""
+    """Every shmeval segment in /dev/shm: address, owner pid (0 when unknown),
+    whether the owner is alive (an unknown owner counts as alive), the
+    segment's uid and its size."""
     out: list[dict[str, object]] = []
     try:
         names = sorted(os.listdir(SHM_DIR))
     except FileNotFoundError:
         return out
     for entry in names:
-        if not entry.startswith(PREFIX):
-            continue
-        try:
-            pid = int(entry[len(PREFIX):].split("-", 1)[0])
-        except ValueError:
-            pid = 0
-        try:
-            size = os.stat(os.path.join(SHM_DIR, entry)).st_size
-        except FileNotFoundError:
-            continue
-        out.append({"address": "/" + entry, "owner_pid": pid,
-                    "owner_alive": is_alive(pid), "bytes": size})
+        if entry.startswith(PREFIX):
+            info = _inspect(entry)
+            if info is not None:
+                out.append(info)
     return out
 
 
-def cleanup_stale(dry_run: bool = False) -> list[str]:
-    """Unlinks segments whose owner process is dead; returns their addresses."""
+def cleanup_stale(dry_run: bool = False, only_mine: bool = False,
+                  errors: Optional[dict[str, str]] = None) -> list[str]:
+    """Unlinks segments whose owner process is dead; returns their addresses.
+
+    only_mine: only segments of this process's user.  A segment that cannot
+    be removed (another user's, without root) is skipped and, when errors is
+    given, recorded there as {address: reason}.  Limits: liveness is judged
+    by pid in this pid namespace, so a container sharing /dev/shm but not
+    the pid namespace must not run this against another's segments; a dead
+    owner whose pid was reused by a live process keeps its segment."""
     removed = []
+    me = os.geteuid()
     for s in list_segments():
-        if not s["owner_alive"]:
-            address = str(s["address"])
-            if dry_run or unlink(address):
+        if s["owner_alive"] or (only_mine and s["uid"] != me):
+            continue
+        address = str(s["address"])
+        if dry_run:
+            removed.append(address)
+            continue
+        try:
+            if unlink(address):
                 removed.append(address)
+        except (posix_ipc.Error, OSError) as e:
+            if errors is not None:
+                uid = s["uid"]
+                owner = _user(uid) if isinstance(uid, int) else str(uid)
+                errors[address] = f"{type(e).__name__}: {e} (the segment belongs to {owner})"
+    return removed
+
+
+def cleanup_own_stale() -> list[str]:
+    """Removes this user's segments whose owner process is dead, quietly:
+    called before every create(), it never raises (a failed cleanup must not
+    fail the evaluator being created).  Costs one listdir of /dev/shm and a
+    /proc lookup per shmeval segment; segments of live owners, of owners it
+    cannot identify and of other users are never touched."""
+    removed: list[str] = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    me, my_pid = os.geteuid(), os.getpid()
+    for entry in entries:
+        try:
+            if not entry.startswith(PREFIX):
+                continue
+            name_pid = _name_pid(entry)
+            if name_pid == my_pid or (name_pid and is_alive(name_pid)):
+                continue             # the common case: a live evaluator's
+            s = _inspect(entry)
+            if s is None or s["owner_alive"] or s["uid"] != me:
+                continue
+            if unlink(str(s["address"])):
+                removed.append(str(s["address"]))
+        except Exception:  # noqa: BLE001 - best effort, never fails create()
+            continue
     return removed
