@@ -1,4 +1,4 @@
-"""The ``shmeval`` command: ``demo``, ``stats``, ``cleanup``."""
+"""The ``shmeval`` command: ``selfplay``, ``demo``, ``stats``, ``cleanup``."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_selfplay(args: argparse.Namespace) -> int:
+    from . import selfplay
+
+    return selfplay.main(args)
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from .client import connect
 
@@ -61,6 +67,11 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="shmeval", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("selfplay", help="Connect Four self-play with a TensorFlow net: "
+                        "shmeval against a Queue evaluator and per-worker models")
+    from .selfplay import add_arguments
+    add_arguments(sp)
+    sp.set_defaults(func=cmd_selfplay)
     d = sub.add_parser("demo", help="round trips through a NumPy model from N processes")
     d.add_argument("--workers", type=int, default=8)
     d.add_argument("--seconds", type=float, default=5.0)
