@@ -391,7 +391,7 @@ cdef class Segment:
                        out + self.out_off[j], self.out_nbytes[j])
             result = m.model_version
         elif st == SLOT_FAILED:
-            result = out[:min(m.err_len, 1 << 20)].decode("utf-8", "replace")
+            result = out[:min(m.err_len, self.seg.l.out_area)].decode("utf-8", "replace")
         else:
             _check(SHM_E_STATE, "fetch")
         _check(shm_slot_release(&self.seg, c, k), "fetch")

@@ -384,6 +384,17 @@ static inline void shm_stat_add(_Atomic uint64_t *x, uint64_t v) {
 /* Client table                                                        */
 /* ------------------------------------------------------------------ */
 
+/* 1 + the highest client index ever claimed, clamped to max_clients (from
+ * the process-local params checked at attach): a segment scribbled on by
+ * another process of the same user must not make anyone index past the
+ * client table. */
+static inline uint32_t shm_clients_hwm(shm_seg *s) {
+    /* MO: acquire; pairs with the release CAS in shm_client_register. */
+    uint32_t hwm = atomic_load_explicit(&shm_hdr(s)->clients_hwm,
+                                        memory_order_acquire);
+    return hwm < s->p.max_clients ? hwm : s->p.max_clients;
+}
+
 /* Claims a free client entry for pid; returns its index or SHM_E_FULL. */
 static inline int shm_client_register(shm_seg *s, int32_t pid,
                                       uint64_t starttime) {
@@ -618,8 +629,7 @@ static inline uint32_t shm_scan(shm_seg *s, char *batch, shm_taken *taken,
                                 uint32_t n, uint32_t max_batch,
                                 uint32_t *cursor, uint64_t now) {
     shm_header *h = shm_hdr(s);
-    /* MO: acquire; pairs with the release CAS in shm_client_register. */
-    uint32_t hwm = atomic_load_explicit(&h->clients_hwm, memory_order_acquire);
+    uint32_t hwm = shm_clients_hwm(s);
     uint32_t K = s->p.slots_per_client;
     if (hwm == 0) return n;
     uint32_t start = *cursor % hwm;
@@ -921,11 +931,6 @@ static inline uint32_t shm_n_attached(shm_seg *s) {
     /* MO: relaxed; a hint for spin decisions. */
     return atomic_load_explicit(&shm_hdr(s)->n_attached, memory_order_relaxed);
 }
-static inline uint32_t shm_clients_hwm(shm_seg *s) {
-    /* MO: acquire; pairs with the release CAS in shm_client_register. */
-    return atomic_load_explicit(&shm_hdr(s)->clients_hwm,
-                                memory_order_acquire);
-}
 static inline const char *shm_spec(shm_seg *s, uint32_t *len) {
     *len = shm_hdr(s)->spec_len;
     return shm_hdr(s)->spec;
@@ -990,7 +995,7 @@ static inline void shm_close_and_wake(shm_seg *s, uint32_t final_state) {
      * ev_state re-load: either the waiter sees the final state before it
      * sleeps, or the load of its word below sees WAITER and wakes it. */
     atomic_store_explicit(&h->ev_state, final_state, memory_order_seq_cst);
-    uint32_t hwm = atomic_load_explicit(&h->clients_hwm, memory_order_acquire);
+    uint32_t hwm = shm_clients_hwm(s);
     for (uint32_t c = 0; c < hwm; c++)
         for (uint32_t k = 0; k < s->p.slots_per_client; k++) {
             _Atomic uint32_t *w = shm_slot_word_at(s, c, k);

@@ -2381,6 +2381,31 @@ static void test_control(void) {
     seg_free(&t);
 }
 
+/* A process of the same user scribbling on the header must not make the
+ * evaluator or a client index past the client table (ASan checks). */
+static void test_scribbled(void) {
+    start_test("scribbled", 30);
+    const shm_params P = mkparams(336, 32, 4, 4, 8);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+    CHECK_EQ(shm_client_register(s, 1, 1), 0);
+    char batch[8 * 336];
+    shm_taken taken[8];
+    uint32_t cursor = 0;
+    atomic_store(&shm_hdr(s)->clients_hwm, UINT32_MAX);
+    CHECK_EQU(shm_clients_hwm(s), P.max_clients);
+    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    shm_slot_publish(s, 0, 0);
+    shm_notify_evaluator(s, 1);
+    int n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
+    CHECK_EQ(n, 1);
+    drain(s, taken, n);
+    shm_close_and_wake(s, EV_CLOSED);
+    seg_free(&t);
+}
+
 /* ------------------------------------------------------------------ */
 
 typedef struct {
@@ -2393,6 +2418,7 @@ static const test_case k_tests[] = {
     {"state", test_state},     {"reclaim", test_reclaim},
     {"concurrency", test_concurrency}, {"close", test_close},
     {"max_wait", test_max_wait}, {"control", test_control},
+    {"scribbled", test_scribbled},
 };
 
 int main(int argc, char **argv) {
