@@ -49,6 +49,7 @@ import contextlib
 import ctypes
 import functools
 import importlib.metadata
+import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -1325,26 +1326,26 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
     store = GameStore()
     buffer: Optional[ReplayBuffer] = None
     learner: Optional[Learner] = None
-    loaded = 0
-    if s.train:
-        buffer = ReplayBuffer(s.buffer_size)
-        if load_games_path:
-            g = load_games(load_games_path)
-            buffer.add_games(g)
-            loaded = len(g)
-        display.line(f"learner: building the net in this process (TensorFlow, "
-                     f"{s.learner_threads or 'default'} thread(s)) ...")
-        learner = Learner(s, buffer)
-    elif load_games_path:
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ValueError("the self-play demo needs TensorFlow: pip install 'shmeval[tensorflow]'")
+    if load_games_path and not s.train:
         raise ValueError("--load-games seeds the learner's replay buffer: use it with --train")
+    loaded = load_games(load_games_path) if load_games_path else None
     net = s.net
     display.line(
         f"shmeval selfplay: Connect Four, {s.workers} workers x {s.games_per_worker} games, "
         f"{s.simulations} simulations/move; net {net.blocks} residual blocks x {net.filters} "
         f"filters; modes {', '.join(modes)}; {s.seconds:g} s each after {s.warmup:g} s warm-up; "
-        f"central evaluator TF threads {s.evaluator_threads or 'default'}"
-        + (f"; training (push every {s.push_every:g} s, replay buffer seeded with {loaded:,} "
-           f"samples)" if s.train else ""))
+        f"central evaluator TF threads {s.evaluator_threads or 'default'}")
+    if s.train:
+        buffer = ReplayBuffer(s.buffer_size)
+        if loaded is not None:
+            buffer.add_games(loaded)
+        display.line(f"learner: builds the net in this process (TensorFlow, "
+                     f"{s.learner_threads or 'default'} thread(s)), minibatches of "
+                     f"{s.batch_size}, pushes weights every {s.push_every:g} s; replay buffer "
+                     f"seeded with {len(buffer):,} samples")
+        learner = Learner(s, buffer)
     results: Dict[str, Dict[str, Any]] = {}
     for mode in modes:
         results[mode] = ModeRun(mode, s, display, store, buffer, learner).run()
@@ -1371,7 +1372,7 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
     out: Dict[str, Any] = {
         "settings": {**asdict(s), "modes": list(modes)}, "machine": machine,
         "modes": results, "ratios": ratios, "wall_s": wall,
-        "games_received": len(store), "loaded_samples": loaded}
+        "games_received": len(store), "loaded_samples": len(loaded) if loaded is not None else 0}
     if games_path:
         meta = {"settings": out["settings"], "machine": machine}
         save_games(games_path, store.to_games(meta))

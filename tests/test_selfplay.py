@@ -1,0 +1,403 @@
+"""The self-play demo, ``shmeval selfplay``.
+
+- one short run per mode (shmeval, queue, local, local-batched) through the
+  CLI in a subprocess: exit code 0, the JSON has the figures and settings,
+  the games file reads back with load_games and every game replays to the
+  stored states, policies and outcomes; every mode served the same initial
+  weights (the probe positions evaluate alike); shmeval and queue workers
+  never imported TensorFlow;
+- a short --train run seeded with saved games: weights pushed, the model
+  version went up, the loss recorded;
+- Ctrl-C stops a run and every process it started; a dead evaluator is
+  reported with the worker's error;
+- in-process, without TensorFlow: replay, replay buffer (ring, mirror
+  augmentation), save/load round trip and corrupt files, the display,
+  argument errors.
+
+The runs are shared by the tests that check them (module-scoped, run on
+first use).  Nothing here imports TensorFlow into the pytest process.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Iterator, List, Tuple
+
+import numpy as np
+import pytest
+
+from shmeval import selfplay
+from shmeval.games import connect4 as c4
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_TIMEOUT = 180
+WORKERS = 2
+GAMES_PER_WORKER = 2
+TINY = ["--workers", str(WORKERS), "--games-per-worker", str(GAMES_PER_WORKER),
+        "--simulations", "8", "--seconds", "2", "--warmup", "0.5"]
+REQUIRED = ("moves_per_s", "evals_per_s", "mean_batch", "worker_rss_mb", "games", "startup_s",
+            "tensorflow_in_workers", "probe", "cpu")
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "src"),
+                                                      env.get("PYTHONPATH")]))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+def _cli(args: List[str], timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shmeval", "selfplay", *args], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+class Runs:
+    """Runs each mode once, on first use; keeps (json, games path, output)."""
+
+    def __init__(self, tmp: Any) -> None:
+        self.tmp = tmp
+        self.done: Dict[str, Tuple[Dict[str, Any], str, str]] = {}
+
+    def get(self, mode: str) -> Tuple[Dict[str, Any], str, str]:
+        if mode not in self.done:
+            js = str(self.tmp / f"{mode}.json")
+            npz = str(self.tmp / f"{mode}.npz")
+            r = _cli(["--mode", mode, *TINY, "--json", js, "--games", npz])
+            assert r.returncode == 0, r.stdout + r.stderr
+            with open(js) as f:
+                self.done[mode] = (json.load(f), npz, r.stdout + r.stderr)
+        return self.done[mode]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: Any) -> Runs:
+    return Runs(tmp_path_factory.mktemp("selfplay"))
+
+
+def check_games(g: selfplay.Games, mode: str, workers: int = WORKERS) -> None:
+    """Every stored game replays to its states; policies, outcomes, winners
+    and moves agree with the rules; each position is stored once."""
+    assert g.n_games >= 1 and len(g) == int(g.offsets[-1]) == len(g.moves)
+    assert g.states.shape == (len(g), 6, 7, 2) and g.states.dtype == np.float32
+    assert g.policies.shape == (len(g), 7) and g.outcomes.shape == (len(g),)
+    np.testing.assert_allclose(g.policies.sum(axis=1), 1.0, atol=1e-5)
+    assert (g.policies >= 0).all()
+    assert set(np.unique(g.outcomes)) <= {-1.0, 0.0, 1.0}
+    assert set(g.mode.tolist()) == {mode}
+    assert set(g.worker.tolist()) <= set(range(workers))
+    for i in range(g.n_games):
+        lo, hi = int(g.offsets[i]), int(g.offsets[i + 1])
+        s = c4.initial()
+        for row, a in zip(range(lo, hi), g.game_moves(i)):
+            np.testing.assert_array_equal(g.states[row], c4.encode(s))
+            legal = c4.legal_mask(s)
+            assert not g.policies[row][~legal].any(), "visits to an illegal move"
+            assert g.policies[row][a] > 0, "a move the search never visited was played"
+            sign = 1 if c4.to_move(s) == 0 else -1
+            assert g.outcomes[row] == sign * g.winner[i]
+            assert g.ply[row] == row - lo and g.game[row] == i
+            s = c4.play(s, a)
+        assert c4.winner(s) == g.winner[i], "the stored winner is not the game's"
+    # One copy per position: as many samples as moves played, no mirrored extras.
+    assert len(g) == sum(len(g.game_moves(i)) for i in range(g.n_games))
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+@pytest.mark.parametrize("mode", ["shmeval", "queue", "local", "local-batched"])
+def test_mode_runs_and_reports(runs: Runs, mode: str) -> None:
+    out, npz, text = runs.get(mode)
+    r = out["modes"][mode]
+    for key in REQUIRED:
+        assert key in r, key
+    assert r["moves_per_s"] > 0 and r["evals_per_s"] > 0 and r["worker_rss_mb"] > 0
+    assert r["evals_per_s"] >= r["moves_per_s"]   # at least one evaluation per move
+    assert 1.0 <= r["mean_batch"] <= WORKERS * GAMES_PER_WORKER
+    if mode == "local":
+        assert r["mean_batch"] == 1.0
+    tf_workers = WORKERS if mode.startswith("local") else 0
+    assert r["tensorflow_in_workers"] == tf_workers
+    if mode in ("shmeval", "queue"):
+        assert r["evaluator_rss_mb"] > 0 and r["evaluator"]["batches"] > 0
+    st = out["settings"]
+    assert (st["workers"], st["games_per_worker"], st["simulations"]) == (WORKERS, GAMES_PER_WORKER, 8)
+    assert st["evaluator_threads"] == 1 and st["modes"] == [mode]
+    assert out["machine"]["cpus"] >= 1 and out["machine"]["tensorflow"]
+    assert out["wall_s"] > 0
+    assert "mode " in text and "moves/s" in text   # the summary table was printed
+    g = selfplay.load_games(npz)
+    check_games(g, mode)
+    assert g.n_games == out["games_received"] >= r["games"]
+    assert g.meta["settings"]["workers"] == WORKERS
+
+
+@pytest.mark.timeout(4 * RUN_TIMEOUT)
+def test_every_mode_serves_the_same_initial_weights(runs: Runs) -> None:
+    probes = {m: runs.get(m)[0]["modes"][m]["probe"]
+              for m in ("shmeval", "queue", "local", "local-batched")}
+    ref = probes["shmeval"]
+    assert len(ref["value"]) == len(ref["policy"]) == 5
+    assert np.ptp(np.array(ref["policy"])) > 1e-3   # not a trivial net
+    for m, p in probes.items():
+        np.testing.assert_allclose(p["policy"], ref["policy"], atol=1e-4, err_msg=m)
+        np.testing.assert_allclose(p["value"], ref["value"], atol=1e-4, err_msg=m)
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_train_pushes_weights_and_records_the_loss(runs: Runs, tmp_path: Any) -> None:
+    seed_npz = runs.get("shmeval")[1]
+    seeded = len(selfplay.load_games(seed_npz))
+    js = str(tmp_path / "train.json")
+    npz = str(tmp_path / "train.npz")
+    r = _cli(["--train", "--workers", "2", "--games-per-worker", "4", "--simulations", "8",
+              "--seconds", "4", "--warmup", "0.5", "--push-every", "0.5", "--batch-size", "32",
+              "--load-games", seed_npz, "--json", js, "--games", npz])
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(js) as f:
+        out = json.load(f)
+    m = out["modes"]["shmeval"]
+    t = m["train"]
+    assert out["loaded_samples"] == seeded > 0
+    assert t["steps"] > 0 and t["pushes"] >= 1
+    assert m["model_version"] == t["model_version"] == t["pushes"] > 0
+    assert m["pushes"] == t["pushes"]
+    versions = [p["version"] for p in t["pushes_log"]]
+    assert versions == list(range(1, t["pushes"] + 1))
+    assert np.isfinite(t["loss_first"]) and np.isfinite(t["loss_last"]) and m["loss"] == t["loss_last"]
+    assert t["history"] and all(np.isfinite(h["loss"]) for h in t["history"])
+    assert "loss" in r.stdout and "model version" in r.stdout
+    assert out["settings"]["train"] is True
+    check_games(selfplay.load_games(npz), "shmeval")
+
+
+def _group_members(pgid: int) -> List[str]:
+    """Processes of process group ``pgid`` that are not zombies."""
+    left = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            left.append(pid)
+    return left
+
+
+def _restore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_ctrl_c_stops_every_process(tmp_path: Any) -> None:
+    p = subprocess.Popen([sys.executable, "-m", "shmeval", "selfplay", "--mode", "queue",
+                          *TINY[:-4], "--seconds", "60", "--warmup", "0.5"],
+                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True, preexec_fn=_restore_sigint)
+    try:
+        assert p.stdout is not None
+        seen = []
+        for line in p.stdout:   # plain lines (not a TTY); the phase change is printed
+            seen.append(line)
+            if "measuring" in line:
+                break
+        assert any("measuring" in s for s in seen), "".join(seen)
+        os.killpg(p.pid, signal.SIGINT)   # what Ctrl-C in a terminal does
+        rest, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130, "".join(seen) + rest
+    assert "interrupted" in rest
+    deadline = time.monotonic() + 10   # a tick for the kernel to reap the last exits
+    while _group_members(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _group_members(p.pid) == []
+    # The conftest fixture checks /dev/shm.
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_a_dead_evaluator_is_reported() -> None:
+    p = subprocess.Popen([sys.executable, "-m", "shmeval", "selfplay", "--mode", "shmeval",
+                          *TINY[:-4], "--seconds", "60", "--warmup", "0.5"],
+                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            if "measuring" in line:
+                break
+        # The evaluator is the child that holds TensorFlow: the largest RSS.
+        kids = [int(k) for k in os.listdir("/proc") if k.isdigit() and _ppid(int(k)) == p.pid]
+        evaluator = max(kids, key=lambda k: selfplay.proc_rss_mb(k) or 0.0)
+        os.kill(evaluator, signal.SIGKILL)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 1, err
+    assert "worker" in err and "EvaluatorDied" in err
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def test_replay_game() -> None:
+    moves = [3, 3, 4, 4, 5, 5, 6]          # the first player wins along the bottom row
+    states, outcomes, w = selfplay.replay_game(moves)
+    assert w == 1 and states.dtype == np.uint8 and states.shape == (7, 6, 7, 2)
+    assert outcomes.tolist() == [1, -1, 1, -1, 1, -1, 1]
+    np.testing.assert_array_equal(states[2], c4.encode(c4.from_moves(moves[:2])))
+    with pytest.raises(ValueError, match="not over"):
+        selfplay.replay_game([3, 3])
+    with pytest.raises(ValueError):
+        selfplay.replay_game([0] * 7)       # the seventh stone does not fit
+
+
+def _random_games(n: int, seed: int) -> selfplay.GameStore:
+    rng = np.random.default_rng(seed)
+    store = selfplay.GameStore()
+    for i in range(n):
+        s, moves, pols = c4.initial(), [], []
+        while not c4.is_terminal(s):
+            legal = c4.legal_moves(s)
+            counts = np.zeros(7)
+            counts[legal] = rng.integers(1, 9, len(legal))
+            a = int(rng.choice(legal))
+            moves.append(a)
+            pols.append(counts / counts.sum())
+            s = c4.play(s, a)
+        store.add("shmeval", i % 3, moves, np.array(pols))
+    return store
+
+
+def test_games_round_trip(tmp_path: Any) -> None:
+    store = _random_games(12, 0)
+    path = str(tmp_path / "g.npz")
+    selfplay.save_games(path, store.to_games({"note": "test"}))
+    g = selfplay.load_games(path)
+    assert g.n_games == 12 and g.meta == {"note": "test"}
+    check_games(g, "shmeval", workers=3)
+    # what went in comes out
+    np.testing.assert_array_equal(g.states, np.concatenate(store.states).astype(np.float32))
+    np.testing.assert_allclose(g.policies, np.concatenate(store.policies))
+    assert [g.game_moves(i) for i in range(12)] == [m.tolist() for m in store.moves]
+
+
+def test_load_games_rejects_inconsistent_files(tmp_path: Any) -> None:
+    path = str(tmp_path / "g.npz")
+    selfplay.save_games(path, _random_games(4, 1).to_games())
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+
+    def broken(**changes: Any) -> str:
+        p = str(tmp_path / f"bad-{'-'.join(changes)}.npz")
+        np.savez(p, **{**arrays, **changes})
+        return p
+
+    flipped = arrays["outcomes"].copy()
+    flipped[0] = -flipped[0] if flipped[0] else 1
+    for bad, what in [(broken(outcomes=flipped), "outcomes"),
+                      (broken(policies=arrays["policies"] * 2), "policies"),
+                      (broken(offsets=arrays["offsets"][:-1]), "offsets"),
+                      (broken(states=arrays["states"][1:]), "states"),
+                      (broken(format=np.array("something else")), "format")]:
+        with pytest.raises(ValueError, match=what):
+            selfplay.load_games(bad)
+    np.savez(str(tmp_path / "other.npz"), x=np.zeros(3))
+    with pytest.raises(ValueError, match="not a self-play games file"):
+        selfplay.load_games(str(tmp_path / "other.npz"))
+
+
+def test_mirror_samples() -> None:
+    s = c4.from_moves([0, 1, 1, 2, 6])
+    x = c4.encode(s)[None]
+    p = np.arange(7, dtype=np.float32)[None] / 21
+    mx, mp_ = selfplay.mirror_samples(x, p)
+    np.testing.assert_array_equal(mx[0], c4.encode(c4.mirror_state(s)))
+    np.testing.assert_array_equal(mp_[0], p[0][::-1])
+    back = selfplay.mirror_samples(mx, mp_)
+    np.testing.assert_array_equal(back[0], x)
+    np.testing.assert_array_equal(back[1], p)
+
+
+def test_replay_buffer_ring_and_augmentation() -> None:
+    store = _random_games(10, 2)
+    states = np.concatenate(store.states)
+    pols = np.concatenate(store.policies)
+    outs = np.concatenate(store.outcomes).astype(np.float32)
+    n = len(states)
+    buf = selfplay.ReplayBuffer(capacity=n - 5)
+    buf.add(states[:10], pols[:10], outs[:10])
+    assert len(buf) == 10 and buf.added == 10
+    buf.add(states[10:], pols[10:], outs[10:])
+    assert len(buf) == n - 5 and buf.added == n     # the 5 oldest were overwritten
+    kept = set(map(bytes, (states[5:]).reshape(n - 5, -1)))
+    assert set(map(bytes, buf.states.reshape(n - 5, -1))) == kept
+
+    idx = np.arange(len(buf))
+    x0, p0, z0 = buf.batch(idx, np.zeros(len(idx), bool))
+    x1, p1, z1 = buf.batch(idx, np.ones(len(idx), bool))
+    assert x0.dtype == np.float32 and x0.shape == (len(buf), 6, 7, 2)
+    np.testing.assert_array_equal(x1, x0[:, :, ::-1, :])
+    np.testing.assert_array_equal(p1, p0[:, ::-1])
+    np.testing.assert_array_equal(z1, z0)
+    # the buffer itself holds each position once, unmirrored
+    assert buf.states.shape[0] == n - 5
+
+    rng = np.random.default_rng(0)
+    xs, ps, zs = buf.sample(4000, rng)
+    assert xs.shape == (4000, 6, 7, 2) and ps.shape == (4000, 7) and zs.shape == (4000,)
+    np.testing.assert_allclose(ps.sum(axis=1), 1.0, atol=1e-5)
+    # about half the draws are mirrored: count the draws that match a stored
+    # sample only as its mirror image
+    stored = {bytes(a) + bytes(b) for a, b in zip(x0.astype(np.uint8), p0)}
+    mirrored = sum(bytes(a) + bytes(b) not in stored
+                   for a, b in zip(xs.astype(np.uint8), ps))
+    assert 0.3 < mirrored / 4000 < 0.7
+    xs, ps, _ = buf.sample(500, rng, mirror=False)
+    assert all(bytes(a) + bytes(b) in stored for a, b in zip(xs.astype(np.uint8), ps))
+    with pytest.raises(ValueError):
+        selfplay.ReplayBuffer(10).sample(1, rng)
+
+
+def test_display_tty_and_plain() -> None:
+    tty = io.StringIO()
+    d = selfplay.Display(tty, tty=True)
+    d.status("one")
+    d.status("two")
+    d.line("done")
+    assert tty.getvalue() == "\rone\x1b[K\rtwo\x1b[K\r\x1b[Kdone\n"
+    plain = io.StringIO()
+    d = selfplay.Display(plain, tty=False, plain_every=3600)
+    d.status("first")
+    d.status("second")             # within the interval: not printed
+    d.status("third", force=True)  # a phase change: printed
+    d.line("end")
+    assert plain.getvalue() == "first\nthird\nend\n"
+
+
+def test_argument_errors_fail_before_starting_anything() -> None:
+    from shmeval import cli
+
+    assert cli.main(["selfplay", "--compare", "--train", "--seconds", "1"]) == 1
+    assert cli.main(["selfplay", "--workers", "0"]) == 2
+    assert cli.main(["selfplay", "--load-games", "x.npz"]) == 1
+    assert "tensorflow" not in sys.modules
