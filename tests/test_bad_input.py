@@ -34,6 +34,10 @@ from hypothesis.extra import numpy as hnp
 import shmeval
 from helpers import INPUT_SHAPE, OUTPUTS, check_answer, fake_model, make_ev, make_state
 
+# The fake model doubles inputs: float32 values near the largest overflow to
+# inf there (and in the expected values), which is the correct answer.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
 K = 4                          # slots_per_client of the module's evaluators
 FLOAT_OK = "biuf"              # kinds a float32 input accepts (same_kind)
 INT_OK = "biu"                 # kinds an int32 input accepts
@@ -224,7 +228,7 @@ def any_array(draw: st.DrawFn, shape: tuple[int, ...]) -> np.ndarray:
 # ================================================================ shapes
 
 @pytest.mark.timeout(120)
-@hyp(150)
+@hyp(300)
 @given(data=st.data(), many=st.booleans(),
        dtype=st.sampled_from(["float32", "float64", "int16", ">f4"]))
 def test_random_shapes(fsv: Served, data: st.DataObject, many: bool, dtype: str) -> None:
@@ -236,7 +240,7 @@ def test_random_shapes(fsv: Served, data: st.DataObject, many: bool, dtype: str)
 # ================================================================ dtypes and values
 
 @pytest.mark.timeout(120)
-@hyp(200)
+@hyp(500)
 @given(data=st.data(), many=st.booleans(), n=st.integers(0, 3))
 def test_random_dtypes_and_values(fsv: Served, data: st.DataObject, many: bool, n: int) -> None:
     """Every dtype family, with hypothesis' values: NaN, +-inf, -0.0,
@@ -249,7 +253,7 @@ def test_random_dtypes_and_values(fsv: Served, data: st.DataObject, many: bool, 
 
 
 @pytest.mark.timeout(120)
-@hyp(120)
+@hyp(300)
 @given(data=st.data(), many=st.booleans())
 def test_int_input_dtypes(isv: Served, data: st.DataObject, many: bool) -> None:
     """An int32 input: floats (and complex, strings, objects...) are refused
@@ -304,7 +308,7 @@ def layouts(draw: st.DrawFn, many: bool) -> tuple[str, np.ndarray]:
 
 
 @pytest.mark.timeout(120)
-@hyp(150)
+@hyp(300)
 @given(data=st.data(), many=st.booleans())
 def test_non_contiguous_and_read_only(fsv: Served, data: st.DataObject, many: bool) -> None:
     how, x = data.draw(layouts(many), label="layout")
@@ -315,7 +319,7 @@ def test_non_contiguous_and_read_only(fsv: Served, data: st.DataObject, many: bo
 # ================================================================ row counts
 
 @pytest.mark.timeout(120)
-@hyp(60)
+@hyp(100)
 @given(n=st.one_of(st.integers(0, 3 * K), st.integers(3 * K, 40 * K)), as_list=st.booleans())
 def test_evaluate_many_row_counts(fsv: Served, n: int, as_list: bool) -> None:
     """0 rows, fewer, as many as and far more rows than slots_per_client
@@ -365,7 +369,7 @@ def python_objects(draw: st.DrawFn, many: bool) -> Any:
 
 
 @pytest.mark.timeout(120)
-@hyp(150)
+@hyp(300)
 @given(data=st.data(), many=st.booleans())
 def test_python_objects(fsv: Served, data: st.DataObject, many: bool) -> None:
     x = data.draw(python_objects(many), label="x")
