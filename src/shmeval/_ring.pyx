@@ -874,6 +874,40 @@ cdef class Server:
         self.n = 0
         return done
 
+    def fail_rows(self, object rows, str message):
+        """Fails the requests at the given batch rows (sorted, distinct,
+        < pending) with message, and removes them from the outstanding
+        batch: the others keep their order, so complete() then takes arrays
+        holding just their rows.  Returns how many were failed."""
+        cdef Py_ssize_t i, j = 0, kept = 0, nb = len(rows)
+        cdef uint32_t done
+        cdef bytes b = message.encode("utf-8", "replace")
+        cdef const char *p = b
+        cdef uint32_t ln = len(b)
+        cdef shm_taken *bad
+        if nb == 0:
+            return 0
+        for i in range(nb):
+            if not 0 <= rows[i] < self.n or (i and rows[i] <= rows[i - 1]):
+                raise ValueError("rows must be sorted, distinct and < pending")
+        bad = <shm_taken *>malloc(sizeof(shm_taken) * nb)
+        if bad == NULL:
+            raise MemoryError()
+        try:
+            for i in range(self.n):
+                if j < nb and <Py_ssize_t>rows[j] == i:
+                    bad[j] = self.taken[i]
+                    j += 1
+                else:
+                    self.taken[kept] = self.taken[i]
+                    kept += 1
+            with nogil:
+                done = shm_fail(&self.seg.seg, bad, <uint32_t>nb, p, ln)
+            self.n = <uint32_t>kept
+        finally:
+            free(bad)
+        return done
+
     def fail(self, str message):
         """Fails every request of the outstanding batch with message."""
         cdef bytes b = message.encode("utf-8", "replace")

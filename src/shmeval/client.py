@@ -227,12 +227,12 @@ class Client:
     def _as_input(self, x: Any, shape: Optional[tuple[int, ...]], what: str) -> np.ndarray:
         spec = self.spec
         a = x if type(x) is np.ndarray else np.asarray(x)
-        if a.dtype != spec.input_dtype:
-            if a.dtype.hasobject or not np.can_cast(a.dtype, spec.input_dtype, "same_kind"):
-                raise TypeError(
-                    f"{what} has dtype {a.dtype}, which cannot be cast to the expected "
-                    f"{spec.input_dtype} under 'same_kind' casting")
-            a = a.astype(spec.input_dtype)
+        if a.dtype != spec.input_dtype and (
+                a.dtype.hasobject or not np.can_cast(a.dtype, spec.input_dtype, "same_kind")):
+            raise TypeError(
+                f"{what} has dtype {a.dtype}, which cannot be cast to the expected "
+                f"{spec.input_dtype} under 'same_kind' casting")
+        # The shape before any cast: a wrong-shaped array is never copied.
         if shape is not None:
             if a.shape != shape:
                 raise ValueError(f"{what} has shape {a.shape}, expected {shape}")
@@ -240,6 +240,8 @@ class Client:
             raise ValueError(
                 f"{what} has shape {a.shape}, expected (n, {', '.join(map(str, spec.input_shape))}"
                 f"{',' if len(spec.input_shape) == 1 else ''})")
+        if a.dtype != spec.input_dtype:
+            a = a.astype(spec.input_dtype)
         if not a.flags.c_contiguous:
             a = np.ascontiguousarray(a)
         return a

@@ -220,11 +220,23 @@ class _ServingLoop:
         or fail the batch with a message saying what is wrong."""
         try:
             arrays = self.check_outputs(out, n, rows)
+            bad, name = self.nonfinite_rows(arrays, n)
         except Exception as e:
             self.finish_failed(e, n, rows, model_ns)
             return
         # Statistics first: a client that sees its answer also sees them.
         self.server.record(n, rows, model_ns, False)
+        if bad.size:
+            # Only the requests whose rows hold NaN/inf fail (e.g. a NaN in
+            # one client's state must not fail the others batched with it).
+            self.seg.stat_inc("failed_requests", int(bad.size))
+            self.server.fail_rows(bad.tolist(), ModelError(
+                f"model output {name!r} holds NaN or infinite values for this request "
+                "(pass reject_nonfinite=False to allow them)").message)
+            if bad.size == n:
+                return
+            keep = np.setdiff1d(np.arange(n), bad)
+            arrays = [a[keep] for a in arrays]
         try:
             self.server.complete(arrays, self.version)
         except ValueError as e:  # a shape check_outputs let through: fail, keep serving
@@ -269,15 +281,22 @@ class _ServingLoop:
                 a = a.astype(o.dtype)
             elif not a.flags.c_contiguous:
                 a = np.ascontiguousarray(a)
-            if self.reject_nonfinite and o.dtype.kind in "fc":
-                ok = _ring.all_finite(a, n)
-                if ok is None:
-                    ok = bool(np.isfinite(a[:n]).all())
-                if not ok:
-                    raise ModelError(f"model output {o.name!r} holds NaN or infinite values "
-                                     "(pass reject_nonfinite=False to allow them)")
             arrays.append(a)
         return arrays
+
+    def nonfinite_rows(self, arrays: list[np.ndarray], n: int) -> tuple[np.ndarray, str]:
+        """Rows (< n) whose float outputs hold NaN or inf when those are
+        rejected, and the name of the first output holding one."""
+        bad = np.zeros(n, bool)
+        name = ""
+        if self.reject_nonfinite:
+            for o, a in zip(self.spec.outputs, arrays):
+                if o.dtype.kind in "fc" and _ring.all_finite(a, n) is not True:
+                    rows_bad = ~np.isfinite(a[:n].reshape(n, -1)).all(axis=1)
+                    if rows_bad.any() and not name:
+                        name = o.name
+                    bad |= rows_bad
+        return np.flatnonzero(bad), name
 
     def reclaim_dead_clients(self) -> None:
         for c, pid, starttime, detached in self.seg.clients():
