@@ -158,6 +158,22 @@ def shm_entries(owner_pid: int) -> tuple[int, int]:
     return sum(e.startswith(f"shmeval-{owner_pid}-") for e in names), len(names)
 
 
+def git_revision() -> str:
+    """HEAD of the checkout this runs from, and the files of src/ that differ
+    from it (another session's work in progress, say)."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "../src"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    changed = [line[3:] for line in dirty if line.strip()]
+    return (head or "unknown") + (f" (changed: {', '.join(changed)})" if changed else "")
+
+
 # ---------------------------------------------------------------- the run
 
 class Soak:
@@ -253,11 +269,13 @@ class Soak:
         ev = shmeval.Evaluator.spawn(factory, **kw) if a.spawn else shmeval.Evaluator(factory(), **kw)
         ev_pid = ev.pid
         address = ev.address
+        self.revision = git_revision()
         duration = a.minutes * 60
         warmup = a.warmup if a.warmup is not None else min(60.0, duration * 0.2)
         print(f"soak: {a.workers} workers, {'spawned' if a.spawn else 'thread'} evaluator "
               f"(pid {ev_pid}) {address}, {a.minutes:g} min, kill every {a.kill_every:g} s, "
-              f"report every {a.report_every:g} s, warm-up {warmup:g} s", flush=True)
+              f"report every {a.report_every:g} s, warm-up {warmup:g} s; "
+              f"shmeval {self.revision}", flush=True)
         t_start = time.monotonic()
         try:
             for _ in range(a.workers):
@@ -299,6 +317,7 @@ class Soak:
             "config": {**vars(a), "warmup_s": warmup, "evaluator_pid": ev_pid,
                        "address": address, "python": platform.python_version(),
                        "numpy": np.__version__, "cpus": os.cpu_count(),
+                       "git": self.revision,
                        "machine": platform.platform()},
             "wall_s": round(time.monotonic() - t_start, 1),
             "reports": self.reports, "final": final, "final_stats": final_stats,
