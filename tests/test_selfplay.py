@@ -68,7 +68,8 @@ class Runs:
         if mode not in self.done:
             js = str(self.tmp / f"{mode}.json")
             npz = str(self.tmp / f"{mode}.npz")
-            r = _cli(["--mode", mode, *TINY, "--json", js, "--games", npz])
+            extra = ["--pin"] if mode == "queue" else []
+            r = _cli(["--mode", mode, *TINY, *extra, "--json", js, "--games", npz])
             assert r.returncode == 0, r.stdout + r.stderr
             with open(js) as f:
                 self.done[mode] = (json.load(f), npz, r.stdout + r.stderr)
@@ -124,6 +125,8 @@ def test_mode_runs_and_reports(runs: Runs, mode: str) -> None:
     assert r["tensorflow_in_workers"] == tf_workers
     if mode in ("shmeval", "queue"):
         assert r["evaluator_rss_mb"] > 0 and r["evaluator"]["batches"] > 0
+    # the queue run is pinned (--pin): evaluator and workers on separate CPUs
+    assert r["pinned"] == (mode == "queue" and len(os.sched_getaffinity(0)) >= 2)
     st = out["settings"]
     assert (st["workers"], st["games_per_worker"], st["simulations"]) == (WORKERS, GAMES_PER_WORKER, 8)
     assert st["evaluator_threads"] == 1 and st["modes"] == [mode]
@@ -392,6 +395,17 @@ def test_display_tty_and_plain() -> None:
     d.status("third", force=True)  # a phase change: printed
     d.line("end")
     assert plain.getvalue() == "first\nthird\nend\n"
+
+
+def test_cpu_split() -> None:
+    assert selfplay.cpu_split(False) == (None, None)
+    cpus = os.sched_getaffinity(0)
+    ev, workers = selfplay.cpu_split(True)
+    if len(cpus) < 2:
+        assert (ev, workers) == (None, None)
+    else:
+        assert ev is not None and workers is not None
+        assert len(ev) == 1 and not ev & workers and ev | workers == cpus
 
 
 def test_argument_errors_fail_before_starting_anything() -> None:

@@ -85,6 +85,8 @@ NF = 8
 STOP = 0
 
 READY_TIMEOUT_S = 600.0
+#: CPU cores used by other programs in a window above which the summary warns.
+OTHER_LOAD_WARN = 0.2
 TICK_S = 0.5
 PLAIN_EVERY_S = 5.0
 
@@ -104,6 +106,7 @@ class Settings:
     seed: int = 0
     evaluator_threads: int = 1
     max_batch: int = 256
+    pin: bool = False
     net: NetConfig = field(default_factory=NetConfig)
     c_puct: float = 1.5
     dirichlet_alpha: float = 1.0
@@ -421,11 +424,29 @@ def _probe_states() -> np.ndarray:
     return connect4.encode_many([connect4.from_moves(m) for m in games])
 
 
-def _evaluator_factory(net: NetConfig, seed: int, threads: int) -> Any:
+def cpu_split(pin: bool) -> Tuple[Optional[set[int]], Optional[set[int]]]:
+    """With ``pin`` and at least two CPUs allowed: (the central evaluator's
+    CPU, the workers' CPUs) -- the last allowed CPU for the evaluator, the
+    others for the workers.  Else (None, None): nothing is pinned."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return None, None
+    return {cpus[-1]}, set(cpus[:-1])
+
+
+def _pin(cpus: Optional[set[int]]) -> None:
+    """Restricts this process (and the threads it starts later) to ``cpus``."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def _evaluator_factory(net: NetConfig, seed: int, threads: int,
+                       cpus: Optional[set[int]] = None) -> Any:
     """Evaluator.spawn's factory: runs in the evaluator process, the only
     process of the shmeval mode that imports TensorFlow."""
     from .games.connect4_net import build_resnet, import_tensorflow
 
+    _pin(cpus)  # before TensorFlow starts its threads
     import_tensorflow(threads or None)
     from .backends.tensorflow import TFModel
 
@@ -492,12 +513,13 @@ def _open(mode: str, wid: int, s: Settings, link: Any) -> EvaluateBatch:
 
 
 def _worker_main(mode: str, wid: int, s: Settings, counters_raw: Any, flags_raw: Any, go: Any,
-                 out_q: Any, link: Any) -> None:
+                 out_q: Any, link: Any, cpus: Optional[set[int]] = None) -> None:
     """One self-play worker: opens its way to the net, evaluates the probe
     states (worker 0), reports ready, waits for ``go``, then plays until the
     stop flag is set.  Sends ("ready" | "done" | "error", worker id, info)
     and ("game", worker id, moves, policies) on ``out_q``."""
     _child_setup()
+    _pin(cpus)
     t0 = time.monotonic()
     code = 0
     try:
@@ -581,11 +603,12 @@ Q_REQUESTS, Q_ROWS, Q_BATCHES, Q_MODEL_NS, Q_BUSY_NS = range(5)
 
 
 def _queue_server_main(s: Settings, requests: Any, responses: List[Any], counters_raw: Any,
-                       conn: Any) -> None:
+                       conn: Any, cpus: Optional[set[int]] = None) -> None:
     """The queue mode's evaluator: one request, then whatever else is queued
     (get_nowait), one call of the traced net on the concatenated rows, each
     worker's rows back on its own queue.  Stops at a None request."""
     _child_setup()
+    _pin(cpus)
     try:
         from .games.connect4_net import build_resnet, import_tensorflow
 
@@ -896,6 +919,8 @@ class ModeRun:
         self.games_total = 0
         self.t_go = 0.0
         self._phase = ""
+        self.pinned = False
+        self.startup_s = 0.0
 
     # -- messages from the workers ------------------------------------------------
 
@@ -961,12 +986,16 @@ class ModeRun:
                                else f"{s.workers} workers, each with its own TensorFlow ..."),
                             force=True)
         links: List[Any] = [None] * s.workers
+        central = self.mode in ("shmeval", "queue")
+        ev_cpus, worker_cpus = cpu_split(s.pin and central)
+        self.pinned = ev_cpus is not None
         if self.mode == "shmeval":
             import shmeval
 
             G = s.games_per_worker
             self.ev = shmeval.Evaluator.spawn(
-                functools.partial(_evaluator_factory, s.net, s.seed, s.evaluator_threads),
+                functools.partial(_evaluator_factory, s.net, s.seed, s.evaluator_threads,
+                                  ev_cpus),
                 input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS, max_batch=s.max_batch,
                 max_clients=max(64, s.workers + 8), slots_per_client=min(64, max(16, G)))
             self.server_pid = self.ev.pid
@@ -978,13 +1007,14 @@ class ModeRun:
             self.server_conn, child_end = ctx.Pipe()
             self.server = self._start_process(
                 _queue_server_main, "selfplay-queue-evaluator",
-                (s, self.requests, self.responses, self.q_counters, child_end))
+                (s, self.requests, self.responses, self.q_counters, child_end, ev_cpus))
             child_end.close()
             links = [(self.requests, r) for r in self.responses]
         for i in range(s.workers):
             self.procs.append(self._start_process(
                 _worker_main, f"selfplay-{self.mode}-{i}",
-                (self.mode, i, s, self.counters, self.flags, self.go, self.out_q, links[i])))
+                (self.mode, i, s, self.counters, self.flags, self.go, self.out_q, links[i],
+                 worker_cpus)))
         if self.server is not None:
             while not self.server_conn.poll(0.1):
                 if not self.server.is_alive():
@@ -1141,7 +1171,7 @@ class ModeRun:
             "games_received_in_window": self.games_total - games_before,
             "moves": d["moves"], "evals": d["evals"], "evaluate_calls": d["calls"],
             "leaves_per_search_step": leaves_per_call,
-            "window_s": dt, "startup_s": self.startup_s,
+            "window_s": dt, "startup_s": self.startup_s, "pinned": self.pinned,
             "tensorflow_in_workers": sum(bool(i.get("tensorflow")) for i in self.infos.values()),
             "probe": self.infos.get(0, {}).get("probe"),
             "cpu": {
@@ -1294,14 +1324,15 @@ def _ratios(results: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
 
 def format_table(results: Dict[str, Dict[str, Any]], workers: int) -> str:
     headers = ["mode", "moves/s", "evals/s", "mean batch", "games", "worker RSS MB",
-               "evaluator RSS MB", "TF in workers", "start-up s"]
+               "evaluator RSS MB", "TF in workers", "start-up s", "other load"]
     rows = []
     for mode, r in results.items():
         rows.append([mode, _fmt_rate(r["moves_per_s"]), _fmt_rate(r["evals_per_s"]),
                      f"{r['mean_batch']:.1f}" if r["mean_batch"] else "-", f"{r['games']:,}",
                      f"{r['worker_rss_mb']:.0f}" if r["worker_rss_mb"] else "-",
                      f"{r['evaluator_rss_mb']:.0f}" if r["evaluator_rss_mb"] else "-",
-                     f"{r['tensorflow_in_workers']}/{workers}", f"{r['startup_s']:.1f}"])
+                     f"{r['tensorflow_in_workers']}/{workers}", f"{r['startup_s']:.1f}",
+                     f"{r['cpu']['other_cores']:.2f}"])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w)
                        for i, (h, w) in enumerate(zip(headers, widths)))]
@@ -1336,7 +1367,8 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         f"shmeval selfplay: Connect Four, {s.workers} workers x {s.games_per_worker} games, "
         f"{s.simulations} simulations/move; net {net.blocks} residual blocks x {net.filters} "
         f"filters; modes {', '.join(modes)}; {s.seconds:g} s each after {s.warmup:g} s warm-up; "
-        f"central evaluator TF threads {s.evaluator_threads or 'default'}")
+        f"central evaluator TF threads {s.evaluator_threads or 'default'}"
+        + ("; central evaluator pinned to its own CPU" if s.pin else ""))
     if s.train:
         buffer = ReplayBuffer(s.buffer_size)
         if loaded is not None:
@@ -1355,6 +1387,10 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
     wall = time.monotonic() - began
     display.line()
     display.line(format_table(results, s.workers))
+    busy = [m for m, r in results.items() if r["cpu"]["other_cores"] > OTHER_LOAD_WARN]
+    if busy:
+        display.line(f"warning: other programs kept the CPUs busy during the window of "
+                     f"{', '.join(busy)} ('other load', in cores): those figures are skewed")
     ratios = _ratios(results)
     if ratios:
         display.line("ratios: " + "; ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
@@ -1420,6 +1456,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and queue; default 1: TensorFlow's default of one per core is slower "
                         "for small batches on few cores and leaves no core for the workers; "
                         "0 = TensorFlow's default)")
+    p.add_argument("--pin", action="store_true",
+                   help="give the central evaluator (shmeval, queue) a CPU of its own and "
+                        "keep the workers on the others (needs 2+ CPUs; local modes are not "
+                        "pinned)")
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help=f"most rows per model call of the central evaluators (default {d.max_batch})")
     p.add_argument("--blocks", type=int, default=n.blocks, help=f"residual blocks (default {n.blocks})")
@@ -1451,7 +1491,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(workers=args.workers, games_per_worker=args.games_per_worker,
                     simulations=args.simulations, seconds=args.seconds, warmup=args.warmup,
                     seed=args.seed, evaluator_threads=args.evaluator_threads,
-                    max_batch=args.max_batch, net=net, train=args.train,
+                    max_batch=args.max_batch, pin=args.pin, net=net, train=args.train,
                     push_every=args.push_every, batch_size=args.batch_size,
                     buffer_size=args.buffer_size, sample_reuse=args.sample_reuse)
 
