@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Iterator
 
 import pytest
@@ -28,6 +29,31 @@ def shmeval_entries() -> set[str]:
             if pid == me or not os.path.exists(f"/proc/{pid}"):
                 out.add(e)
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shm_leak_at_session_end() -> Iterator[None]:
+    """The whole session leaves /dev/shm as it found it: also what the
+    per-test guard cannot see (segments made by session or module fixtures,
+    at collection, or by a child process after its test ended).  A leak is
+    an error at the teardown of the session's last test, so the run exits
+    non-zero.  A dead owner's segment cannot be attributed to this run for
+    certain: one that appeared while it ran is counted as ours."""
+    before = shmeval_entries()
+    yield
+    left = shmeval_entries() - before
+    deadline = time.monotonic() + 2.0  # an exiting evaluator process may still unlink its own
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = shmeval_entries() - before
+    for e in left:
+        try:
+            os.unlink(os.path.join(SHM_DIR, e))
+        except FileNotFoundError:
+            pass
+    if left:
+        pytest.fail(f"the test session left shared-memory segments behind: {sorted(left)}",
+                    pytrace=False)
 
 
 @pytest.fixture(autouse=True)
