@@ -60,6 +60,7 @@ cdef extern from "ring.h" nogil:
         SLOT_FAILED
         SLOT_STATE_MASK
         SLOT_WAITER
+        SLOT_GEN_SHIFT
         EV_STARTING
         EV_SERVING
         EV_CLOSING

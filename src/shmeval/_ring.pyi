@@ -76,6 +76,9 @@ class ClientPort:
     c: int
     free: list[int]
     waiters: int
+    retired: bool
+    detached: bool
+    abandoned: list[int]
     def __init__(self, seg: Segment, c: int, free: list[int], in_dtype: np.dtype[Any],
                  in_shape: tuple[int, ...], spin_ns: int, timeout_ns: int, ncpu: int,
                  notify: Callable[[], None]) -> None: ...

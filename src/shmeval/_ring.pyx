@@ -6,7 +6,7 @@ wraps only the C call.  Status codes become exceptions in one place,
 ``_check``.  No protocol logic lives here: it is all in ring.h.
 """
 from libc.stdint cimport int32_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.math cimport isfinite
 from libc.string cimport memcpy
 from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
@@ -155,6 +155,7 @@ cdef class Segment:
     cdef list out_types    # their NumPy type numbers
     cdef list out_float    # float or complex kind
     cdef bint out_native   # every output a native built-in dtype: matched by type number
+    cdef uint32_t *gen_of  # generation of each slot when this process began it
     cdef readonly object name
 
     def __dealloc__(self):
@@ -162,6 +163,23 @@ cdef class Segment:
             munmap(self.addr, self.size)
         free(self.out_off)
         free(self.out_nbytes)
+        free(self.gen_of)
+
+    cdef int _alloc_gens(self) except -1:
+        self.gen_of = <uint32_t *>calloc(
+            <size_t>self.seg.p.max_clients * self.seg.p.slots_per_client, sizeof(uint32_t))
+        if self.gen_of == NULL:
+            raise MemoryError()
+        return 0
+
+    cdef int _begin(self, uint32_t c, uint32_t k) except -1:
+        """FREE -> WRITING, remembering the slot's generation: _fetch reads
+        an answer only while the generation is unchanged, i.e. the slot was
+        not reclaimed (and perhaps reused by another process) meanwhile."""
+        _check(shm_slot_begin(&self.seg, c, k), "begin")
+        self.gen_of[c * self.seg.p.slots_per_client + k] = \
+            shm_slot_peek(&self.seg, c, k) >> SLOT_GEN_SHIFT
+        return 0
 
     cdef int _map(self, int fd, uint64_t size) except -1:
         cdef void *a
@@ -188,6 +206,7 @@ cdef class Segment:
         self._map(fd, size)
         _check(shm_init(&self.seg, self.addr, size, &p, spec, len(spec), owner_pid),
                "create %s" % name)
+        self._alloc_gens()
         return self
 
     @staticmethod
@@ -199,6 +218,7 @@ cdef class Segment:
             _check(SHM_E_TOO_SMALL, "attach %s" % name)
         self._map(fd, size)
         _check(shm_attach(&self.seg, self.addr, size), "attach %s" % name)
+        self._alloc_gens()
         return self
 
     def set_outputs(self, tuple outputs):
@@ -320,7 +340,7 @@ cdef class Segment:
         for i in range(n):
             k = slots[i]
             self._slot(c, k)
-            _check(shm_slot_begin(&self.seg, c, k), "post")
+            self._begin(c, k)
         for i in range(n):
             k = slots[i]
             memcpy(shm_slot_in(&self.seg, c, k), src + (row0 + i) * inb, inb)
@@ -372,11 +392,16 @@ cdef class Segment:
         return self._fetch(c, k, dst, row)
 
     cdef object _fetch(self, uint32_t c, uint32_t k, list dst, Py_ssize_t row):
-        cdef uint32_t j, st
+        cdef uint32_t j, st, w
         cdef shm_slot_meta *m
         cdef char *out
         cdef cnp.ndarray a
-        st = shm_slot_peek(&self.seg, c, k) & SLOT_STATE_MASK
+        w = shm_slot_peek(&self.seg, c, k)
+        if w >> SLOT_GEN_SHIFT != self.gen_of[c * self.seg.p.slots_per_client + k]:
+            # Reclaimed after this process detached the entry: whatever the
+            # slot holds now is not our answer (and not ours to release).
+            return SHM_CLOSED
+        st = w & SLOT_STATE_MASK
         m = shm_meta(&self.seg, c, k)
         out = shm_slot_out(&self.seg, c, k)
         if st == SLOT_DONE:
@@ -486,6 +511,9 @@ cdef class ClientPort:
     cdef dict last        # the previous result, reused once nobody holds it
     cdef list last_outs
     cdef int pid          # the process this port's client entry belongs to
+    cdef public bint retired   # closed: takes no new request (see Client.close)
+    cdef public bint detached  # its client entry is detached: waiters give up
+    cdef public list abandoned # slots whose waiting thread gave up early
 
     def __cinit__(self, Segment seg, uint32_t c, list free, object in_dtype, tuple in_shape,
                   uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu, object notify):
@@ -505,6 +533,7 @@ cdef class ClientPort:
         self.timeout_ns = timeout_ns
         self.ncpu = ncpu
         self.notify = notify
+        self.abandoned = []
 
     cpdef give_back(self, uint32_t k):
         self.free.append(k)
@@ -546,6 +575,9 @@ cdef class ClientPort:
         if shm_ev_state(&self.seg.seg) >= EV_CLOSING or not self.free:
             return None
         k = self.free.pop()
+        if self.retired:  # closed meanwhile (Client.close waits for popped slots)
+            self.free.append(k)
+            return None
         try:
             reuse = self._last_unreferenced()
             if reuse:
@@ -561,7 +593,7 @@ cdef class ClientPort:
                     for i in range(nd):
                         dims[i] = shape[i]
                     outs.append(cnp.PyArray_EMPTY(nd, dims, self.seg.out_types[j], 0))
-            _check(shm_slot_begin(&self.seg.seg, self.c, k), "evaluate")
+            self.seg._begin(self.c, k)
         except BaseException:
             self.free.append(k)
             raise
@@ -575,6 +607,8 @@ cdef class ClientPort:
         if rc < 0:
             return (rc, k, outs)
         r = self.seg._fetch(self.c, k, outs, 0)
+        if type(r) is int and r < 0:  # the slot was reclaimed: not ours any more
+            return (r, k, outs)
         self.give_back(k)
         if type(r) is str:
             return r

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from typing import Any, Dict, List, Literal, Optional, overload
 
@@ -108,10 +109,10 @@ class Client:
             c = seg.register(pid, segment.process_starttime(pid) or 0)
             spec = self.spec
             self._free = list(range(spec.slots_per_client))
-            self._abandoned = []
             self._port = _ring.ClientPort(
-                seg, c, self._free, spec.input_dtype, spec.input_shape, int(self._spin_us * 1000), WAIT_TIMEOUT_NS, self._ncpu,
-                self._notify_waiters)
+                seg, c, self._free, spec.input_dtype, spec.input_shape,
+                int(self._spin_us * 1000), WAIT_TIMEOUT_NS, self._ncpu, self._notify_waiters)
+            self._abandoned = self._port.abandoned
             self._c = c
             self._pid = pid
             self._finalizer = weakref.finalize(self, _detach, seg, c, pid)
@@ -158,11 +159,11 @@ class Client:
             seg = self._seg
             assert seg is not None and port is not None
             try:
-                r = self._wait_slow(seg, port.c, k, outs, 0, rc)
+                r = self._wait_slow(seg, port, k, outs, 0, rc)
             except BaseException:
-                self._give_back([], [k])
+                self._give_back(port, [], [k])
                 raise
-            self._give_back([k], [])
+            self._give_back(port, [k], [])
             if isinstance(r, str):
                 raise ModelError(r)
             version[0] = r
@@ -203,19 +204,34 @@ class Client:
         """Evaluator statistics read from the segment (any process may ask)."""
         return summarize(self._attach().raw_stats())
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         """Detaches this process's client entry; the handle stays usable
-        from other processes."""
+        from other processes (and from this one, which then claims a new
+        entry).  Requests that other threads of this process have in flight
+        are answered first, for up to ``timeout`` seconds; those still
+        waiting then raise EvaluatorClosed.  The entry is detached only
+        after that, so that no slot of it is ever used by two processes."""
         with self._lock:
-            if self._finalizer is not None and self._pid == os.getpid():
-                self._finalizer()
-            # Threads still inside a request notice this (_pid no longer
-            # ours) at their next wait timeout and raise EvaluatorClosed.
+            port = self._port
+            mine = self._finalizer is not None and self._pid == os.getpid()
             self._pid = -1
             self._c = -1
             self._port = None
             self._free = []
             self._abandoned = []
+            if port is not None:
+                port.retired = True  # takes no new request from now on
+        if not mine:
+            return
+        if port is not None and self._seg is not None:
+            K = self.spec.slots_per_client
+            deadline = time.monotonic() + timeout
+            while (len(port.free) + len(port.abandoned) < K
+                   and self._seg.ev_state() < _ring.CLOSING and time.monotonic() < deadline):
+                time.sleep(0.001)
+            port.detached = True
+        assert self._finalizer is not None
+        self._finalizer()
 
     def __enter__(self) -> "Client":
         return self
@@ -253,8 +269,11 @@ class Client:
         if st >= _ring.CLOSING:
             raise EvaluatorClosed(f"the evaluator serving {self._address} is closed")
 
-    def _check_registered(self) -> None:
-        if self._pid != os.getpid():
+    def _check_port(self, port: "_ring.ClientPort", detached: bool = False) -> None:
+        """Raises EvaluatorClosed once the handle was closed in this process:
+        for new work as soon as the port is retired, for a waiter only once
+        the entry is detached (close() waits for answers in flight first)."""
+        if port.detached or (port.retired and not detached):
             raise EvaluatorClosed(f"{self} was closed in this process while a request waited")
 
     def _check_alive(self, seg: "_ring.Segment") -> None:
@@ -273,68 +292,71 @@ class Client:
     # finds too few free slots takes the lock and waits for others to return
     # theirs.  Slots are taken one at a time and all put back before waiting,
     # so threads never hold part of what they need while they wait.
-    def _acquire(self, m: int) -> List[int]:
-        """Takes m slots from this process's free list."""
-        free = self._free
+    def _acquire(self, m: int, port: "_ring.ClientPort") -> List[int]:
+        """Takes m slots from the free list of port (this process's entry)."""
+        free = port.free
         slots: List[int] = []
-        if self._abandoned:
+        if port.abandoned:
             with self._lock:
-                self._recover_abandoned()
+                self._recover_abandoned(port)
         while True:
             try:
                 while len(slots) < m:
                     slots.append(free.pop())
-                return slots
             except IndexError:
                 free.extend(slots)
                 slots = []
-            port = self._port
-            assert port is not None
+            else:
+                if port.retired:  # closed meanwhile: close() waits for what we hold
+                    self._give_back(port, slots, [])
+                    self._check_port(port)
+                return slots
             with self._lock:
                 port.waiters += 1
                 try:
                     if len(free) < m and not self._slot_freed.wait(WAIT_TIMEOUT_NS / 1e9):
-                        self._check_registered()
-                        self._recover_abandoned()
+                        self._check_port(port)
+                        self._recover_abandoned(port)
                         assert self._seg is not None
                         self._check_alive(self._seg)
                 finally:
                     port.waiters -= 1
 
-    def _recover_abandoned(self) -> None:
+    def _recover_abandoned(self, port: "_ring.ClientPort") -> None:
         # Slots of requests whose waiting thread was interrupted: they come
         # back once the evaluator has finished with them.  Lock held.
         seg = self._seg
         assert seg is not None
-        if self._pid != os.getpid():  # closed in this process meanwhile
-            self._abandoned = []
+        if port.detached:
             return
         still = []
-        for k in self._abandoned:
-            if seg.is_final(self._c, k) and seg.release(self._c, k):
-                self._free.append(k)
+        for k in port.abandoned:
+            if seg.is_final(port.c, k) and seg.release(port.c, k):
+                port.free.append(k)
             else:
                 still.append(k)
-        self._abandoned = still
+        port.abandoned[:] = still
 
-    def _give_back(self, slots: List[int], abandoned: List[int]) -> None:
-        self._free.extend(slots)
+    def _give_back(self, port: "_ring.ClientPort", slots: List[int],
+                   abandoned: List[int]) -> None:
+        port.free.extend(slots)
         if abandoned:
             with self._lock:
-                self._abandoned.extend(abandoned)
-        if self._port is not None and self._port.waiters:
+                port.abandoned.extend(abandoned)
+        if port.waiters:
             self._notify_waiters()
 
     def _notify_waiters(self) -> None:
         with self._lock:
             self._slot_freed.notify_all()
 
-    def _wait_slow(self, seg: "_ring.Segment", c: int, k: int, outs: List[np.ndarray],
-                   row: int, rc: int) -> int | str:
+    def _wait_slow(self, seg: "_ring.Segment", port: "_ring.ClientPort", k: int,
+                   outs: List[np.ndarray], row: int, rc: int) -> int | str:
         """After a wait timed out (rc): check the evaluator, wait again."""
         spin_ns = int(self._spin_us * 1000)
+        c = port.c
         while True:
-            self._check_registered()
+            self._check_port(port, detached=True)
             if rc == _ring.CLOSED:
                 self._check_state(seg)
                 raise EvaluatorClosed(f"the evaluator serving {self._address} "
@@ -348,8 +370,11 @@ class Client:
     def _roundtrip(self, a: np.ndarray, n: int, outs: List[np.ndarray],
                    versions: Optional[np.ndarray] = None) -> None:
         c = self._c if self._pid == os.getpid() else self._register()
+        port = self._port  # this call stays on this entry, even if closed meanwhile
         seg = self._seg
         assert seg is not None
+        if port is None or port.c != c:  # closed by another thread just now
+            raise EvaluatorClosed(f"{self} was closed in this process")
         K = self.spec.slots_per_client
         spin_ns = int(self._spin_us * 1000)
         ncpu = self._ncpu
@@ -357,7 +382,7 @@ class Client:
         done = 0
         while done < n:
             m = min(K, n - done)
-            slots = self._acquire(m)
+            slots = self._acquire(m, port)
             fetched = 0
             posted = False
             try:
@@ -368,7 +393,7 @@ class Client:
                 for k in slots:
                     r = seg.answer(c, k, outs, done + fetched, spin_ns, WAIT_TIMEOUT_NS, ncpu)
                     if type(r) is int and r < 0:
-                        r = self._wait_slow(seg, c, k, outs, done + fetched, r)
+                        r = self._wait_slow(seg, port, k, outs, done + fetched, r)
                     if type(r) is str:
                         error = r
                     elif versions is not None:
@@ -376,9 +401,9 @@ class Client:
                     fetched += 1
             finally:
                 if posted:
-                    self._give_back(slots[:fetched], slots[fetched:])
+                    self._give_back(port, slots[:fetched], slots[fetched:])
                 else:
-                    self._give_back(slots, [])
+                    self._give_back(port, slots, [])
             done += m
         if error is not None:
             raise ModelError(error)

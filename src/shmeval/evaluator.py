@@ -557,14 +557,16 @@ class Evaluator(Client):
         """Stops serving: requests in flight complete or raise EvaluatorClosed;
         the shared segment is removed.  Idempotent.  In a child process that
         inherited this object by fork it only detaches that process."""
-        super().close()
         if os.getpid() == self._owner_pid and self._shutdown.alive:
+            # Stop serving first: this process's threads still waiting then
+            # raise EvaluatorClosed, and its client entry can go at once.
             self._shutdown.detach()
             assert self._seg is not None
             _shutdown(self._seg, self._address, self._owner_pid, self._thread, self._process,
                       timeout)
             with self._control_lock:
                 self._control.close()
+        super().close(timeout)
 
     def __enter__(self) -> "Evaluator":
         return self
