@@ -45,9 +45,9 @@ REQUIRED = ("moves_per_s", "evals_per_s", "mean_batch", "worker_rss_mb", "games"
 
 
 def _env() -> Dict[str, str]:
+    # The installed package (editable or not), as the tests import it: never
+    # src/ itself, which holds no built extension after a plain `pip install .`.
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "src"),
-                                                      env.get("PYTHONPATH")]))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
