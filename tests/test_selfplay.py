@@ -408,10 +408,28 @@ def test_cpu_split() -> None:
         assert len(ev) == 1 and not ev & workers and ev | workers == cpus
 
 
+def test_repeats_are_summarised_by_medians() -> None:
+    def fake(moves: float, rss: float, other: float) -> Dict[str, Any]:
+        return {"moves_per_s": moves, "evals_per_s": 30 * moves, "mean_batch": 2.0,
+                "worker_rss_mb": rss, "evaluator_rss_mb": None, "games": int(moves),
+                "startup_s": 1.0, "cpu": {"other_cores": other}, "tag": moves}
+
+    runs = [fake(300, 40, 0.0), fake(100, 50, 0.5), fake(200, 45, 0.1)]
+    r = selfplay.combine_runs(runs)
+    assert r["tag"] == 200 and r["moves_per_s"] == 200 and r["evals_per_s"] == 6000
+    assert r["range"]["moves_per_s"] == [100, 300] and r["worker_rss_mb"] == 45
+    assert r["cpu"]["other_cores"] == 0.1 and r["runs"] == runs
+    assert r["evaluator_rss_mb"] is None
+    assert runs[2]["cpu"]["other_cores"] == 0.1   # the runs themselves are left alone
+    assert selfplay.combine_runs(runs[:1]) is runs[0]
+    assert "[100-300]" in selfplay.format_table({"shmeval": {**r, "tensorflow_in_workers": 0}}, 8)
+
+
 def test_argument_errors_fail_before_starting_anything() -> None:
     from shmeval import cli
 
     assert cli.main(["selfplay", "--compare", "--train", "--seconds", "1"]) == 1
     assert cli.main(["selfplay", "--workers", "0"]) == 2
     assert cli.main(["selfplay", "--load-games", "x.npz"]) == 1
+    assert cli.main(["selfplay", "--train", "--repeats", "2"]) == 2
     assert "tensorflow" not in sys.modules

@@ -103,6 +103,7 @@ class Settings:
     simulations: int = 32
     seconds: float = 10.0
     warmup: float = 1.0
+    repeats: int = 1
     seed: int = 0
     evaluator_threads: int = 1
     max_batch: int = 256
@@ -123,8 +124,10 @@ class Settings:
     def check(self) -> None:
         if self.workers < 1 or self.games_per_worker < 1 or self.simulations < 1:
             raise ValueError("workers, games per worker and simulations must be >= 1")
-        if not self.seconds > 0 or self.warmup < 0:
-            raise ValueError("seconds must be > 0 and warmup >= 0")
+        if not self.seconds > 0 or self.warmup < 0 or self.repeats < 1:
+            raise ValueError("seconds must be > 0, warmup >= 0 and repeats >= 1")
+        if self.train and self.repeats != 1:
+            raise ValueError("--train runs once (no --repeats)")
         if self.evaluator_threads < 0 or self.learner_threads < 0:
             raise ValueError("thread counts must be >= 0 (0: TensorFlow's default)")
         if self.push_every <= 0 or self.batch_size < 1 or self.buffer_size < self.batch_size:
@@ -1322,13 +1325,52 @@ def _ratios(results: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
     return out
 
 
+#: Figures a mode's summary takes as the median over its runs (--repeats).
+MEDIAN_FIELDS = ("moves_per_s", "evals_per_s", "mean_batch", "worker_rss_mb", "evaluator_rss_mb",
+                 "games", "startup_s")
+
+
+def combine_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One mode's summary over its runs: the run with the median moves/s,
+    the figures of MEDIAN_FIELDS (and the other load) replaced by their
+    medians over all runs, ``range`` holding their [min, max] and ``runs``
+    every run."""
+    if len(runs) == 1:
+        return runs[0]
+    order = sorted(runs, key=lambda r: r["moves_per_s"])
+    out = dict(order[len(order) // 2])
+    out["cpu"] = dict(out["cpu"])
+    out["range"] = {}
+    for k in MEDIAN_FIELDS + ("other_cores",):
+        vals = [r["cpu"][k] if k == "other_cores" else r[k] for r in runs]
+        vals = [v for v in vals if v is not None]
+        if not vals:
+            continue
+        med = statistics.median(vals)
+        if k == "other_cores":
+            out["cpu"][k] = med
+        else:
+            out[k] = med
+        out["range"][k] = [min(vals), max(vals)]
+    out["runs"] = runs
+    return out
+
+
 def format_table(results: Dict[str, Dict[str, Any]], workers: int) -> str:
     headers = ["mode", "moves/s", "evals/s", "mean batch", "games", "worker RSS MB",
                "evaluator RSS MB", "TF in workers", "start-up s", "other load"]
     rows = []
+
+    def rate(r: Dict[str, Any], k: str) -> str:
+        text = _fmt_rate(r[k])
+        if "range" in r:
+            lo, hi = r["range"][k]
+            text += f" [{_fmt_rate(lo)}-{_fmt_rate(hi)}]"
+        return text
+
     for mode, r in results.items():
-        rows.append([mode, _fmt_rate(r["moves_per_s"]), _fmt_rate(r["evals_per_s"]),
-                     f"{r['mean_batch']:.1f}" if r["mean_batch"] else "-", f"{r['games']:,}",
+        rows.append([mode, rate(r, "moves_per_s"), rate(r, "evals_per_s"),
+                     f"{r['mean_batch']:.1f}" if r["mean_batch"] else "-", f"{round(r['games']):,}",
                      f"{r['worker_rss_mb']:.0f}" if r["worker_rss_mb"] else "-",
                      f"{r['evaluator_rss_mb']:.0f}" if r["evaluator_rss_mb"] else "-",
                      f"{r['tensorflow_in_workers']}/{workers}", f"{r['startup_s']:.1f}",
@@ -1378,14 +1420,21 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
                      f"{s.batch_size}, pushes weights every {s.push_every:g} s; replay buffer "
                      f"seeded with {len(buffer):,} samples")
         learner = Learner(s, buffer)
-    results: Dict[str, Dict[str, Any]] = {}
-    for mode in modes:
-        results[mode] = ModeRun(mode, s, display, store, buffer, learner).run()
-        if s.workers and results[mode]["tensorflow_in_workers"] and mode in ("shmeval", "queue"):
-            display.line(f"warning: {results[mode]['tensorflow_in_workers']} {mode} workers "
-                         "imported TensorFlow")
+    runs: Dict[str, List[Dict[str, Any]]] = {m: [] for m in modes}
+    for round_ in range(s.repeats):
+        if s.repeats > 1:
+            display.line(f"round {round_ + 1} of {s.repeats}")
+        for mode in modes:
+            r = ModeRun(mode, s, display, store, buffer, learner).run()
+            runs[mode].append(r)
+            if r["tensorflow_in_workers"] and mode in ("shmeval", "queue"):
+                display.line(f"warning: {r['tensorflow_in_workers']} {mode} workers "
+                             "imported TensorFlow")
+    results = {m: combine_runs(rs) for m, rs in runs.items()}
     wall = time.monotonic() - began
     display.line()
+    if s.repeats > 1:
+        display.line(f"medians [min-max] of {s.repeats} runs per mode")
     display.line(format_table(results, s.workers))
     busy = [m for m, r in results.items() if r["cpu"]["other_cores"] > OTHER_LOAD_WARN]
     if busy:
@@ -1448,6 +1497,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"MCTS simulations per move (default {d.simulations})")
     p.add_argument("--seconds", type=float, default=d.seconds,
                    help=f"measured window per mode (default {d.seconds:g})")
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help="run each mode this many times (with --compare: in rounds, "
+                        "shmeval, queue, local, shmeval, ...) and report medians (default 1)")
     p.add_argument("--warmup", type=float, default=d.warmup,
                    help=f"seconds of play before the window opens (default {d.warmup:g})")
     p.add_argument("--seed", type=int, default=d.seed, help="initial weights and games (default 0)")
@@ -1490,6 +1542,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                   learning_rate=args.learning_rate)
     return Settings(workers=args.workers, games_per_worker=args.games_per_worker,
                     simulations=args.simulations, seconds=args.seconds, warmup=args.warmup,
+                    repeats=args.repeats,
                     seed=args.seed, evaluator_threads=args.evaluator_threads,
                     max_batch=args.max_batch, pin=args.pin, net=net, train=args.train,
                     push_every=args.push_every, batch_size=args.batch_size,
