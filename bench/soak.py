@@ -50,6 +50,7 @@ from typing import Any, Optional
 import numpy as np
 
 import shmeval
+from shmeval.procstat import rss_mb
 
 INPUT_SHAPE = (6, 7, 2)
 OUTPUTS = {"policy": ((7,), "float32"), "value": ((), "float32")}
@@ -133,17 +134,6 @@ def worker(ev: Any, row: int, counters: Any, stop: Any, seed: int, many_every: i
 
 
 # ---------------------------------------------------------------- /proc
-
-def rss_mb(pid: int) -> Optional[float]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
 
 def n_fds(pid: int) -> Optional[int]:
     try:

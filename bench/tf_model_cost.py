@@ -6,6 +6,7 @@ process (no IPC) and prints wall and CPU time per call and per state, e.g.
 
     python bench/tf_model_cost.py --filters 32 --threads 1
     python bench/tf_model_cost.py --filters 32 --threads 0   # TF's default pools
+    python bench/tf_model_cost.py --styles --batches 1,32    # calling styles
 
 TensorFlow's thread pools are process-wide and fixed at initialisation, so
 compare thread counts in separate runs.
@@ -16,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,6 +29,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="intra- and inter-op threads (0: TensorFlow's default)")
     ap.add_argument("--batches", default="1,4,16,64,256")
+    ap.add_argument("--styles", action="store_true",
+                    help="compare ways of calling the model instead (try --batches 1,32)")
     args = ap.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,19 +49,52 @@ def main() -> None:
                              256, 8, 8), None)
     print(f"filters {args.filters}, layers {args.layers}, "
           f"TF threads {args.threads or 'default'}")
+    if args.styles:
+        calling_styles(model, [int(x) for x in args.batches.split(",")])
+        return
     print(f"{'batch':>6} {'wall us':>9} {'cpu us':>9} {'us/state':>9}")
     for b in (int(x) for x in args.batches.split(",")):
         x = np.random.default_rng(0).random((b, 6, 7, 2), np.float32)
-        for _ in range(20):
-            model(x)
-        n = max(20, 4000 // b)
-        w0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(n):
-            model(x)
-        wall = (time.perf_counter() - w0) / n
-        cpu = (time.process_time() - c0) / n
+        wall, cpu = per_call(model, x)
         print(f"{b:>6} {wall * 1e6:>9.0f} {cpu * 1e6:>9.0f} {wall / b * 1e6:>9.1f}")
 
+
+def per_call(fn: Callable[[Any], Any], x: Any, n: int = 0) -> tuple[float, float]:
+    """Wall and CPU seconds per call of fn(x), after 20 warm-up calls."""
+    for _ in range(20):
+        fn(x)
+    n = n or max(20, 4000 // len(x))
+    w0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        fn(x)
+    return (time.perf_counter() - w0) / n, (time.process_time() - c0) / n
+
+
+def calling_styles(model: Any, batches: list[int]) -> None:
+    """The ways of calling the same Keras model that docs/performance.md
+    compares (outputs converted to NumPy in each)."""
+    import tensorflow as tf
+
+    keras_model = model.model
+    spec = tf.TensorSpec((None, 6, 7, 2), tf.float32)
+    fn = tf.function(lambda t: keras_model(t, training=False), input_signature=[spec])
+    concrete = fn.get_concrete_function()
+    numpy = lambda out: tf.nest.map_structure(lambda t: np.asarray(t), out)  # noqa: E731
+    styles = {
+        "TFModel (concrete fn, tf.constant)": model,
+        "tf.function(input_signature)(ndarray)": lambda x: numpy(fn(x)),
+        "concrete function(tf.constant)": lambda x: numpy(concrete(tf.constant(x))),
+        "model.predict_on_batch": keras_model.predict_on_batch,
+        "eager model(x)": lambda x: numpy(keras_model(x, training=False)),
+    }
+    print(f"{'calling style':<40}" + "".join(f"{'batch ' + str(b):>12}" for b in batches)
+          + "   (wall us per call)")
+    for name, call in styles.items():
+        cells = []
+        for b in batches:
+            x = np.random.default_rng(0).random((b, 6, 7, 2), np.float32)
+            cells.append(f"{per_call(call, x, 300)[0] * 1e6:>12.0f}")
+        print(f"{name:<40}" + "".join(cells))
 
 if __name__ == "__main__":
     main()

@@ -84,7 +84,6 @@ import signal
 import socket
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -99,6 +98,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roundtrip import machine_info, weighted_quantiles  # noqa: E402  (same-project helpers)
+
+from shmeval.procstat import cpu_s, machine_busy_s, rss_mb  # noqa: E402
 
 STATE_SHAPE = (6, 7, 2)
 POLICY_SIZE = 7
@@ -221,28 +222,15 @@ def build_tf1_graph(tf: Any, cfg: NetConfig, initial: dict[str, tuple[np.ndarray
 
 # --- TensorFlow in a child process ---------------------------------------------------
 
-_TF_NOISE = ("All log messages before absl::InitializeLog()", "oneDNN custom operations are on")
-
-
 def import_tf(threads: int | None = None, gpu: bool = True) -> Any:
-    """Imports TensorFlow with its start-up banner filtered out, turns on GPU
-    memory growth (many TF processes may share one GPU) and optionally limits
-    the CPU thread pools."""
+    """Imports TensorFlow with its start-up banner filtered out and the CPU
+    thread pools sized (shmeval.games.connect4_net.import_tensorflow), then
+    turns on GPU memory growth (many TF processes may share one GPU)."""
+    from shmeval.games.connect4_net import import_tensorflow
+
     if not gpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # before the import
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile("w+b") as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            import tensorflow as tf
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            log.seek(0)
-            for line in log.read().decode(errors="replace").splitlines(keepends=True):
-                if not any(s in line for s in _TF_NOISE):
-                    sys.stderr.write(line)
+    tf = import_tensorflow(threads)
     if gpu:
         for device in tf.config.list_physical_devices("GPU"):
             tf.config.experimental.set_memory_growth(device, True)
@@ -250,9 +238,6 @@ def import_tf(threads: int | None = None, gpu: bool = True) -> Any:
     # NVIDIA GPUs) convolutions round to 10-bit mantissas and no two batch
     # sizes would agree within the 1e-4 the outputs are checked to.
     tf.config.experimental.enable_tensor_float_32_execution(False)
-    if threads:
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
     return tf
 
 
@@ -587,20 +572,6 @@ def worker_main(method: str, params: dict[str, Any], worker_id: int, n_warmup: i
 
 # --- /proc -----------------------------------------------------------------------------
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def proc_pss_mb(pid: int) -> float | None:
     """Proportional set size: shared pages split among the processes mapping them."""
     try:
@@ -611,26 +582,6 @@ def proc_pss_mb(pid: int) -> float | None:
     except OSError:
         pass
     return None
-
-
-def system_cpu_s() -> float:
-    """CPU seconds all cores of the machine spent busy (not idle or iowait)."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return float("nan")
-    return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
-
-
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of the process, all threads."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
 # --- one method at one worker count -------------------------------------------------
@@ -737,26 +688,26 @@ class MethodRun:
             time.sleep(max(0.0, (t_ns - time.perf_counter_ns()) / 1e9))
 
         sleep_until(start_ns)
-        system0 = system_cpu_s()
-        cpu0 = [proc_cpu_s(pid) for pid in pids]
-        server_cpu0 = proc_cpu_s(self.server_pid) if self.server_pid else float("nan")
+        system0 = machine_busy_s()
+        cpu0 = [cpu_s(pid) for pid in pids]
+        server_cpu0 = cpu_s(self.server_pid) if self.server_pid else float("nan")
         counters0 = self.counters()
         rss: list[list[float]] = [[] for _ in pids]
         pss: list[float | None] = [None] * len(pids)
         for k, frac in enumerate((0.25, 0.5, 0.75)):
             sleep_until(start_ns + int(frac * (end_ns - start_ns)))
             for j, pid in enumerate(pids):
-                r = proc_rss_mb(pid)
+                r = rss_mb(pid)
                 if r is not None:
                     rss[j].append(r)
                 if k == 1:
                     pss[j] = proc_pss_mb(pid)
             if k == 1 and self.server_pid:
-                server_rss, server_pss = proc_rss_mb(self.server_pid), proc_pss_mb(self.server_pid)
+                server_rss, server_pss = rss_mb(self.server_pid), proc_pss_mb(self.server_pid)
         sleep_until(end_ns)
-        system1 = system_cpu_s()
-        cpu1 = [proc_cpu_s(pid) for pid in pids]
-        server_cpu1 = proc_cpu_s(self.server_pid) if self.server_pid else float("nan")
+        system1 = machine_busy_s()
+        cpu1 = [cpu_s(pid) for pid in pids]
+        server_cpu1 = cpu_s(self.server_pid) if self.server_pid else float("nan")
         counters1 = self.counters()
 
         counts, calls, samples = [], [], []

@@ -69,8 +69,9 @@ class Served:
         assert s["requests"] == self.sent, (s["requests"], self.sent)  # nothing refused got in
         assert s["failed_requests"] == 0 and s["failed_batches"] == 0, s
         assert s["state"] == "serving", s
-        assert sorted(self.ev._free) == list(range(K)), self.ev._free  # every slot came back
-        assert not self.ev._abandoned
+        port = self.ev._port
+        assert sorted(port.free) == list(range(K)), port.free  # every slot came back
+        assert not port.abandoned
 
 
 def _known_float(sv: Served) -> None:

@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import numpy as np
 import pytest
 
-from shmeval import selfplay
+from shmeval import procstat, selfplay
 from shmeval.games import connect4 as c4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,7 +240,7 @@ def test_a_dead_evaluator_is_reported() -> None:
                 break
         # The evaluator is the child that holds TensorFlow: the largest RSS.
         kids = [int(k) for k in os.listdir("/proc") if k.isdigit() and _ppid(int(k)) == p.pid]
-        evaluator = max(kids, key=lambda k: selfplay.proc_rss_mb(k) or 0.0)
+        evaluator = max(kids, key=lambda k: procstat.rss_mb(k) or 0.0)
         os.kill(evaluator, signal.SIGKILL)
         _, err = p.communicate(timeout=60)
     finally:

@@ -53,8 +53,6 @@ class Client:
         self._seg: Optional[_ring.Segment] = _segment
         self._pid = -1           # process that owns the registration below
         self._c = -1             # client-table index in this process
-        self._free: List[int] = []
-        self._abandoned: List[int] = []
         self._port: Optional[_ring.ClientPort] = None
         self._lock = threading.Lock()
         self._slot_freed = threading.Condition(self._lock)
@@ -108,11 +106,11 @@ class Client:
             self._check_state(seg)
             c = seg.register(pid, segment.process_starttime(pid) or 0)
             spec = self.spec
-            self._free = list(range(spec.slots_per_client))
+            # The port holds this entry's free-slot list and abandoned slots.
             self._port = _ring.ClientPort(
-                seg, c, self._free, spec.input_dtype, spec.input_shape,
-                int(self._spin_us * 1000), WAIT_TIMEOUT_NS, self._ncpu, self._notify_waiters)
-            self._abandoned = self._port.abandoned
+                seg, c, list(range(spec.slots_per_client)), spec.input_dtype,
+                spec.input_shape, int(self._spin_us * 1000), WAIT_TIMEOUT_NS, self._ncpu,
+                self._notify_waiters)
             self._c = c
             self._pid = pid
             self._finalizer = weakref.finalize(self, _detach, seg, c, pid)
@@ -217,8 +215,6 @@ class Client:
             self._pid = -1
             self._c = -1
             self._port = None
-            self._free = []
-            self._abandoned = []
             if port is not None:
                 port.retired = True  # takes no new request from now on
         if not mine:

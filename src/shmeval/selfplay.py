@@ -68,6 +68,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Text
 import numpy as np
 
 from . import mcts
+from .procstat import cpu_s, machine_busy_s, rss_mb
 from .games import connect4
 from .games.connect4_net import NetConfig
 
@@ -673,41 +674,6 @@ def _queue_server_main(s: Settings, requests: Any, responses: List[Any], counter
 
 # --------------------------------------------------------------------------- /proc
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_rss_mb(pid: int) -> Optional[float]:
-    """VmRSS of ``pid`` in MB (None if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (all its threads)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
-def machine_busy_s() -> float:
-    """CPU seconds all cores spent busy so far (not idle, not iowait)."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return float("nan")
-    return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
-
-
 def _version(*dists: str) -> Optional[str]:
     for d in dists:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -1050,9 +1016,9 @@ class ModeRun:
             "t": time.monotonic(), "moves": int(c[MOVES]), "evals": int(c[EVALS]),
             "calls": int(c[CALLS]), "games": int(c[GAMES]), "eval_wall_ns": int(c[EVAL_WALL_NS]),
             "eval_cpu_ns": int(c[EVAL_CPU_NS]),
-            "cpu_workers": sum(proc_cpu_s(p.pid) for p in self.procs),
-            "cpu_evaluator": proc_cpu_s(self.server_pid) if self.server_pid else 0.0,
-            "cpu_main": proc_cpu_s(os.getpid()), "cpu_machine": machine_busy_s()}
+            "cpu_workers": sum(cpu_s(p.pid) for p in self.procs),
+            "cpu_evaluator": cpu_s(self.server_pid) if self.server_pid else 0.0,
+            "cpu_main": cpu_s(os.getpid()), "cpu_machine": machine_busy_s()}
         if self.ev is not None:
             st = self.ev.stats()
             snap.update(requests=int(st["requests"]), batches=int(st["batches"]),
@@ -1122,21 +1088,21 @@ class ModeRun:
             if marks and time.monotonic() >= marks[0]:
                 marks.pop(0)
                 for pid in rss:
-                    r = proc_rss_mb(pid)
+                    r = rss_mb(pid)
                     if r is not None:
                         rss[pid].append(r)
                 if self.server_pid:
-                    r = proc_rss_mb(self.server_pid)
+                    r = rss_mb(self.server_pid)
                     if r is not None:
                         server_rss.append(r)
-                r = proc_rss_mb(os.getpid())
+                r = rss_mb(os.getpid())
                 if r is not None:
                     main_rss.append(r)
             self._live("measuring", a, self._snapshot())
         b = self._snapshot()
         if not any(rss.values()):  # a very short window: sample once now
             for pid in rss:
-                r = proc_rss_mb(pid)
+                r = rss_mb(pid)
                 if r is not None:
                     rss[pid].append(r)
         self._live("measured", a, b)

@@ -362,17 +362,9 @@ class TFModel:
             if fn is None:
                 fn = self._general = self._concrete(None)
         # Calling style: the concrete function, with a tf.constant copy of the
-        # batch (it copies: nothing aliases the evaluator's reused buffer).
-        # Measured on the project's busy 2-vCPU VM (TF 2.21 CPU, 8-filter
-        # conv + two dense heads, best of 12 interleaved runs of 300 calls,
-        # outputs to numpy), batch 1 / batch 32, microseconds per call:
-        #   tf.function(input_signature)(ndarray)      416-418 / 547-561
-        #   tf.function(input_signature)(tf.constant)  401-418 / 508-543
-        #   concrete fn, batch None (ndarray)           291-293 / 361-459
-        #   concrete fn, batch None (tf.constant)       278-292 / 346-413
-        #   concrete fn, fixed batch (tf.constant)      275     / 332-414
-        #   model.predict_on_batch                      452-469 / 574-615
-        #   eager model(x)                              2638    / 2691-3013
+        # batch (it copies: nothing aliases the evaluator's reused buffer).  The
+        # fastest of the ways compared by `bench/tf_model_cost.py --styles`
+        # (figures in docs/performance.md, finding 13).
         out = fn(tf.constant(batch))
         if self.spec is None:
             return tf.nest.map_structure(lambda t: t.numpy(), out)
