@@ -15,6 +15,7 @@ cimport numpy as cnp
 from cpython.dict cimport PyDict_GetItem, PyDict_Size
 from cpython.list cimport PyList_GET_ITEM
 from cpython.ref cimport PyObject
+from cpython.buffer cimport PyBUF_WRITABLE, PyObject_GetBuffer, PyBuffer_Release
 
 
 cdef extern from "Python.h":
@@ -955,3 +956,38 @@ cdef class Server:
 
     def record(self, uint32_t n, uint32_t rows, uint64_t model_ns, bint failed):
         shm_record_batch(&self.seg.seg, n, rows, model_ns, failed)
+
+
+def pingpong(object buf, int side, cnp.ndarray lat, uint64_t spin_ns=0,
+             uint64_t timeout_ns=10_000_000_000):
+    """One side of a futex ping-pong between two processes (benchmark
+    reference; see shm_pingpong in ring.h).  buf: a writable buffer shared by
+    both processes (a shared-memory mapping), its first 4 bytes 0 at the
+    start and 4-byte aligned.  lat: a C-contiguous int64 array, one entry
+    per round trip; side 0 fills it with each round trip's ns, side 1 only
+    uses its length.  Returns the elapsed ns; raises TimeoutError when the
+    other side stops answering for timeout_ns."""
+    cdef Py_buffer view
+    cdef int rc
+    cdef uint64_t t0, rounds
+    cdef uint64_t *out = NULL
+    if side not in (0, 1):
+        raise ValueError("side must be 0 or 1")
+    if cnp.PyArray_TYPE(lat) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(lat) or not cnp.PyArray_ISWRITEABLE(lat):
+        raise ValueError("lat must be a writable C-contiguous int64 array")
+    rounds = <uint64_t>cnp.PyArray_SIZE(lat)
+    if side == 0:
+        out = <uint64_t *>cnp.PyArray_DATA(lat)
+    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+    try:
+        if view.len < 4 or (<size_t>view.buf) % 4:
+            raise ValueError("buf must be at least 4 bytes and 4-byte aligned")
+        t0 = shm_now_ns()
+        with nogil:
+            rc = shm_pingpong(view.buf, side, rounds, out, spin_ns, timeout_ns)
+        t0 = shm_now_ns() - t0
+    finally:
+        PyBuffer_Release(&view)
+    if rc != SHM_OK:
+        raise TimeoutError("the other side of the ping-pong stopped answering")
+    return t0

@@ -1012,4 +1012,62 @@ static inline void shm_close_and_wake(shm_seg *s, uint32_t final_state) {
         }
 }
 
+/* ------------------------------------------------------------------ */
+/* Reference measurement (benchmarks only, not part of the protocol)   */
+/* ------------------------------------------------------------------ */
+
+/* Waits until *w == want: spins up to spin_ns, then sleeps on the word.
+ * Returns SHM_OK, or SHM_TIMEOUT after timeout_ns without it. */
+static inline int shm_pp_wait(_Atomic uint32_t *w, uint32_t want,
+                              uint64_t spin_ns, uint64_t timeout_ns) {
+    uint64_t start = shm_now_ns();
+    for (uint32_t i = 0;; i++) {
+        /* MO: acquire; pairs with the release store of the other side. */
+        uint32_t cur = atomic_load_explicit(w, memory_order_acquire);
+        if (cur == want) return SHM_OK;
+        if (spin_ns && (i & 63) != 63) {
+            shm_cpu_relax();
+            continue;
+        }
+        uint64_t now = shm_now_ns();
+        if (now - start >= timeout_ns) return SHM_TIMEOUT;
+        if (now - start >= spin_ns)
+            shm_futex_wait(w, cur, timeout_ns - (now - start));
+        else
+            shm_cpu_relax();
+    }
+}
+
+/* One side of a two-process futex ping-pong on *w (a word in a shared
+ * mapping, 0 at the start): the cheapest wake-up round trip the machine
+ * allows, the physical limit a blocking request/response can approach.
+ * word must be 4-byte aligned.  Side 0 stores 2i+1 and waits for 2i+2; side 1 answers.  Each wake is a
+ * FUTEX_WAKE system call, each wait spins up to spin_ns before FUTEX_WAIT.
+ * Side 0 stores each round trip's ns in lat[i] when lat is not NULL.
+ * Returns SHM_OK, or SHM_TIMEOUT when the other side fell silent. */
+static inline int shm_pingpong(void *word, int side, uint64_t rounds,
+                               uint64_t *lat, uint64_t spin_ns,
+                               uint64_t timeout_ns) {
+    _Atomic uint32_t *w = (_Atomic uint32_t *)word;
+    for (uint64_t i = 0; i < rounds; i++) {
+        uint32_t ping = (uint32_t)(2 * i + 1), pong = ping + 1;
+        if (side == 0) {
+            uint64_t t0 = shm_now_ns();
+            /* MO: release; the other side's acquire load sees it. */
+            atomic_store_explicit(w, ping, memory_order_release);
+            shm_futex_wake(w, 1);
+            if (shm_pp_wait(w, pong, spin_ns, timeout_ns) != SHM_OK)
+                return SHM_TIMEOUT;
+            if (lat) lat[i] = shm_now_ns() - t0;
+        } else {
+            if (shm_pp_wait(w, ping, spin_ns, timeout_ns) != SHM_OK)
+                return SHM_TIMEOUT;
+            /* MO: release; as above. */
+            atomic_store_explicit(w, pong, memory_order_release);
+            shm_futex_wake(w, 1);
+        }
+    }
+    return SHM_OK;
+}
+
 #endif /* SHMEVAL_RING_H */
