@@ -28,9 +28,10 @@ and having it preempt the evaluator, which depends on the scheduler).
 
 A third measurement (``serve_us``) runs one whole batch through
 ``Server.serve``, the loop the evaluator really runs (collect -> model ->
-finish_fast in Cython), with a model that times itself; its own time is
-subtracted, so ``serve_us - total_us`` is what the loop adds around the
-model call.
+finish_fast in Cython, then its next scan, empty here), with a model that
+times itself; its own time is subtracted, so ``serve_us - total_us`` is
+what the loop adds around the model call (the Python call of the model,
+the empty scan).
 
 ``memcpy_us`` is one ``np.copyto`` of n states (the bytes collect gathers)
 between two preallocated arrays, repeated back to back in blocks: both stay
@@ -39,9 +40,9 @@ inside the serving rounds, right after post (the source as warm, the
 destination as cold, as collect finds its slots and its batch buffer):
 with large states the difference between the two is the cache, not the
 code.  It is one cold NumPy call per round, so below a few µs (small
-batches) it measures the call more than the copy.  The variants are
-interleaved (see :func:`measure_batch`), so that they all see the same load
-on a shared machine.
+batches) it measures the call more than the copy.  The serving variants are
+interleaved, the others measured in phases around them (see
+:func:`measure_batch`).
 
 Figures are medians (and 90th percentiles) over the rounds, in µs.
 """
@@ -52,7 +53,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -66,7 +67,7 @@ __all__ = ["run_batch_path", "format_batch_path", "BatchRig", "MAX_CLIENTS"]
 #: Requests are spread over at most this many clients.
 MAX_CLIENTS = 64
 _COLLECT_TIMEOUT_NS = 1_000_000_000
-_MAX_ROUNDS = 100_000  # cycles
+_MAX_ROUNDS = 100_000  # repetitions of one step
 
 
 class BatchRig:
@@ -113,6 +114,12 @@ class BatchRig:
             self.outputs = (self.policy, self.value)
             self.got = [np.zeros((n, policy_size), np.float32), np.zeros((n,), np.float32)]
             self.answered = 0
+            # Server.serve without its version argument stamps batches with
+            # its ServeGroup's version and returns IDLE holding the group's
+            # collect lock; the older form takes the version.  Both work here.
+            self._group: Any = getattr(self.server, "group", None)
+            if self._group is not None:
+                self._group.version = 1
         except BaseException:
             self.close()
             raise
@@ -147,6 +154,20 @@ class BatchRig:
         """What the serving loop does after the model call."""
         if not self.server.finish_fast(outputs, self.n, 0, 1, self.reject_nonfinite):
             raise RuntimeError("finish_fast refused the outputs (they are not as declared)")
+
+    def serve_one(self, model: Any) -> int:
+        """One batch through ``Server.serve`` (collect -> model -> finish_fast,
+        in Cython), then the loop's next scan, which finds nothing and, with
+        a timeout of 0, returns IDLE at once.  Returns the kind."""
+        serve: Callable[..., tuple[Any, ...]] = getattr(self.server, "serve")
+        if self._group is None:
+            return int(serve(model, self.n, 0, 0, 0, 1, self.reject_nonfinite, None, 0)[0])
+        return int(serve(model, self.n, 0, 0, 0, self.reject_nonfinite, None, 0)[0])
+
+    def after_serve(self) -> None:
+        """Releases what serve_one's return left held (the group's lock)."""
+        if self._group is not None:
+            getattr(self.server, "unlock")()
 
     def mark_waiters(self) -> int:
         """Gives every slot of the taken batch the WAITER bit, as a client
@@ -205,17 +226,27 @@ def _percentiles(ns: Sequence[int]) -> tuple[float, float]:
     return float(p50), float(p90)
 
 
+def _repeat(step: Callable[[], None], seconds: float, minimum: int) -> None:
+    """step() for about `seconds`, at least `minimum` times."""
+    end = time.perf_counter_ns() + int(seconds * 1e9)
+    done = 0
+    while done < minimum or (time.perf_counter_ns() < end and done < _MAX_ROUNDS):
+        step()
+        done += 1
+
+
 def measure_batch(state_shape: tuple[int, ...], policy_size: int, n: int, seconds: float,
                   *, waiter: bool = True, serve: bool = True,
                   reject_nonfinite: bool = True) -> dict[str, Any]:
     """One row of :func:`run_batch_path` (see there).
 
-    The variants are interleaved, in cycles of: a block of back-to-back
-    copies (memcpy_us), one plain round (not counted: it brings the serving
-    buffers back into the cache after the copies), a WAITER round, a
-    Server.serve round, four counted plain rounds, and a round whose copy
-    is memcpy_inloop_us.  All figures therefore see the same machine load,
-    and every counted plain round follows another serving round."""
+    Phases: back-to-back copies (memcpy_us, 1/16 of the time); five
+    uncounted rounds; cycles of four counted plain rounds, a Server.serve
+    round and a round whose copy is memcpy_inloop_us (70%); copies again
+    (1/16); WAITER rounds (1/8).  The serving variants are interleaved so
+    that they see the same load; the copies and the WAITER rounds are not,
+    because they slow down the next few rounds (caches refilled; the helper
+    thread's sleeps let the vCPU go idle)."""
     clock = time.perf_counter_ns
     with BatchRig(state_shape, policy_size, n, reject_nonfinite) as rig:
         collect_ns: list[int] = []
@@ -271,10 +302,9 @@ def measure_batch(state_shape: tuple[int, ...], policy_size: int, n: int, second
             rig.post()
             model_ns[0] = -1
             t0 = clock()
-            # until_ns=1 (long past): back after one batch; timeout 0: the
-            # scan after it does not wait.
-            kind = rig.server.serve(timed_model, n, 0, 0, 0, 1, reject_nonfinite, None, 1)[0]
+            kind = rig.serve_one(timed_model)
             dt = clock() - t0 - model_ns[0]
+            rig.after_serve()
             if kind != _ring.SERVE_IDLE or model_ns[0] < 0:
                 raise RuntimeError(f"Server.serve returned kind {kind} (not IDLE after one "
                                    "batch)")
@@ -311,21 +341,25 @@ def measure_batch(state_shape: tuple[int, ...], policy_size: int, n: int, second
         was = gc.isenabled()
         gc.disable()
         try:
-            for _ in range(3):  # warm-up: caches, first-use allocations
-                plain(False)
-            end = clock() + int(seconds * 1e9)
-            cycles = 0
-            while cycles < 2 or (clock() < end and cycles < _MAX_ROUNDS):
-                back_to_back()
-                plain(False)
-                if waiter:
-                    with_waiters()
-                if serve:
-                    served()
+            # The back-to-back copies and the WAITER rounds disturb the
+            # rounds after them for several rounds (caches refilled, the
+            # helper thread's sleeps let the vCPU go idle): they run in
+            # phases of their own, the copies before and after the serving
+            # cycles, so that their median sees the same load.
+            _repeat(back_to_back, seconds / 16, 3)
+            _repeat(lambda: plain(False), 0, 5)  # warm-up: back to steady state
+
+            def cycle() -> None:
                 for _ in range(4):
                     plain()
+                if serve:
+                    served()
                 copied()
-                cycles += 1
+
+            _repeat(cycle, seconds * 0.7, 2)
+            _repeat(back_to_back, seconds / 16, 3)
+            if waiter:
+                _repeat(with_waiters, seconds / 8, 3)
         finally:
             if was:
                 gc.enable()
@@ -361,8 +395,8 @@ def run_batch_path(state_shape: tuple[int, ...], policy_size: int,
                    reject_nonfinite: bool = True) -> list[dict[str, Any]]:
     """The evaluator's work per batch outside the model, for each batch size
     (float32 states of state_shape; outputs policy (policy_size,) and value
-    (), float32): about `seconds` per size (at least two cycles of the
-    variants).  See the module docstring
+    (), float32): about `seconds` per size (more where one round takes
+    long: every phase runs a few times at least).  See the module docstring
     for what is timed.
 
     Each row: batch, collect_us, finish_us, total_us (median of collect +
