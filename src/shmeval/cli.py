@@ -1,4 +1,4 @@
-"""The ``shmeval`` command: ``selfplay``, ``demo``, ``stats``, ``cleanup``."""
+"""The ``shmeval`` command: ``selfplay``, ``bench``, ``demo``, ``stats``, ``cleanup``."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +37,12 @@ def cmd_selfplay(args: argparse.Namespace) -> int:
     return selfplay.main(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import cli as bench_cli
+
+    return bench_cli.run(args)
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from .client import connect
 
@@ -72,6 +78,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .selfplay import add_arguments
     add_arguments(sp)
     sp.set_defaults(func=cmd_selfplay)
+    b = sub.add_parser("bench", help="round trips/s and latency of shmeval against multiprocessing.Queue, "
+                       "Pipe, faster-fifo and a lock-and-semaphore server, with the machine's reference figures",
+                       description="Round trips through every method, the machine's reference figures and "
+                       "the evaluator's batch path; 'shmeval bench --quick' takes under a minute.")
+    from .bench.cli import add_arguments as add_bench_arguments
+    add_bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
     d = sub.add_parser("demo", help="round trips through a NumPy model from N processes")
     d.add_argument("--workers", type=int, default=8)
     d.add_argument("--seconds", type=float, default=5.0)
