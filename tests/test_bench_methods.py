@@ -1,0 +1,105 @@
+"""Every method of the benchmark suite serves each worker its own answers, and
+the harness's routing check fails when a server gets the routing wrong.
+
+Short windows, no timed assertions: these check correctness, not speed.
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+from multiprocessing.synchronize import SemLock
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from shmeval.bench import METHODS, STATES
+from shmeval.bench.baselines import LocksemMethod, QueueMethod
+from shmeval.bench.roundtrip import NullModel, TrialConfig, run_trial
+
+WORKERS = 3
+CONFIG = TrialConfig(seconds=0.3, warmup=20, samples=1_000, max_batch=256)
+SPEC = STATES["c4"]
+
+
+class NextWorkersValue(NullModel):
+    """Answers worker i with worker i+1's value: what a server that mixed up
+    its replies would send.  Module level, so spawned servers can import it."""
+
+    def __call__(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        out = super().__call__(batch)
+        return {"policy": out["policy"], "value": out["value"] + 1}
+
+
+def _live_semlocks() -> dict[int, str]:
+    return {id(o): o._semlock.name for o in gc.get_objects() if isinstance(o, SemLock)}
+
+
+@pytest.fixture(autouse=True)
+def no_semaphore_outlives_its_trial() -> Iterator[None]:
+    """Every multiprocessing semaphore a trial made (Queue locks, Events,
+    locksem's wake-ups) is gone after it, hence unlinked from /dev/shm: a
+    spawn-context semaphore's name is unlinked when its object is finalised.
+    (The names themselves cannot be checked in /dev/shm: other programs on
+    the machine make and drop such names at any time.)"""
+    before = _live_semlocks()
+    yield
+    gc.collect()
+    left = {k: v for k, v in _live_semlocks().items() if k not in before}
+    assert not left, f"semaphores still alive after the trial: {sorted(left.values())}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(METHODS))
+def test_each_worker_gets_its_own_answers(name: str) -> None:
+    trial = run_trial(METHODS[name](), name, WORKERS, SPEC, CONFIG)
+    # run_trial raises on any reply whose value is not the worker's id; here
+    # every worker also made progress inside the window.
+    assert len(trial["worker_counts"]) == WORKERS
+    assert min(trial["worker_counts"]) > 0
+    assert trial["round_trips"] == sum(trial["worker_counts"])
+    assert trial["throughput"] > 0
+    assert trial["terminated"] == []
+    server = trial["server"]
+    # Every round trip went through the server: the warm-ups, the window's,
+    # and the last one of each worker, which ended after the window.
+    assert server["requests"] >= trial["round_trips"] + WORKERS * (CONFIG.warmup + 1)
+    assert 1 <= server["mean_batch"] <= WORKERS
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(METHODS))
+def test_misrouted_answers_fail_the_trial(name: str) -> None:
+    with pytest.raises(RuntimeError, match="bad reply"):
+        run_trial(METHODS[name](model=NextWorkersValue), name, WORKERS, SPEC, CONFIG)
+
+
+@pytest.mark.timeout(120)
+def test_locksem_unlinks_its_block() -> None:
+    method = LocksemMethod()
+    run_trial(method, "locksem", 2, STATES["go"], CONFIG)
+    assert method.shm_name is not None
+    assert not os.path.exists(os.path.join("/dev/shm", method.shm_name.lstrip("/")))
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_method_fails_the_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The run goes on past a failed trial, reports it and exits 1."""
+    from shmeval.bench import cli
+
+    monkeypatch.setitem(METHODS, "queue", functools.partial(QueueMethod, model=NextWorkersValue))
+    out = tmp_path / "bench.json"
+    code = cli.main(["--workers", "1", "--methods", "queue,pipe", "--state", "c4", "--seconds", "0.2",
+                     "--repeats", "1", "--warmup", "5", "--no-reference", "--no-batch-path", "--json", str(out)])
+    assert code == 1
+    data = json.loads(out.read_text())
+    assert data["failures"] == ["queue x1 (c4, repetition 1)"]
+    by_method = {t["method"]: t for t in data["trials"]}
+    assert "bad reply" in by_method["queue"]["error"]
+    assert by_method["pipe"]["throughput"] > 0  # the run went on
+    printed = capsys.readouterr()
+    assert "FAILED" in printed.out and "bad reply" in printed.err
