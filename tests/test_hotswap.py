@@ -46,6 +46,19 @@ class WeightedModel:
             self.set_weights([f["arr_0"]])
 
 
+class SlowWeightedModel(WeightedModel):
+    """WeightedModel that reads its weight, then sleeps with the GIL released
+    before using it: with several serving threads, calls overlap, and an
+    update applied during a call would be stamped on outputs computed with
+    the old weight."""
+
+    def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        w = self.w
+        time.sleep(100e-6)
+        return {"policy": x[:, 0, :, 0] * 2 + np.arange(7, dtype=np.float32),
+                "value": x[:, 5, 6, 1] + w}
+
+
 class NoWeights:
     def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
         return WeightedModel()(x)
@@ -71,6 +84,8 @@ def make(mode: str, **kw: Any) -> shmeval.Evaluator:
     args.update(kw)
     if mode == "thread":
         return shmeval.Evaluator(WeightedModel(), **args)
+    if mode == "serving_threads":
+        return shmeval.Evaluator.spawn(SlowWeightedModel, serving_threads=3, **args)
     return shmeval.Evaluator.spawn(WeightedModel, **args)
 
 
@@ -207,7 +222,7 @@ def swap_worker(ev: Any, worker: int, stop: Any, q: Any) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["thread", "spawn"])
+@pytest.mark.parametrize("mode", ["thread", "spawn", "serving_threads"])
 def test_hot_swap_under_load(mode: str) -> None:
     """Requests keep flowing while weights change 40 times: none fails or is
     lost, each answer matches the weights of the version stamped on it, and

@@ -244,6 +244,8 @@ def make_evaluator(kind: str, factory: Callable[[], Any] = fake_factory, **kw: A
     args.update(kw)
     if kind == "thread":
         return shmeval.Evaluator(factory(), **args)
+    if kind == "serving_threads":
+        return shmeval.Evaluator.spawn(factory, serving_threads=3, **args)
     return shmeval.Evaluator.spawn(factory, **args)
 
 
@@ -593,7 +595,7 @@ CLOSE_THREADS = 4
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["thread", "spawn"])
+@pytest.mark.parametrize("kind", ["thread", "spawn", "serving_threads"])
 def test_close_under_load(kind: str) -> None:
     """close() while 16 processes and 4 threads of the owner have requests
     in flight: every request completes correctly or raises EvaluatorClosed,

@@ -15,6 +15,9 @@ cimport numpy as cnp
 from cpython.dict cimport PyDict_GetItem, PyDict_Size
 from cpython.list cimport PyList_GET_ITEM
 from cpython.ref cimport PyObject
+from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
+                                PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK)
+from posix.unistd cimport usleep
 from cpython.buffer cimport PyBUF_WRITABLE, PyObject_GetBuffer, PyBuffer_Release
 
 
@@ -721,28 +724,68 @@ def all_finite(cnp.ndarray a, Py_ssize_t rows):
     return None if r < 0 else bool(r)
 
 
+cdef class ServeGroup:
+    """The Servers of one segment that serve from several threads of the
+    evaluator (pipelined serving): one at a time collects (the scan, the
+    gather and the doorbell sleep are single-consumer: the lock), while the
+    others' model calls and finishing overlap with it.  in_flight counts the
+    members holding a batch; the thread that holds the lock and sees it at 0
+    may do work that needs no batch outstanding (reclaiming clients, weight
+    updates, closing).  version stamps every batch served from now on; stop
+    makes every member's serve() return SERVE_CLOSED.  All fields are read
+    and written with the GIL held."""
+    cdef PyThread_type_lock lock
+    cdef readonly int in_flight
+    cdef public uint64_t version
+    cdef public bint stop
+    cdef uint32_t cursor
+
+    def __cinit__(self):
+        self.lock = PyThread_allocate_lock()
+        if self.lock == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        if self.lock != NULL:
+            PyThread_free_lock(self.lock)
+
+    cdef inline void _acquire(self) noexcept:
+        with nogil:
+            PyThread_acquire_lock(self.lock, WAIT_LOCK)
+
+    def quiesce(self):
+        """Waits (GIL released between checks) until no member holds a batch,
+        or stop is set.  Call holding the lock, with no batch of your own."""
+        while self.in_flight and not self.stop:
+            with nogil:
+                usleep(20)
+
+
 cdef class Server:
     """The evaluator's side: collect a batch, then complete or fail it.
 
     batch is a preallocated C-contiguous array of at least max_batch rows of
     in_bytes; collect gathers the inputs of the requests it takes into rows
     0..n-1.  complete copies row i of each output array into the slot that
-    request i came from.
+    request i came from.  Servers sharing a ServeGroup serve one segment
+    from several threads (see serve()).
     """
     cdef Segment seg
+    cdef readonly ServeGroup group
     cdef shm_taken *taken
     cdef char *batch
     cdef object _keep
-    cdef uint32_t cursor
     cdef uint32_t n
     cdef uint32_t cap
     cdef const char **fields
     cdef int64_t *strides
     cdef uint64_t busy_since
     cdef list views
+    cdef bint locked
 
-    def __cinit__(self, Segment seg, cnp.ndarray batch):
+    def __cinit__(self, Segment seg, cnp.ndarray batch, ServeGroup group=None):
         self.seg = seg
+        self.group = ServeGroup() if group is None else group
         self.cap = seg.seg.p.max_batch
         if not cnp.PyArray_IS_C_CONTIGUOUS(batch):
             raise ValueError("batch must be C-contiguous")
@@ -760,9 +803,22 @@ cdef class Server:
         self.views = [None] * (cnp.PyArray_DIM(batch, 0) + 1)  # batch[:rows], made once
 
     def __dealloc__(self):
+        if self.locked:
+            PyThread_release_lock(self.group.lock)
         free(self.taken)
         free(self.fields)
         free(self.strides)
+
+    cdef inline void _set_n(self, uint32_t n) noexcept:
+        """The outstanding batch's size; keeps the group's in_flight count."""
+        self.group.in_flight += (n > 0) - (self.n > 0)
+        self.n = n
+
+    def unlock(self):
+        """Releases the group's collect lock if serve() returned holding it."""
+        if self.locked:
+            self.locked = False
+            PyThread_release_lock(self.group.lock)
 
     def collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
                 uint64_t timeout_ns):
@@ -774,10 +830,10 @@ cdef class Server:
         max_batch = min(max_batch, self.cap)
         self.end_busy()
         with nogil:
-            rc = shm_collect(&self.seg.seg, self.batch, self.taken, max_batch, &self.cursor,
+            rc = shm_collect(&self.seg.seg, self.batch, self.taken, max_batch, &self.group.cursor,
                              spin_ns, max_wait_ns, timeout_ns)
         if rc > 0:
-            self.n = rc
+            self._set_n(rc)
             self.busy_since = shm_now_ns()
         return rc
 
@@ -789,25 +845,41 @@ cdef class Server:
             self.busy_since = 0
 
     def serve(self, object model, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
-              uint64_t timeout_ns, uint64_t version, bint reject_nonfinite, object buckets,
-              uint64_t until_ns):
+              uint64_t timeout_ns, bint reject_nonfinite, object buckets, uint64_t until_ns):
         """The serving loop's common path without Python bytecode between
         batches: collect -> model(batch[:rows]) -> finish_fast, repeated until
         something needs the Python layer.  Returns (kind, n, rows, detail,
         model_ns) with kind:
           IDLE    nothing arrived within timeout_ns, or until_ns (CLOCK_MONOTONIC)
                   passed: time for housekeeping
-          CLOSED  close requested
+          CLOSED  close requested, or the group's stop flag is set
           SLOW    the outputs (detail) need conversion or an explanation
           RAISED  the model raised (detail is the exception)
           CONTROL a control request is pending (no batch outstanding)
-        Buckets: None, or a sorted list of padded batch sizes."""
+        Buckets: None, or a sorted list of padded batch sizes.  Batches are
+        stamped with the group's version.
+
+        Each collect happens under the group's lock, released before the
+        model call, so that another thread's Server can collect the next
+        batch meanwhile.  IDLE, CLOSED and CONTROL return with the lock held
+        (so nobody starts a batch; group.quiesce() then waits out the batches
+        in flight): call unlock() after the work they call for.  SLOW and
+        RAISED return without it, the batch outstanding."""
         cdef int rc
         cdef uint32_t n, rows
         cdef uint64_t t0, model_ns
         cdef list views = self.views
         cdef Py_ssize_t bi
+        cdef ServeGroup g = self.group
+        if self.locked:
+            raise ShmevalError("serve() while holding the collect lock: call unlock() first")
         while True:
+            g._acquire()
+            self.locked = True
+            if g.stop:
+                return (SERVE_CLOSED, 0, 0, None, 0)
+            if until_ns and shm_now_ns() >= until_ns:
+                return (SERVE_IDLE, 0, 0, None, 0)
             rc = self.collect(max_batch, spin_ns, max_wait_ns, timeout_ns)
             if rc == SHM_CLOSED:
                 return (SERVE_CLOSED, 0, 0, None, 0)
@@ -815,6 +887,8 @@ cdef class Server:
                 return (SERVE_IDLE, 0, 0, None, 0)
             if rc == SHM_CONTROL:
                 return (SERVE_CONTROL, 0, 0, None, 0)
+            self.locked = False
+            PyThread_release_lock(g.lock)
             n = rc
             rows = n
             if buckets is not None:
@@ -831,10 +905,8 @@ cdef class Server:
             except Exception as e:
                 return (SERVE_RAISED, n, rows, e, shm_now_ns() - t0)
             model_ns = shm_now_ns() - t0
-            if not self.finish_fast(out, rows, model_ns, version, reject_nonfinite):
+            if not self.finish_fast(out, rows, model_ns, g.version, reject_nonfinite):
                 return (SERVE_SLOW, n, rows, out, model_ns)
-            if until_ns and shm_now_ns() >= until_ns:
-                return (SERVE_IDLE, 0, 0, None, 0)
 
     def finish_fast(self, object out, uint32_t rows, uint64_t model_ns, uint64_t version,
                     bint reject_nonfinite):
@@ -906,7 +978,7 @@ cdef class Server:
             done = shm_complete_fields(&self.seg.seg, self.taken, self.n, nf, self.fields,
                                        self.seg.out_nbytes, self.strides, self.seg.out_off,
                                        model_version)
-        self.n = 0
+        self._set_n(0)
         return done
 
     def fail_rows(self, object rows, str message):
@@ -938,7 +1010,7 @@ cdef class Server:
                     kept += 1
             with nogil:
                 done = shm_fail(&self.seg.seg, bad, <uint32_t>nb, p, ln)
-            self.n = <uint32_t>kept
+            self._set_n(<uint32_t>kept)
         finally:
             free(bad)
         return done
@@ -951,7 +1023,7 @@ cdef class Server:
         cdef uint32_t done
         with nogil:
             done = shm_fail(&self.seg.seg, self.taken, self.n, p, ln)
-        self.n = 0
+        self._set_n(0)
         return done
 
     def record(self, uint32_t n, uint32_t rows, uint64_t model_ns, bint failed):

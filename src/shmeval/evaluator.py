@@ -31,6 +31,10 @@ Buckets = Union[None, str, Sequence[int]]
 IDLE_TIMEOUT_NS = 100_000_000
 #: And checks client liveness at most this often while busy.
 HOUSEKEEPING_NS = 200_000_000
+#: Most serving threads (model calls in flight at once) one evaluator runs.
+MAX_SERVING_THREADS = 8
+#: How long the serving loop waits for its other threads when it stops.
+THREAD_JOIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -48,13 +52,17 @@ class BatchPolicy:
     max_wait_us: float = 0.0
     buckets: Optional[tuple[int, ...]] = None
     spin_us: float = 50.0
+    threads: int = 1
 
     @classmethod
     def make(cls, max_batch: int, max_wait_us: float = 0.0, buckets: Buckets = None,
-             spin_us: float = 50.0) -> "BatchPolicy":
+             spin_us: float = 50.0, threads: int = 1) -> "BatchPolicy":
         if max_wait_us < 0 or spin_us < 0:
             raise ValueError(f"max_wait_us and evaluator_spin_us must be >= 0, "
                              f"got {max_wait_us} and {spin_us}")
+        if type(threads) is not int or not 1 <= threads <= MAX_SERVING_THREADS:
+            raise ValueError(f"serving_threads must be an int from 1 to {MAX_SERVING_THREADS}, "
+                             f"got {threads!r}")
         b: Optional[tuple[int, ...]]
         if buckets is None:
             b = None
@@ -73,7 +81,7 @@ class BatchPolicy:
             if b[-1] < max_batch:
                 raise ValueError(f"the largest bucket ({b[-1]}) must be >= max_batch "
                                  f"({max_batch})")
-        return cls(max_batch, float(max_wait_us), b, float(spin_us))
+        return cls(max_batch, float(max_wait_us), b, float(spin_us), threads)
 
     @property
     def rows(self) -> int:
@@ -109,6 +117,14 @@ def _prepare(model: Model, spec: Spec, policy: BatchPolicy) -> BatchPolicy:
 
 
 class _ServingLoop:
+    """Serves the segment from policy.threads threads: each runs
+    Server.serve() with its own batch buffer; they take turns collecting
+    (the ServeGroup's lock) and overlap their model calls, so that with a
+    model that releases the GIL (TensorFlow does) one batch is computed while
+    the next is gathered and computed on another core.  Whichever thread
+    holds the lock with no batch in flight does the rest: housekeeping,
+    weight updates, stopping."""
+
     def __init__(self, seg: "_ring.Segment", spec: Spec, model: Model, policy: BatchPolicy,
                  reject_nonfinite: bool, control: Any = None) -> None:
         self.seg = seg
@@ -117,57 +133,97 @@ class _ServingLoop:
         self.policy = policy
         self.control = control  # our end of the owner's control pipe
         self.reject_nonfinite = reject_nonfinite
-        self.batch = np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype)
-        self.server = _ring.Server(seg, self.batch)
+        self.group = _ring.ServeGroup()
+        self.servers = [
+            _ring.Server(seg, np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype),
+                         self.group)
+            for _ in range(policy.threads)]
         self.version = 0
+        self.housekeeping_at = 0
+        self.owner = seg.owner_pid
+        self.errors: list[BaseException] = []
 
     def run(self, started: Optional[threading.Event] = None) -> None:
-        seg, pol, server = self.seg, self.policy, self.server
+        seg = self.seg
         me = os.getpid()
-        owner = seg.owner_pid
         _ring.set_timer_slack_ns(1000)  # this thread's max_wait_us sleeps stay precise
         seg.set_serving(me, segment.process_starttime(me) or 0)
+        self.housekeeping_at = _ring.now_ns() + HOUSEKEEPING_NS
+        others = [threading.Thread(target=self.serve_guarded, args=(server,), daemon=True,
+                                   name=f"{threading.current_thread().name} #{i + 1}")
+                  for i, server in enumerate(self.servers[1:])]
+        for t in others:
+            t.start()
         if started is not None:
             started.set()
-        spin_ns = int(pol.spin_us * 1000)
-        wait_ns = int(pol.max_wait_us * 1000)
-        buckets = list(pol.buckets) if pol.buckets else None
         final = _ring.CLOSED_STATE
-        housekeeping_at = _ring.now_ns() + HOUSEKEEPING_NS
         try:
-            while True:
-                # Batches are served in C until something needs Python.
-                kind, n, rows, detail, model_ns = server.serve(
-                    self.model, pol.max_batch, spin_ns, wait_ns, IDLE_TIMEOUT_NS, self.version,
-                    self.reject_nonfinite, buckets, housekeeping_at)
-                if kind == _ring.SERVE_CLOSED:
-                    break
-                if kind == _ring.SERVE_CONTROL:
-                    server.end_busy()
-                    self.handle_control()
-                    continue
-                if kind == _ring.SERVE_SLOW:
-                    self.finish_slow(detail, n, rows, model_ns)
-                elif kind == _ring.SERVE_RAISED:
-                    self.finish_failed(detail, n, rows, model_ns)
-                # Also due while every batch takes the slow path.
-                if kind == _ring.SERVE_IDLE or _ring.now_ns() >= housekeeping_at:
-                    housekeeping_at = _ring.now_ns() + HOUSEKEEPING_NS
-                    server.end_busy()
-                    self.reclaim_dead_clients()
-                    if self.control is not None and self.control.poll():
-                        self.handle_control()  # a message that came late
-                    if owner != me and not segment.is_alive(owner):
-                        # Our creator is gone: nobody else will close or unlink.
-                        segment.unlink(seg.name)
-                        break
+            self.serve(self.servers[0])
         except BaseException:
             final = _ring.DIED
             raise
         finally:
+            self.group.stop = True
+            for t in others:
+                t.join(THREAD_JOIN_S)
+            if self.errors:
+                final = _ring.DIED
             # DIED (or CLOSED) wakes every waiter, including the requests of
             # a batch the loop held when it crashed: they raise EvaluatorDied.
             seg.close_and_wake(final)
+        if self.errors:
+            raise self.errors[0]
+
+    def serve_guarded(self, server: "_ring.Server") -> None:
+        """serve() in one of the other threads: an error there stops every
+        thread, and run() re-raises it."""
+        try:
+            self.serve(server)
+        except BaseException as e:
+            self.errors.append(e)
+            self.group.stop = True
+            self.seg.request_close()  # wakes a thread asleep in collect
+
+    def serve(self, server: "_ring.Server") -> None:
+        seg, pol, group = self.seg, self.policy, self.group
+        spin_ns = int(pol.spin_us * 1000)
+        wait_ns = int(pol.max_wait_us * 1000)
+        buckets = list(pol.buckets) if pol.buckets else None
+        me = os.getpid()
+        while True:
+            # Batches are served in C until something needs Python.
+            kind, n, rows, detail, model_ns = server.serve(
+                self.model, pol.max_batch, spin_ns, wait_ns, IDLE_TIMEOUT_NS,
+                self.reject_nonfinite, buckets, self.housekeeping_at)
+            if kind == _ring.SERVE_SLOW:
+                self.finish_slow(server, detail, n, rows, model_ns)
+                continue
+            if kind == _ring.SERVE_RAISED:
+                self.finish_failed(server, detail, n, rows, model_ns)
+                continue
+            # IDLE, CONTROL, CLOSED: we hold the collect lock; once the other
+            # threads' batches are answered, nothing is in flight.
+            try:
+                server.end_busy()
+                group.quiesce()
+                if kind == _ring.SERVE_CLOSED:
+                    group.stop = True
+                    return
+                if kind == _ring.SERVE_CONTROL:
+                    self.handle_control()
+                    continue
+                # Housekeeping: idle, or due while busy.
+                self.housekeeping_at = _ring.now_ns() + HOUSEKEEPING_NS
+                self.reclaim_dead_clients()
+                if self.control is not None and self.control.poll():
+                    self.handle_control()  # a message that came late
+                if self.owner != me and not segment.is_alive(self.owner):
+                    # Our creator is gone: nobody else will close or unlink.
+                    segment.unlink(seg.name)
+                    group.stop = True
+                    return
+            finally:
+                server.unlock()
 
     def handle_control(self) -> None:
         """Applies the owner's pending control requests (weight updates),
@@ -211,26 +267,28 @@ class _ServingLoop:
         except Exception as e:
             return False, f"{method} failed in the evaluator: {type(e).__name__}: {e}"
         self.version = version
+        self.group.version = version
         self.seg.stat_put("model_version", version)
         self.seg.stat_inc("weight_updates", 1)
         return True, version
 
-    def finish_slow(self, out: Any, n: int, rows: int, model_ns: int) -> None:
+    def finish_slow(self, server: "_ring.Server", out: Any, n: int, rows: int,
+                    model_ns: int) -> None:
         """Outputs that finish_fast could not take as they are: convert them,
         or fail the batch with a message saying what is wrong."""
         try:
             arrays = self.check_outputs(out, n, rows)
             bad, name = self.nonfinite_rows(arrays, n)
         except Exception as e:
-            self.finish_failed(e, n, rows, model_ns)
+            self.finish_failed(server, e, n, rows, model_ns)
             return
         # Statistics first: a client that sees its answer also sees them.
-        self.server.record(n, rows, model_ns, False)
+        server.record(n, rows, model_ns, False)
         if bad.size:
             # Only the requests whose rows hold NaN/inf fail (e.g. a NaN in
             # one client's state must not fail the others batched with it).
             self.seg.stat_inc("failed_requests", int(bad.size))
-            self.server.fail_rows(bad.tolist(), ModelError(
+            server.fail_rows(bad.tolist(), ModelError(
                 f"model output {name!r} holds NaN or infinite values for this request "
                 "(pass reject_nonfinite=False to allow them)").message)
             if bad.size == n:
@@ -238,14 +296,15 @@ class _ServingLoop:
             keep = np.setdiff1d(np.arange(n), bad)
             arrays = [a[keep] for a in arrays]
         try:
-            self.server.complete(arrays, self.version)
+            server.complete(arrays, self.version)
         except ValueError as e:  # a shape check_outputs let through: fail, keep serving
-            self.server.fail(f"ModelError: {e}")
+            server.fail(f"ModelError: {e}")
 
-    def finish_failed(self, e: Exception, n: int, rows: int, model_ns: int) -> None:
+    def finish_failed(self, server: "_ring.Server", e: Exception, n: int, rows: int,
+                      model_ns: int) -> None:
         error = e if isinstance(e, ModelError) else ModelError(f"{type(e).__name__}: {e}")
-        self.server.record(n, rows, model_ns, True)
-        self.server.fail(error.message)
+        server.record(n, rows, model_ns, True)
+        server.fail(error.message)
 
     def check_outputs(self, out: Any, n: int, rows: int) -> list[np.ndarray]:
         """The model's outputs as C-contiguous arrays of the declared dtypes,
@@ -306,13 +365,15 @@ class _ServingLoop:
 
 def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, max_batch: int,
                max_wait_us: float, buckets: Buckets, max_clients: int, slots_per_client: int,
-               evaluator_spin_us: float, spin_us: Optional[float]) -> tuple[Spec, BatchPolicy]:
+               evaluator_spin_us: float, spin_us: Optional[float],
+               serving_threads: int = 1) -> tuple[Spec, BatchPolicy]:
     # Every argument is checked before the segment is created.
     if spin_us is not None and not spin_us >= 0:
         raise ValueError(f"spin_us must be >= 0, got {spin_us}")
     spec = Spec.build(input_shape, input_dtype, outputs, max_batch, max_clients,
                       slots_per_client)
-    policy = BatchPolicy.make(spec.max_batch, max_wait_us, buckets, evaluator_spin_us)
+    policy = BatchPolicy.make(spec.max_batch, max_wait_us, buckets, evaluator_spin_us,
+                              serving_threads)
     return spec, policy
 
 
@@ -377,6 +438,14 @@ class Evaluator(Client):
         processes and the evaluator fit on the CPU cores.
     evaluator_spin_us:
         how long the idle evaluator spins before it sleeps on its doorbell.
+    serving_threads:
+        1 (default): one model call at a time.  N > 1: N threads take turns
+        collecting batches and run up to N model calls at once, which pays
+        when the model releases the GIL and a core would otherwise idle
+        while the evaluator computes (TensorFlow: give it as many inter-op
+        threads, see ``TFModel(inter_op_threads=...)``).  The model must be
+        safe to call from several threads; weight updates still happen with
+        no call in flight.
     reject_nonfinite:
         fail batches whose float outputs hold NaN or inf (ModelError).
     """
@@ -386,12 +455,12 @@ class Evaluator(Client):
                  max_wait_us: float = 0.0, buckets: Buckets = None, max_clients: int = 64,
                  slots_per_client: int = 16, spin_us: Optional[float] = None,
                  evaluator_spin_us: float = 50.0, reject_nonfinite: bool = True,
-                 name: Optional[str] = None) -> None:
+                 name: Optional[str] = None, serving_threads: int = 1) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
                                   buckets, max_clients, slots_per_client, evaluator_spin_us,
-                                  spin_us)
+                                  spin_us, serving_threads)
         t0 = time.perf_counter_ns()
         policy = _prepare(model, spec, policy)  # before any segment exists
         warmup_ns = time.perf_counter_ns() - t0
@@ -420,7 +489,7 @@ class Evaluator(Client):
               slots_per_client: int = 16, spin_us: Optional[float] = None,
               evaluator_spin_us: float = 50.0, reject_nonfinite: bool = True,
               name: Optional[str] = None, start_timeout: float = 600.0,
-              mp_context: str = "spawn") -> "Evaluator":
+              mp_context: str = "spawn", serving_threads: int = 1) -> "Evaluator":
         """Serves from a new process that calls the picklable zero-argument
         ``factory()`` to build the model (so e.g. TensorFlow is imported only
         there).  Returns once the model is built and serving."""
@@ -428,7 +497,7 @@ class Evaluator(Client):
             raise TypeError(f"factory must be callable, got {type(factory).__name__}")
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
                                   buckets, max_clients, slots_per_client, evaluator_spin_us,
-                                  spin_us)
+                                  spin_us, serving_threads)
         seg, address = segment.create(spec, name)
         self = cls.__new__(cls)
         Client.__init__(self, address, spec, spin_us, _segment=seg)

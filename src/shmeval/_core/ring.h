@@ -180,7 +180,7 @@ typedef struct {
                                                         ever claimed */
     _Atomic uint32_t n_attached;
 
-    /* --- statistics: single writer (the evaluator), relaxed --- */
+    /* --- statistics: written by the evaluator's serving threads, relaxed --- */
     _Alignas(SHM_LINE) _Atomic uint64_t st[SHM_N_STATS];            /* enum shm_stat */
     _Atomic uint64_t hist_wait[SHM_HIST_BINS];   /* publish -> taken */
     _Atomic uint64_t hist_model[SHM_HIST_BINS];  /* model call per batch */
@@ -371,13 +371,13 @@ static inline uint32_t shm_hist_bin(uint64_t ns) {
     return b < SHM_HIST_BINS ? b : SHM_HIST_BINS - 1;
 }
 
-/* Single-writer counter bump: a plain load + store is enough (no locked
- * instruction) because only the evaluator thread writes statistics. */
+/* Counter bump.  Several serving threads of one evaluator may record
+ * batches at once (pipelined serving), so this is an atomic add; relaxed,
+ * readers only want an eventually consistent figure, and on x86 it costs
+ * one locked instruction on a line the evaluator already owns. */
 static inline void shm_stat_add(_Atomic uint64_t *x, uint64_t v) {
-    /* MO: relaxed; readers only want an eventually consistent figure. */
-    atomic_store_explicit(
-        x, atomic_load_explicit(x, memory_order_relaxed) + v,
-        memory_order_relaxed);
+    /* MO: relaxed; statistics only, no data is published through them. */
+    atomic_fetch_add_explicit(x, v, memory_order_relaxed);
 }
 
 /* ------------------------------------------------------------------ */
@@ -864,7 +864,7 @@ static inline uint64_t shm_stat_get(shm_seg *s, uint32_t i) {
                            : 0;
 }
 static inline void shm_stat_put(shm_seg *s, uint32_t i, uint64_t v) {
-    /* MO: relaxed; single writer (the evaluator). */
+    /* MO: relaxed; puts come from the serving loop while no batch is in flight. */
     if (i < SHM_N_STATS)
         atomic_store_explicit(&shm_hdr(s)->st[i], v, memory_order_relaxed);
 }
