@@ -114,12 +114,8 @@ class BatchRig:
             self.outputs = (self.policy, self.value)
             self.got = [np.zeros((n, policy_size), np.float32), np.zeros((n,), np.float32)]
             self.answered = 0
-            # Server.serve without its version argument stamps batches with
-            # its ServeGroup's version and returns IDLE holding the group's
-            # collect lock; the older form takes the version.  Both work here.
-            self._group: Any = getattr(self.server, "group", None)
-            if self._group is not None:
-                self._group.version = 1
+            # Server.serve stamps batches with its ServeGroup's version.
+            self.server.group.version = 1
         except BaseException:
             self.close()
             raise
@@ -159,15 +155,11 @@ class BatchRig:
         """One batch through ``Server.serve`` (collect -> model -> finish_fast,
         in Cython), then the loop's next scan, which finds nothing and, with
         a timeout of 0, returns IDLE at once.  Returns the kind."""
-        serve: Callable[..., tuple[Any, ...]] = getattr(self.server, "serve")
-        if self._group is None:
-            return int(serve(model, self.n, 0, 0, 0, 1, self.reject_nonfinite, None, 0)[0])
-        return int(serve(model, self.n, 0, 0, 0, self.reject_nonfinite, None, 0)[0])
+        return int(self.server.serve(model, self.n, 0, 0, 0, self.reject_nonfinite, None, 0)[0])
 
     def after_serve(self) -> None:
         """Releases what serve_one's return left held (the group's lock)."""
-        if self._group is not None:
-            getattr(self.server, "unlock")()
+        self.server.unlock()
 
     def mark_waiters(self) -> int:
         """Gives every slot of the taken batch the WAITER bit, as a client

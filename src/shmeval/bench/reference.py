@@ -55,13 +55,9 @@ _MAX_ROUNDS = 2_000_000
 
 def pingpong(buf: Any, side: int, lat: np.ndarray, spin_ns: int = 0,
              timeout_ns: int = 10_000_000_000) -> int:
-    """``shmeval._ring.pingpong`` (looked up at call time, so that this module
-    imports, and type-checks, against an extension or stub without it)."""
-    fn: Optional[Callable[..., int]] = getattr(_ring, "pingpong", None)
-    if fn is None:
-        raise RuntimeError("shmeval._ring has no pingpong(): rebuild the extension "
-                           "(pip install -e .)")
-    return int(fn(buf, side, lat, int(spin_ns), int(timeout_ns)))
+    """One side of the futex ping-pong in the C core (``_ring.pingpong``);
+    returns the elapsed ns."""
+    return int(_ring.pingpong(buf, side, lat, int(spin_ns), int(timeout_ns)))
 
 
 # ------------------------------------------------------------------ partner
