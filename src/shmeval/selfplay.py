@@ -107,6 +107,7 @@ class Settings:
     repeats: int = 1
     seed: int = 0
     evaluator_threads: int = 1
+    serving_threads: int = 2
     max_batch: int = 256
     pin: bool = False
     net: NetConfig = field(default_factory=NetConfig)
@@ -131,6 +132,8 @@ class Settings:
             raise ValueError("--train runs once (no --repeats)")
         if self.evaluator_threads < 0 or self.learner_threads < 0:
             raise ValueError("thread counts must be >= 0 (0: TensorFlow's default)")
+        if not 1 <= self.serving_threads <= 8:
+            raise ValueError("serving threads must be from 1 to 8")
         if self.push_every <= 0 or self.batch_size < 1 or self.buffer_size < self.batch_size:
             raise ValueError("need push_every > 0, batch_size >= 1, buffer_size >= batch_size")
         if self.sample_reuse <= 0:
@@ -445,17 +448,21 @@ def _pin(cpus: Optional[set[int]]) -> None:
 
 
 def _evaluator_factory(net: NetConfig, seed: int, threads: int,
-                       cpus: Optional[set[int]] = None) -> Any:
+                       cpus: Optional[set[int]] = None, serving_threads: int = 1) -> Any:
     """Evaluator.spawn's factory: runs in the evaluator process, the only
-    process of the shmeval mode that imports TensorFlow."""
+    process of the shmeval mode that imports TensorFlow.  ``threads`` intra-op
+    threads per model call; with several serving threads, as many inter-op
+    threads as calls in flight (with one, TensorFlow runs concurrent calls
+    one after the other)."""
     from .games.connect4_net import build_resnet, import_tensorflow
 
     _pin(cpus)  # before TensorFlow starts its threads
-    import_tensorflow(threads or None)
+    inter = max(threads, serving_threads) if threads else None
+    import_tensorflow(threads or None, inter)
     from .backends.tensorflow import TFModel
 
     return TFModel(build_resnet(net, seed=seed, compile=False),
-                   intra_op_threads=threads or None, inter_op_threads=threads or None)
+                   intra_op_threads=threads or None, inter_op_threads=inter)
 
 
 EvaluateBatch = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]
@@ -964,9 +971,10 @@ class ModeRun:
             G = s.games_per_worker
             self.ev = shmeval.Evaluator.spawn(
                 functools.partial(_evaluator_factory, s.net, s.seed, s.evaluator_threads,
-                                  ev_cpus),
+                                  ev_cpus, s.serving_threads),
                 input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS, max_batch=s.max_batch,
-                max_clients=max(64, s.workers + 8), slots_per_client=min(64, max(16, G)))
+                max_clients=max(64, s.workers + 8), slots_per_client=min(64, max(16, G)),
+                serving_threads=s.serving_threads)
             self.server_pid = self.ev.pid
             links = [self.ev] * s.workers
         elif self.mode == "queue":
@@ -1474,6 +1482,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and queue; default 1: TensorFlow's default of one per core is slower "
                         "for small batches on few cores and leaves no core for the workers; "
                         "0 = TensorFlow's default)")
+    p.add_argument("--serving-threads", type=int, default=d.serving_threads,
+                   help="shmeval mode: model calls the evaluator runs at once (Evaluator("
+                        "serving_threads=...)): while one batch is computed the next is "
+                        f"gathered and computed on another core (default {d.serving_threads})")
     p.add_argument("--pin", action="store_true",
                    help="give the central evaluator (shmeval, queue) a CPU of its own and "
                         "keep the workers on the others (needs 2+ CPUs; local modes are not "
@@ -1510,6 +1522,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     simulations=args.simulations, seconds=args.seconds, warmup=args.warmup,
                     repeats=args.repeats,
                     seed=args.seed, evaluator_threads=args.evaluator_threads,
+                    serving_threads=args.serving_threads,
                     max_batch=args.max_batch, pin=args.pin, net=net, train=args.train,
                     push_every=args.push_every, batch_size=args.batch_size,
                     buffer_size=args.buffer_size, sample_reuse=args.sample_reuse)
