@@ -83,3 +83,32 @@ def test_threads_never_share_a_result() -> None:
 
         run_threads(run, 6, 30)
     assert not errors, errors[:3]
+
+
+@pytest.mark.timeout(30)
+def test_loop_holding_the_last_result_reuses_the_one_before() -> None:
+    """`out = ev.evaluate(s)` in a loop holds the last result during the
+    next call: the port then reuses the one before, so two objects
+    alternate; every answer is right when it is returned."""
+    with make_ev() as ev:
+        ev.evaluate(make_state(0))  # registers; later results take the fast path
+        out = ev.evaluate(make_state(1))
+        ids = set()
+        for tag in range(2, 12):
+            out = ev.evaluate(make_state(tag))
+            check_answer(out, tag)
+            ids.add(id(out))
+        assert len(ids) == 2
+
+
+@pytest.mark.timeout(30)
+def test_results_kept_in_a_list_are_never_overwritten() -> None:
+    """Keeping every result (as a search tree keeps its priors): neither
+    cached result is ever free, so every call allocates, and each kept
+    result still holds its own answer at the end."""
+    with make_ev() as ev:
+        ev.evaluate(make_state(0))
+        kept = [ev.evaluate(make_state(tag)) for tag in range(1, 20)]
+        assert len({id(r) for r in kept}) == len(kept)
+        for tag, r in zip(range(1, 20), kept):
+            check_answer(r, tag)

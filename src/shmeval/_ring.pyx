@@ -513,6 +513,8 @@ cdef class ClientPort:
     cdef uint32_t ncpu
     cdef dict last        # the previous result, reused once nobody holds it
     cdef list last_outs
+    cdef dict prev        # the one before: a caller's `out = evaluate(s)`
+    cdef list prev_outs   # holds the previous result during the next call
     cdef int pid          # the process this port's client entry belongs to
     cdef public bint retired   # closed: takes no new request (see Client.close)
     cdef public bint detached  # its client entry is detached: waiters give up
@@ -582,13 +584,17 @@ cdef class ClientPort:
             self.free.append(k)
             return None
         try:
-            reuse = self._last_unreferenced()
-            if reuse:
-                # Taken out of the port while in use, so that another thread
-                # of this process cannot take it too.
+            # A cached result is taken out of the port while in use, so that
+            # another thread of this process cannot take it too.
+            reuse = True
+            if self._unreferenced(0):
                 result, outs = self.last, self.last_outs
                 self.last = self.last_outs = None
+            elif self._unreferenced(1):
+                result, outs = self.prev, self.prev_outs
+                self.prev = self.prev_outs = None
             else:
+                reuse = False
                 outs = []
                 for j in range(self.seg.n_out):
                     shape = self.seg.out_dims[j]
@@ -619,30 +625,39 @@ cdef class ClientPort:
             result = {}
             for j in range(self.seg.n_out):
                 result[self.seg.out_names[j]] = outs[j]
+        if self.last is not None:  # not reused: it becomes the older one
+            self.prev, self.prev_outs = self.last, self.last_outs
         self.last = result
         self.last_outs = outs
         if versioned:
             return (result, r)
         return result
 
-    cdef bint _last_unreferenced(self):
-        """True when the previous result (its dict and arrays) is referenced
-        by nothing but this port, unchanged: then it can hold the next result.
+    cdef bint _unreferenced(self, int older):
+        """True when a cached result (the last, or with older the one before;
+        its dict and arrays) is referenced by
+        nothing but this port, unchanged: then it can hold the next result.
         Allocating the arrays and the dict was a third of a round trip's
         cost with 16 workers on 2 cores (docs/performance.md).  Any reference
         the caller keeps -- to the dict, an array, a view or a buffer of it --
-        shows in the reference counts and makes this allocate afresh."""
+        shows in the reference counts and makes this allocate afresh.  Two
+        results are cached, the last and the one before, because a loop
+        `out = ev.evaluate(s)` still holds the last one during the call."""
         cdef Py_ssize_t j, i
         cdef PyObject *x
         cdef cnp.ndarray arr
         cdef tuple shape
-        if self.last is None or Py_REFCNT(<PyObject *>self.last) != 1 or \
-                PyDict_Size(self.last) != self.seg.n_out:
+        # Borrowed pointers: a Python-level reference here would itself
+        # show in the counts.
+        cdef PyObject *cached = <PyObject *>(self.prev if older else self.last)
+        cdef PyObject *cached_outs = <PyObject *>(self.prev_outs if older else self.last_outs)
+        if cached == <PyObject *>None or Py_REFCNT(cached) != 1 or \
+                PyDict_Size(<object>cached) != self.seg.n_out:
             return False
         for j in range(self.seg.n_out):
-            x = PyList_GET_ITEM(self.last_outs, j)
-            # One reference from last_outs, one from the dict: nobody else.
-            if Py_REFCNT(x) != 2 or PyDict_GetItem(self.last, self.seg.out_names[j]) != x:
+            x = PyList_GET_ITEM(<object>cached_outs, j)
+            # One reference from the cached list, one from the dict: nobody else.
+            if Py_REFCNT(x) != 2 or PyDict_GetItem(<object>cached, self.seg.out_names[j]) != x:
                 return False
             arr = <cnp.ndarray>x
             shape = self.seg.out_dims[j]
