@@ -710,6 +710,32 @@ def test_all_finite() -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_all_finite_against_numpy(dtype: Any) -> None:
+    """The bit test agrees with np.isfinite at the edges (largest finite,
+    subnormals, -0.0, infinities, NaNs with any payload and sign), at any
+    position of long rows, back to back or strided."""
+    info = np.finfo(dtype)
+    itype = np.uint32 if dtype == np.float32 else np.uint64
+    nbits = 32 if dtype == np.float32 else 64
+    exp_all_ones = np.array(info.max, dtype).view(itype) + itype(1)  # +inf's bits
+    specials = [info.max, -info.max, info.tiny, info.smallest_subnormal, -0.0, 0.0,
+                np.inf, -np.inf, np.nan, -np.nan,
+                (exp_all_ones | itype(1)).view(dtype),                      # NaN, low payload
+                (exp_all_ones | itype(1) << itype(nbits - 1) | itype(5)).view(dtype)]
+    rng = np.random.default_rng(0)
+    for value in specials:
+        for pos in (0, 1, 37, 361):
+            a = rng.standard_normal((6, 362)).astype(dtype)
+            a[4, pos] = value
+            want = bool(np.isfinite(a).all())
+            assert _ring.all_finite(a, 6) is want, (value, pos)
+            assert _ring.all_finite(a, 4) is True                 # row 4 not counted
+            assert _ring.all_finite(a[::2], 3) is want            # strided rows
+            assert _ring.all_finite(a[1::2], 3) is True
+
+
+@pytest.mark.timeout(30)
 def test_foreign_fd_is_never_trusted() -> None:
     """A header that claims more than its mapping is refused before any slot
     is touched (never reads out of bounds)."""
