@@ -99,6 +99,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roundtrip import machine_info, weighted_quantiles  # noqa: E402  (same-project helpers)
 
+from shmeval.jsonout import json_default  # noqa: E402
 from shmeval.procstat import cpu_s, machine_busy_s, rss_mb  # noqa: E402
 
 STATE_SHAPE = (6, 7, 2)
@@ -999,14 +1000,6 @@ def print_report(summary: list[dict[str, Any]], args: argparse.Namespace) -> dic
     return all_ratios
 
 
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    return repr(obj)
-
-
 def _dev_shm_shmeval() -> set[str]:
     try:
         return {n for n in os.listdir("/dev/shm") if "shmeval" in n}
@@ -1231,7 +1224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "ratios": {str(k): v for k, v in all_ratios.items()}, "targets": targets,
                        "overhead_phase": {"trials": overhead, "summary": overhead_summary},
                        "dev_shm_leftovers": leftovers, "wall_s": elapsed},
-                      f, indent=1, default=_json_default)
+                      f, indent=1, default=json_default)
         print(f"raw results: {args.json}")
     return 1 if leftovers else 0
 

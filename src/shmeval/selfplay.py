@@ -68,6 +68,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Text
 import numpy as np
 
 from . import mcts
+from .jsonout import json_default
 from .procstat import cpu_s, machine_busy_s, rss_mb
 from .games import connect4
 from .games.connect4_net import NetConfig
@@ -1442,18 +1443,10 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         d = os.path.dirname(os.path.abspath(json_path))
         os.makedirs(d, exist_ok=True)
         with open(json_path, "w") as f:
-            json.dump(out, f, indent=1, default=_json_default)
+            json.dump(out, f, indent=1, default=json_default)
         display.line(f"results: {json_path}")
     display.line(f"wall time {wall:.0f} s")
     return out
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return repr(o)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

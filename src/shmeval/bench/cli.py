@@ -25,10 +25,10 @@ import traceback
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
-import numpy as np
 
 from . import DEFAULT_METHODS, METHODS, OPTIONAL_PACKAGES, STATES
 from . import report
+from ..jsonout import json_default
 from .roundtrip import CDF_GRID, StateSpec, TrialConfig, run_trial
 
 FULL_WORKERS = (1, 2, 4, 8, 16, 32, 64)
@@ -187,16 +187,6 @@ def mapped_by_others() -> set[str]:
     return names
 
 
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    # Whatever else Evaluator.stats() may hold: losing the run at the last
-    # step over one field would be worse than a string.
-    return repr(obj)
-
-
 def _trial_weight(n_workers: int, seconds: float) -> float:
     return seconds + TRIAL_OVERHEAD_S + SPAWN_S_PER_WORKER * n_workers
 
@@ -322,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "config": config, "trials": trials, "summary": summary,
                        "reference": reference, "batch_path": batch_path, "failures": failures,
-                       "dev_shm_leftovers": leftovers, "wall_s": elapsed}, f, indent=1, default=_json_default)
+                       "dev_shm_leftovers": leftovers, "wall_s": elapsed}, f, indent=1, default=json_default)
         print(f"raw results: {args.json}")
     return 1 if failures or leftovers else 0
 
