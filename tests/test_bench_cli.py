@@ -71,6 +71,14 @@ def test_reference_and_batch_path(tiny_run: Tuple[subprocess.CompletedProcess[st
     assert ref["pingpong"] and ref["copy"]
     for row in ref["pingpong"]:
         assert row["kind"] in ("futex", "semaphore") and row["round_trips_per_s"] > 0
+    # shmeval's round trip against the ping-pong: one row per worker count,
+    # the multiple recomputable from the two figures.
+    versus = data["versus_reference"]
+    assert sorted(v["workers"] for v in versus) == sorted(WORKERS)
+    for v in versus:
+        assert v["shmeval_us"] > 0 and v["reference_us"] > 0
+        assert v["multiple"] == pytest.approx(v["shmeval_us"] / v["reference_us"])
+    assert "machine's limit" in r.stdout
     rows = data["batch_path"]["c4"]
     assert [row["batch"] for row in rows] == [1, 4, 16, 64, 256, 1024]
     for row in rows:

@@ -284,11 +284,16 @@ def run(args: argparse.Namespace) -> int:
         print(report.format_state_report(spec.describe(), [r for r in summary if r["state"] == spec.name],
                                          config["methods"], config["workers"], config["repeats"],
                                          trial_config.seconds))
+    versus: list[dict[str, Any]] = []
     if isinstance(reference, dict) and "error" not in reference:
         from . import reference as reference_section
 
         print()
         print(reference_section.format_reference(reference))
+        versus = report.versus_reference(summary, reference, int(machine.get("cpus_usable") or os.cpu_count() or 1))
+        if versus:
+            print()
+            print(report.format_versus_reference(versus))
     for name, rows in batch_path.items():
         if isinstance(rows, list):
             from . import batchpath
@@ -311,7 +316,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "config": config, "trials": trials, "summary": summary,
-                       "reference": reference, "batch_path": batch_path, "failures": failures,
+                       "reference": reference, "versus_reference": versus, "batch_path": batch_path,
+                       "failures": failures,
                        "dev_shm_leftovers": leftovers, "wall_s": elapsed}, f, indent=1, default=json_default)
         print(f"raw results: {args.json}")
     return 1 if failures or leftovers else 0

@@ -296,3 +296,39 @@ def plot(path: str, trials: Sequence[dict[str, Any]], summary: Sequence[dict[str
         bottom.grid(True, which="both", alpha=0.3)
         bottom.legend(fontsize="small")
     fig.savefig(path, dpi=100)
+
+
+def versus_reference(summary: list[dict[str, Any]], reference: dict[str, Any],
+                     cpus: int) -> list[dict[str, Any]]:
+    """shmeval's round trip as a multiple of the machine's limit, per state
+    and worker count.  One worker (both sides spin on a free core): its p50
+    against the spinning futex ping-pong's p50.  More workers: the CPU time
+    per round trip (usable CPUs / round trips per s) against the sleeping
+    futex ping-pong pinned to one CPU (one sleep and one wake-up each way
+    on one CPU: what a blocking round trip cannot go below)."""
+    rows = {(r["kind"], r["pinned"], r["spin_us"] > 0): r for r in reference.get("pingpong", [])}
+    spinning, sleeping = rows.get(("futex", False, True)), rows.get(("futex", True, False))
+    out: list[dict[str, Any]] = []
+    for r in summary:
+        if r["method"] != "shmeval" or not r["repeats"]:
+            continue
+        if r["workers"] == 1 and spinning:
+            ours, ref, basis = r["p50_us"]["median"], spinning["p50_us"], "p50 vs spinning ping-pong p50"
+        elif r["workers"] > 1 and sleeping:
+            ours, ref = cpus * 1e6 / r["throughput"]["median"], sleeping["p50_us"]
+            basis = "CPU µs per round trip vs pinned sleeping ping-pong p50"
+        else:
+            continue
+        out.append({"state": r["state"], "workers": r["workers"], "shmeval_us": ours, "reference_us": ref,
+                    "multiple": ours / ref if ref else None, "basis": basis})
+    return out
+
+
+def format_versus_reference(rows: list[dict[str, Any]]) -> str:
+    lines = ["shmeval against the machine's limit (futex ping-pong, same run)",
+             "  1 worker: p50 against the spinning ping-pong's p50; more: CPU µs per round trip",
+             "  (usable CPUs / round trips per s) against the sleeping ping-pong pinned to one CPU"]
+    table = [[r["state"], str(r["workers"]), f"{r['shmeval_us']:.2f}", f"{r['reference_us']:.2f}",
+              f"{r['multiple']:.2f}x" if r["multiple"] is not None else "-"] for r in rows]
+    lines.append(format_table(["state", "workers", "shmeval µs", "limit µs", "multiple"], table))
+    return "\n".join(lines)
