@@ -7,6 +7,8 @@ process (no IPC) and prints wall and CPU time per call and per state, e.g.
     python bench/tf_model_cost.py --filters 32 --threads 1
     python bench/tf_model_cost.py --filters 32 --threads 0   # TF's default pools
     python bench/tf_model_cost.py --styles --batches 1,32    # calling styles
+    python bench/tf_model_cost.py --concurrent 2 --inter-threads 2 --batches 32
+                                  # two threads calling at once (serving_threads)
 
 TensorFlow's thread pools are process-wide and fixed at initialisation, so
 compare thread counts in separate runs.
@@ -24,10 +26,18 @@ import numpy as np
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--net", choices=("bench", "selfplay"), default="bench",
+                    help="bench: the conv net of bench/tf_throughput.py (--filters, --layers); "
+                         "selfplay: the self-play demo's residual net")
     ap.add_argument("--filters", type=int, default=32)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1,
                     help="intra- and inter-op threads (0: TensorFlow's default)")
+    ap.add_argument("--inter-threads", type=int, default=None,
+                    help="inter-op threads when they should differ from --threads")
+    ap.add_argument("--concurrent", type=int, default=0,
+                    help="calls/s from this many threads calling at once against one thread "
+                         "(what Evaluator(serving_threads=N) does)")
     ap.add_argument("--batches", default="1,4,16,64,256")
     ap.add_argument("--styles", action="store_true",
                     help="compare ways of calling the model instead (try --batches 1,32)")
@@ -41,14 +51,23 @@ def main() -> None:
 
     threads = args.threads or None
     # Before the model is built: building it initialises TensorFlow.
-    configure(intra_op_threads=threads, inter_op_threads=threads)
-    cfg = tb.NetConfig(filters=args.filters, layers=args.layers)
-    model = TFModel(tb.build_keras_model(cfg, tb.make_weights(cfg)))
+    inter = args.inter_threads if args.inter_threads is not None else args.threads
+    configure(intra_op_threads=threads, inter_op_threads=inter or None)
+    if args.net == "selfplay":
+        from shmeval.games.connect4_net import build_resnet
+
+        model = TFModel(build_resnet(compile=False))
+    else:
+        cfg = tb.NetConfig(filters=args.filters, layers=args.layers)
+        model = TFModel(tb.build_keras_model(cfg, tb.make_weights(cfg)))
     model.prepare(Spec.build((6, 7, 2), "float32",
                              {"policy": ((7,), "float32"), "value": ((), "float32")},
                              256, 8, 8), None)
-    print(f"filters {args.filters}, layers {args.layers}, "
-          f"TF threads {args.threads or 'default'}")
+    shape = "residual (2 x 32)" if args.net == "selfplay" else f"{args.filters} filters x {args.layers}"
+    print(f"net {args.net}: {shape}, TF threads {args.threads or 'default'}, inter-op {inter or 'default'}")
+    if args.concurrent:
+        concurrent_calls(model, [int(x) for x in args.batches.split(",")], args.concurrent)
+        return
     if args.styles:
         calling_styles(model, [int(x) for x in args.batches.split(",")])
         return
@@ -68,6 +87,36 @@ def per_call(fn: Callable[[Any], Any], x: Any, n: int = 0) -> tuple[float, float
     for _ in range(n):
         fn(x)
     return (time.perf_counter() - w0) / n, (time.process_time() - c0) / n
+
+
+def concurrent_calls(model: Any, batches: list[int], n_threads: int, seconds: float = 3.0) -> None:
+    """Calls/s of one thread calling the model in a loop, then of n_threads
+    threads calling it at the same time (TensorFlow releases the GIL during
+    a call; whether the calls run in parallel depends on its inter-op pool)."""
+    import threading
+
+    print(f"{'batch':>6} {'1 thread calls/s':>17} {f'{n_threads} threads calls/s':>18} {'ratio':>6}")
+    for b in batches:
+        x = np.random.default_rng(0).random((b, 6, 7, 2), np.float32)
+        per_call(model, x, 20)  # warm-up
+        counts = [0] * n_threads
+
+        def loop(i: int, until: float) -> None:
+            while time.perf_counter() < until:
+                model(x)
+                counts[i] += 1
+
+        loop(0, time.perf_counter() + seconds)
+        one = counts[0] / seconds
+        counts = [0] * n_threads
+        until = time.perf_counter() + seconds
+        threads = [threading.Thread(target=loop, args=(i, until)) for i in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        many = sum(counts) / seconds
+        print(f"{b:>6} {one:>17,.0f} {many:>18,.0f} {many / one:>5.2f}x")
 
 
 def calling_styles(model: Any, batches: list[int]) -> None:

@@ -96,9 +96,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roundtrip import machine_info, weighted_quantiles  # noqa: E402  (same-project helpers)
-
+from shmeval.bench.report import machine_info  # noqa: E402
+from shmeval.bench.roundtrip import weighted_quantiles  # noqa: E402
 from shmeval.jsonout import json_default  # noqa: E402
 from shmeval.procstat import cpu_s, machine_busy_s, rss_mb  # noqa: E402
 

@@ -57,8 +57,10 @@ class OverlapModel:
 @pytest.mark.parametrize("case", ["overlapping", "contended"])
 def test_conservation(case: str) -> None:
     """overlapping: model calls of 200 µs overlap; contended: instant model
-    calls and batches of at most 2, so the 4 threads collect back to back
-    and would collide in the scan without the collect lock."""
+    calls and batches of at most 2, so the 4 threads collect back to back.
+    A scan collision without the collect lock is rare enough that these
+    runs pass without it; test_one_collector_at_a_time is the test that
+    fails then."""
     if case == "overlapping":
         model, kw = OverlapModel(), dict(KW, serving_threads=3)
     else:

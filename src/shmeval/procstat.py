@@ -1,4 +1,4 @@
-"""What /proc says about a process and the machine: memory and CPU time.
+"""What /proc says about a process and the machine: memory, CPU time, CPU model.
 
 Shared by ``shmeval selfplay`` and the scripts in bench/ (Linux only)."""
 from __future__ import annotations
@@ -29,6 +29,18 @@ def cpu_s(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / _CLK_TCK
     except (OSError, IndexError, ValueError):
         return float("nan")
+
+
+def cpu_model() -> Optional[str]:
+    """The CPU's model name from /proc/cpuinfo (None if it does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def machine_busy_s() -> float:

@@ -69,7 +69,7 @@ import numpy as np
 
 from . import mcts
 from .jsonout import json_default
-from .procstat import cpu_s, machine_busy_s, rss_mb
+from .procstat import cpu_model, cpu_s, machine_busy_s, rss_mb
 from .games import connect4
 from .games.connect4_net import NetConfig
 
@@ -453,17 +453,18 @@ def _evaluator_factory(net: NetConfig, seed: int, threads: int,
     """Evaluator.spawn's factory: runs in the evaluator process, the only
     process of the shmeval mode that imports TensorFlow.  ``threads`` intra-op
     threads per model call; with several serving threads, as many inter-op
-    threads as calls in flight (with one, TensorFlow runs concurrent calls
-    one after the other)."""
+    threads as calls in flight (with fewer, concurrent calls partly wait for
+    each other: `bench/tf_model_cost.py --concurrent`)."""
     from .games.connect4_net import build_resnet, import_tensorflow
 
     _pin(cpus)  # before TensorFlow starts its threads
-    inter = max(threads, serving_threads) if threads else None
-    import_tensorflow(threads or None, inter)
-    from .backends.tensorflow import TFModel
+    import_tensorflow()
+    from .backends.tensorflow import TFModel, configure
 
-    return TFModel(build_resnet(net, seed=seed, compile=False),
-                   intra_op_threads=threads or None, inter_op_threads=inter)
+    # Before the net is built: building it initialises TensorFlow.
+    configure(intra_op_threads=threads or None,
+              inter_op_threads=max(threads, serving_threads) if threads else None)
+    return TFModel(build_resnet(net, seed=seed, compile=False))
 
 
 EvaluateBatch = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]
@@ -690,13 +691,7 @@ def _version(*dists: str) -> Optional[str]:
 
 
 def machine_info() -> Dict[str, Any]:
-    cpu = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+    cpu = cpu_model() or platform.processor() or ""
     return {"cpus": len(os.sched_getaffinity(0)), "cpu": cpu, "platform": platform.platform(),
             "python": platform.python_version(), "numpy": np.__version__,
             "tensorflow": _version("tensorflow", "tensorflow-cpu"), "keras": _version("keras"),

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Sequence, TextIO
 
 import numpy as np
 
+from ..procstat import cpu_model
 from .roundtrip import CDF_GRID
 
 # shmeval's rows are compared with these, in this order, when they were run.
@@ -104,16 +105,10 @@ def _version(package: str) -> str | None:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu_model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu_model": cpu_model or platform.processor() or None,
+        "cpu_model": cpu_model() or platform.processor() or None,
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "python": f"{platform.python_implementation()} {platform.python_version()}",

@@ -44,12 +44,11 @@ class NetConfig:
     bn_momentum: float = 0.9
 
 
-def import_tensorflow(threads: Optional[int] = None, inter_threads: Optional[int] = None) -> Any:
+def import_tensorflow(threads: Optional[int] = None) -> Any:
     """Imports TensorFlow and Keras without their start-up banner and, when
     ``threads`` is given (> 0), sizes TensorFlow's intra- and inter-op CPU
-    thread pools (the inter-op pool to ``inter_threads`` when given; only
-    possible before TensorFlow initialises).  Returns the ``tensorflow``
-    module."""
+    thread pools (only possible before TensorFlow initialises).  Returns the
+    ``tensorflow`` module."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if "tensorflow" not in sys.modules:
         sys.stderr.flush()
@@ -68,11 +67,10 @@ def import_tensorflow(threads: Optional[int] = None, inter_threads: Optional[int
                         sys.stderr.write(line)
     import tensorflow as tf
     if threads:
-        for setter, n in ((tf.config.threading.set_intra_op_parallelism_threads, threads),
-                          (tf.config.threading.set_inter_op_parallelism_threads,
-                           inter_threads or threads)):
+        for setter in (tf.config.threading.set_intra_op_parallelism_threads,
+                       tf.config.threading.set_inter_op_parallelism_threads):
             try:
-                setter(int(n))
+                setter(int(threads))
             except RuntimeError:  # already initialised; keep what is in force
                 pass
     return tf
