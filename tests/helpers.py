@@ -82,3 +82,16 @@ def run_threads(target: Callable[[int], None], n: int, timeout: float) -> None:
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))
     assert not any(th.is_alive() for th in threads), "a thread hung"
+
+
+def slow_fake_model(x: np.ndarray, seconds: float) -> dict[str, np.ndarray]:
+    time.sleep(seconds)
+    return fake_model(x)
+
+
+def slow_fake_factory(seconds: float) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+    """For Evaluator.spawn(functools.partial(slow_fake_factory, s)): the
+    fake model, taking s seconds per batch."""
+    import functools
+
+    return functools.partial(slow_fake_model, seconds=seconds)

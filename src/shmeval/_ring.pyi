@@ -90,6 +90,9 @@ class ClientPort:
     def evaluate_versioned(self, state: Any) -> Union[
         tuple[dict[str, np.ndarray], int], str, tuple[int, int, list[np.ndarray]], None]: ...
 
+def client_evaluate(client: Any, state: Any, return_version: bool = False) -> Any: ...
+def only_python_thread() -> bool: ...
+
 class ServeGroup:
     in_flight: int  # read-only
     version: int

@@ -28,6 +28,27 @@ cdef extern from "<pthread.h>" nogil:
                        void (*child)() noexcept nogil)
 
 from posix.unistd cimport getpid
+cimport cython
+
+cdef extern from *:
+    """
+    /* True when the calling thread (which holds the GIL) is the only Python
+     * thread of the only interpreter: then no other thread can be waiting
+     * for the GIL, and a client may keep it while it waits for its answer
+     * (docs/performance.md, finding 20).  A thread that a C library
+     * attaches meanwhile (PyGILState_Ensure) waits until the answer comes;
+     * a free-threaded build has no GIL to keep. */
+    static int shm_only_python_thread(void) {
+    #ifdef Py_GIL_DISABLED
+        return 0;
+    #else
+        PyThreadState *h = PyInterpreterState_ThreadHead(PyInterpreterState_Get());
+        return h != NULL && PyThreadState_Next(h) == NULL &&
+               PyInterpreterState_Next(PyInterpreterState_Head()) == NULL;
+    #endif
+    }
+    """
+    int shm_only_python_thread()
 
 # This process's pid, kept current across fork() by an atfork handler, so the
 # hot path can tell "still the process that registered" without a getpid()
@@ -372,6 +393,8 @@ cdef class Segment:
                    uint32_t ncpu):
         cdef int rc
         spin_ns = self._spin(spin_ns, ncpu)
+        if shm_only_python_thread():  # nobody else wants the GIL: keep it
+            return shm_slot_wait(&self.seg, c, k, spin_ns, timeout_ns)
         with nogil:
             rc = shm_slot_wait(&self.seg, c, k, spin_ns, timeout_ns)
         return rc
@@ -609,10 +632,18 @@ cdef class ClientPort:
         memcpy(shm_slot_in(&self.seg.seg, self.c, k), cnp.PyArray_DATA(a),
                self.seg.seg.p.in_bytes)
         spin = self.seg._spin(self.spin_ns, self.ncpu)
-        with nogil:
+        if shm_only_python_thread():
+            # The process's only Python thread: no one else wants the GIL, and
+            # releasing and taking it back was ~5% of a round trip's CPU with
+            # 16 workers on 2 cores (docs/performance.md, finding 20).
             shm_slot_publish(&self.seg.seg, self.c, k)
             shm_notify_evaluator(&self.seg.seg, 1)
             rc = shm_slot_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns)
+        else:
+            with nogil:
+                shm_slot_publish(&self.seg.seg, self.c, k)
+                shm_notify_evaluator(&self.seg.seg, 1)
+                rc = shm_slot_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns)
         if rc < 0:
             return (rc, k, outs)
         r = self.seg._fetch(self.c, k, outs, 0)
@@ -669,6 +700,34 @@ cdef class ClientPort:
                 if cnp.PyArray_DIM(arr, i) != <Py_ssize_t>shape[i]:
                     return False
         return True
+
+
+@cython.binding(True)
+def client_evaluate(self, object state, bint return_version=False):
+    """Evaluates one state; returns ``{name: array of the output's shape}``,
+    or ``(outputs, model_version)`` with ``return_version=True``: the
+    version of the weights that computed it (0 for the model the
+    evaluator started with, then as set by ``Evaluator.set_weights``).
+
+    (``Client.evaluate``: written here so that the common case -- the
+    process's port exists and ``ClientPort`` answers -- runs no Python
+    frame; anything else goes to ``Client._evaluate_slow``.)"""
+    port = self._port
+    cdef object r = None
+    if port is not None:
+        r = (<ClientPort?>port)._evaluate(state, return_version)
+        if return_version:
+            if type(r) is tuple and len(<tuple>r) == 2:
+                return r
+        elif type(r) is dict:
+            return r
+    return self._evaluate_slow(state, r, port, return_version)
+
+
+def only_python_thread():
+    """True when the caller is the only Python thread of the only
+    interpreter: then a client keeps the GIL while it waits (for tests)."""
+    return bool(shm_only_python_thread())
 
 
 cdef bint _rows_ok(object x, Py_ssize_t rows, uint64_t row_bytes):

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Literal, Optional, overload
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, overload
 
 import numpy as np
 
@@ -117,30 +117,24 @@ class Client:
         return c
 
     # ------------------------------------------------------------ public API
-    @overload
-    def evaluate(self, state: Any) -> Outputs: ...
-    @overload
-    def evaluate(self, state: Any, return_version: Literal[False]) -> Outputs: ...
-    @overload
-    def evaluate(self, state: Any, return_version: Literal[True]) -> tuple[Outputs, int]: ...
-    @overload
-    def evaluate(self, state: Any, return_version: bool) -> Outputs | tuple[Outputs, int]: ...
+    if TYPE_CHECKING:
+        @overload
+        def evaluate(self, state: Any) -> Outputs: ...
+        @overload
+        def evaluate(self, state: Any, return_version: Literal[False]) -> Outputs: ...
+        @overload
+        def evaluate(self, state: Any, return_version: Literal[True]) -> tuple[Outputs, int]: ...
+        @overload
+        def evaluate(self, state: Any, return_version: bool) -> Outputs | tuple[Outputs, int]: ...
 
-    def evaluate(self, state: Any, return_version: bool = False) -> Outputs | tuple[Outputs, int]:
-        """Evaluates one state; returns ``{name: array of the output's shape}``,
-        or ``(outputs, model_version)`` with ``return_version=True``: the
-        version of the weights that computed it (0 for the model the
-        evaluator started with, then as set by ``Evaluator.set_weights``)."""
-        port = self._port
-        if return_version:
-            rv = port.evaluate_versioned(state) if port is not None else None
-            if type(rv) is tuple and len(rv) == 2:
-                return rv
-            return self._evaluate_slow(state, rv, port, True)
-        r = port.evaluate(state) if port is not None else None
-        if type(r) is dict:
-            return r
-        return self._evaluate_slow(state, r, port, False)
+        def evaluate(self, state: Any, return_version: bool = False) -> Outputs | tuple[Outputs, int]:
+            """Evaluates one state; returns ``{name: array of the output's shape}``,
+            or ``(outputs, model_version)`` with ``return_version=True``."""
+            return _ring.client_evaluate(self, state, return_version)  # type: ignore[no-any-return]
+    else:
+        # Written in Cython (_ring.client_evaluate): the common case runs no
+        # Python frame; anything unusual calls _evaluate_slow below.
+        evaluate = _ring.client_evaluate
 
     def _evaluate_slow(self, state: Any, r: Any, port: Optional["_ring.ClientPort"],
                        versioned: bool) -> Outputs | tuple[Outputs, int]:

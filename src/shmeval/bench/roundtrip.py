@@ -22,12 +22,13 @@ from __future__ import annotations
 import functools
 import math
 import multiprocessing as mp
-import queue
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Mapping, Protocol, Sequence, TypeAlias
@@ -170,9 +171,14 @@ class ShmevalMethod:
 
 # --- worker -------------------------------------------------------------------------
 
-# (worker_id, "ready", None) after the warm-up, then (worker_id, "ok", (count,
-# latency sample in ns)); or (worker_id, "error", traceback) instead of either.
-ResultQueue: TypeAlias = "mp.Queue[tuple[int, str, Any]]"
+# Each worker's own pipe to the parent: (worker_id, "ready", None) after the
+# warm-up, then (worker_id, "ok", (count, latency sample in ns)); or
+# (worker_id, "error", traceback) instead of either.  A pipe, not a
+# multiprocessing.Queue: a Queue's put starts a feeder thread in the worker,
+# and a worker with a second thread is not the single-threaded process a
+# self-play worker usually is (shmeval's client then releases the GIL while
+# it waits, docs/performance.md finding 20).
+ResultPipe: TypeAlias = Connection
 # start_ns holds this when the parent calls the trial off before the window.
 ABORTED = -1
 
@@ -194,14 +200,14 @@ def check_reply(out: Mapping[str, Any], worker_id: int, spec: StateSpec) -> None
 
 
 def worker_main(client: Client, worker_id: int, spec: StateSpec, config: TrialConfig, setup_timeout: float,
-                go: threading.Event, start_ns: Any, results: ResultQueue) -> None:
+                go: threading.Event, start_ns: Any, results: ResultPipe) -> None:
     try:
         state = np.random.default_rng(worker_id).random(spec.shape, dtype=np.float32)
         state.flat[0] = worker_id  # see check_reply
         for _ in range(config.warmup):
             check_reply(client.evaluate(state), worker_id, spec)
         latencies = np.empty(LATENCY_CAP, dtype=np.int64)
-        results.put((worker_id, "ready", None))
+        results.send((worker_id, "ready", None))
         # Bounded: an orphaned worker must not wait forever.
         if not go.wait(setup_timeout) or start_ns.value == ABORTED:
             return
@@ -224,41 +230,47 @@ def worker_main(client: Client, worker_id: int, spec: StateSpec, config: TrialCo
             before = after
         check_reply(out, worker_id, spec)  # once more, off the clock
     except Exception:
-        results.put((worker_id, "error", traceback.format_exc()))
+        results.send((worker_id, "error", traceback.format_exc()))
         return
     recorded = latencies[: min(count, LATENCY_CAP)]
     if len(recorded) > config.samples:
         # Evenly spaced, so the sample covers the whole window.
         recorded = recorded[np.linspace(0, len(recorded) - 1, config.samples).astype(np.int64)]
-    results.put((worker_id, "ok", (count, recorded.copy())))
+    results.send((worker_id, "ok", (count, recorded.copy())))
 
 
 # --- one trial ----------------------------------------------------------------------
 
 
-def _collect(results: ResultQueue, procs: Sequence[BaseProcess], status: str, timeout: float,
+def _collect(results: Sequence[ResultPipe], procs: Sequence[BaseProcess], status: str, timeout: float,
              label: str) -> dict[int, Any]:
     """One message of ``status`` from every worker.  Raises RuntimeError with
     the first worker error, when a worker dies without a word, or when the
     timeout passes (a round trip hung)."""
     received: dict[int, Any] = {}
+    closed: set[int] = set()  # pipes that ended without the message
     deadline = time.monotonic() + timeout
     while len(received) < len(procs):
-        try:
-            worker_id, got, payload = results.get(timeout=0.25)
-        except queue.Empty:
-            # A worker that failed reported it before exiting (exit code 0):
-            # a non-zero code means it died before it could.
-            dead = [i for i, p in enumerate(procs) if i not in received and p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"{label}: worker {dead[0]} died (exit code {procs[dead[0]].exitcode})") from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{label}: {len(procs) - len(received)} worker(s) silent for {timeout:.0f} s "
-                                   f"waiting for '{status}': hung round trip?") from None
-            continue
-        if got == "error":
-            raise RuntimeError(f"{label}: worker {worker_id} failed:\n{payload}")
-        received[worker_id] = payload
+        waiting = {id(r): i for i, r in enumerate(results) if i not in received and i not in closed}
+        for r in wait_for([results[i] for i in waiting.values()], timeout=0.25):
+            i = waiting[id(r)]
+            try:
+                worker_id, got, payload = results[i].recv()
+            except EOFError:
+                closed.add(i)
+                continue
+            if got == "error":
+                raise RuntimeError(f"{label}: worker {worker_id} failed:\n{payload}")
+            received[worker_id] = payload
+        # A worker that failed reported it before exiting: a closed pipe or a
+        # non-zero exit code means it died before it could.
+        dead = [i for i, p in enumerate(procs)
+                if i not in received and (i in closed or p.exitcode not in (None, 0))]
+        if dead:
+            raise RuntimeError(f"{label}: worker {dead[0]} died (exit code {procs[dead[0]].exitcode})")
+        if len(received) < len(procs) and time.monotonic() > deadline:
+            raise RuntimeError(f"{label}: {len(procs) - len(received)} worker(s) silent for {timeout:.0f} s "
+                               f"waiting for '{status}': hung round trip?")
     return received
 
 
@@ -291,18 +303,21 @@ def run_trial(method: Method, name: str, n_workers: int, spec: StateSpec, config
     setup_timeout = setup_timeout_s(n_workers)
     go = ctx.Event()
     start_ns = ctx.Value("q", 0, lock=False)
-    results: ResultQueue = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(n_workers)]
+    results = [r for r, _ in pipes]
     procs: list[BaseProcess] = []
     terminated: list[str] = []
     try:
         clients = method.start(ctx, n_workers, spec, config.max_batch)
         procs = [
             ctx.Process(target=worker_main, name=f"bench-worker-{i}", daemon=True,
-                        args=(client, i, spec, config, setup_timeout, go, start_ns, results))
+                        args=(client, i, spec, config, setup_timeout, go, start_ns, pipes[i][1]))
             for i, client in enumerate(clients)
         ]
         for p in procs:
             p.start()
+        for _, w in pipes:  # the workers hold them now; closing ours makes a death an EOF
+            w.close()
         # The workers hold their own copies; the pipe baseline relies on the
         # parent dropping its ends (see baselines.PipeMethod.start).
         del clients
@@ -318,8 +333,9 @@ def run_trial(method: Method, name: str, n_workers: int, spec: StateSpec, config
             terminated = join_processes(procs, JOIN_TIMEOUT_S)
         finally:
             server = method.stop()
-            results.close()
-            results.join_thread()
+            for r, w in pipes:
+                r.close()
+                w.close()
     if terminated:
         print(f"warning: {label}: terminated hung {', '.join(terminated)}", file=sys.stderr)
 
