@@ -537,12 +537,16 @@ static inline int shm_state_is_final(uint32_t st) {
  * (callers pass 0 when processes outnumber cores), then sleeps on the slot
  * word itself, for at most timeout_ns in all.  Returns the final state, or
  * SHM_TIMEOUT (the caller checks the evaluator's liveness and calls again),
- * or SHM_CLOSED.  Call without the GIL. */
+ * or SHM_CLOSED.  The Python wrappers call it without the GIL, unless the
+ * caller is its process's only Python thread (nobody else can want it). */
 static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
                                 uint64_t spin_ns, uint64_t timeout_ns) {
     shm_header *h = shm_hdr(s);
     _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
-    uint64_t start = shm_now_ns();
+    /* Without a spin the clock is first read in the loop below, where the
+     * futex timeout needs it: one clock read fewer per wait. */
+    uint64_t start = spin_ns ? shm_now_ns() : 0;
+    int started = spin_ns != 0;
     uint32_t cur;
     /* MO (all loads of w here): acquire; pairs with the release exchange in
      * shm_complete / shm_fail: seeing DONE means seeing the outputs. */
@@ -566,6 +570,10 @@ static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
             EV_CLOSED)
             return SHM_CLOSED;
         uint64_t now = shm_now_ns();
+        if (!started) {
+            start = now;
+            started = 1;
+        }
         if (now - start >= timeout_ns) return SHM_TIMEOUT;
         if (!(cur & SLOT_WAITER)) {
             /* MO: seq_cst on success (the Dekker pair below), acquire on
