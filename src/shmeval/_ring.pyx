@@ -2,8 +2,9 @@
 """Thin Cython wrappers over the C core (_core/ring.h).
 
 Arguments are checked and converted to C values first, then ``with nogil``
-wraps only the C call.  Status codes become exceptions in one place,
-``_check``.  No protocol logic lives here: it is all in ring.h.
+wraps only the C call (a client's wait keeps the GIL when the caller is its
+process's only Python thread: ``shm_only_python_thread``).  Status codes
+become exceptions in one place, ``_check``.  No protocol logic lives here: it is all in ring.h.
 """
 from libc.stdint cimport int32_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
@@ -634,8 +635,8 @@ cdef class ClientPort:
         spin = self.seg._spin(self.spin_ns, self.ncpu)
         if shm_only_python_thread():
             # The process's only Python thread: no one else wants the GIL, and
-            # releasing and taking it back was ~5% of a round trip's CPU with
-            # 16 workers on 2 cores (docs/performance.md, finding 20).
+            # releasing and taking it back was about 5% of a worker's CPU time
+            # with 16 workers on 2 cores (docs/performance.md, finding 20).
             shm_slot_publish(&self.seg.seg, self.c, k)
             shm_notify_evaluator(&self.seg.seg, 1)
             rc = shm_slot_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns)
