@@ -136,6 +136,16 @@ def calling_styles(model: Any, batches: list[int]) -> None:
         "model.predict_on_batch": keras_model.predict_on_batch,
         "eager model(x)": lambda x: numpy(keras_model(x, training=False)),
     }
+    # Not what TFModel does (a lead, docs/performance.md): the weights
+    # folded into the graph as constants, so that TensorFlow's graph
+    # optimiser folds the batch norms, called through the private flat-call
+    # entry point (the public call of the converted function is slower).
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
+
+    frozen = getattr(convert_variables_to_constants_v2(concrete), "_inference_function", None)
+    if frozen is not None:
+        styles["frozen weights, flat call (not TFModel)"] = \
+            lambda x: numpy(frozen.call_flat(tf.constant(x)))
     print(f"{'calling style':<40}" + "".join(f"{'batch ' + str(b):>12}" for b in batches)
           + "   (wall us per call)")
     for name, call in styles.items():
