@@ -4,7 +4,8 @@
 Arguments are checked and converted to C values first, then ``with nogil``
 wraps only the C call (a client's wait keeps the GIL when the caller is its
 process's only Python thread: ``shm_only_python_thread``).  Status codes
-become exceptions in one place, ``_check``.  No protocol logic lives here: it is all in ring.h.
+become exceptions in one place, ``_check``.  No protocol logic lives here:
+it is all in ring.h.
 """
 from libc.stdint cimport int32_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
