@@ -11,18 +11,46 @@ import json
 import os
 from multiprocessing.synchronize import SemLock
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
 
 from shmeval.bench import METHODS, STATES
 from shmeval.bench.baselines import LocksemMethod, QueueMethod
-from shmeval.bench.roundtrip import NullModel, TrialConfig, run_trial
+from shmeval.bench.roundtrip import NullModel, ShmevalMethod, TrialConfig, run_trial
 
 WORKERS = 3
 CONFIG = TrialConfig(seconds=0.3, warmup=20, samples=1_000, max_batch=256)
 SPEC = STATES["c4"]
+
+
+class DyingClient:
+    """Evaluates through ``inner``, then ends its worker process with exit
+    code 3 on call ``die_at``: a worker that dies without reporting."""
+
+    def __init__(self, inner: Any, die_at: int) -> None:
+        self.inner = inner
+        self.die_at = die_at
+        self.calls = 0
+
+    def evaluate(self, state: np.ndarray) -> Any:
+        self.calls += 1
+        if self.calls == self.die_at:
+            os._exit(3)
+        return self.inner.evaluate(state)
+
+
+class DyingWorkersMethod(ShmevalMethod):
+    """shmeval, with worker 0's client dying on call ``die_at``."""
+
+    def __init__(self, die_at: int) -> None:
+        super().__init__()
+        self.die_at = die_at
+
+    def start(self, *args: Any) -> list[Any]:
+        clients = super().start(*args)
+        return [DyingClient(clients[0], self.die_at), *clients[1:]]
 
 
 class NextWorkersValue(NullModel):
@@ -103,3 +131,13 @@ def test_a_failed_method_fails_the_run(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert by_method["pipe"]["throughput"] > 0  # the run went on
     printed = capsys.readouterr()
     assert "FAILED" in printed.out and "bad reply" in printed.err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("die_at", [CONFIG.warmup // 2, CONFIG.warmup + 50])
+def test_a_worker_that_dies_fails_the_trial(die_at: int) -> None:
+    """A worker that exits without a word, during its warm-up or in the
+    window, fails the trial at once (its result pipe ends) instead of
+    leaving the harness waiting for the setup timeout."""
+    with pytest.raises(RuntimeError, match="worker 0 died"):
+        run_trial(DyingWorkersMethod(die_at), "shmeval", WORKERS, SPEC, CONFIG)
