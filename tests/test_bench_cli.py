@@ -50,6 +50,7 @@ def test_json_has_every_trial(tiny_run: Tuple[subprocess.CompletedProcess[str], 
         assert key in data["machine"]
     assert data["config"]["methods"] == METHODS and data["config"]["workers"] == WORKERS
     assert data["config"]["states"] == ["c4"]
+    assert data["config"]["trial"]["worker_sched"] == "batch"  # the default
     trials = {(t["state"], t["workers"], t["method"]): t for t in data["trials"]}
     assert set(trials) == {("c4", n, m) for n in WORKERS for m in METHODS}
     grid = data["config"]["cdf_grid"]
@@ -108,6 +109,7 @@ def test_tables_and_plot(tiny_run: Tuple[subprocess.CompletedProcess[str], Dict[
     (["--workers", "1,x"], "expected positive integers"),
     (["--state", "chess"], "unknown state(s) chess"),
     (["--seconds", "-1"], "expected a positive number"),
+    (["--worker-sched", "fifo"], "invalid choice"),
 ])
 def test_bad_arguments_exit_2(args: List[str], message: str, tmp_path: Path) -> None:
     r = _bench(args, tmp_path, timeout=60)

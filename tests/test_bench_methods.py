@@ -5,6 +5,7 @@ Short windows, no timed assertions: these check correctness, not speed.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -51,6 +52,30 @@ class DyingWorkersMethod(ShmevalMethod):
     def start(self, *args: Any) -> list[Any]:
         clients = super().start(*args)
         return [DyingClient(clients[0], self.die_at), *clients[1:]]
+
+
+class PolicyCheckingClient:
+    """Evaluates through ``inner`` after checking the worker's scheduling
+    policy."""
+
+    def __init__(self, inner: Any, policy: int) -> None:
+        self.inner = inner
+        self.policy = policy
+
+    def evaluate(self, state: np.ndarray) -> Any:
+        got = os.sched_getscheduler(0)
+        if got != self.policy:
+            raise RuntimeError(f"worker scheduling policy {got}, expected {self.policy}")
+        return self.inner.evaluate(state)
+
+
+class PolicyCheckingMethod(ShmevalMethod):
+    def __init__(self, policy: int) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def start(self, *args: Any) -> list[Any]:
+        return [PolicyCheckingClient(c, self.policy) for c in super().start(*args)]
 
 
 class NextWorkersValue(NullModel):
@@ -141,3 +166,11 @@ def test_a_worker_that_dies_fails_the_trial(die_at: int) -> None:
     leaving the harness waiting for the setup timeout."""
     with pytest.raises(RuntimeError, match="worker 0 died"):
         run_trial(DyingWorkersMethod(die_at), "shmeval", WORKERS, SPEC, CONFIG)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sched, policy", [("batch", os.SCHED_BATCH), ("normal", os.SCHED_OTHER)])
+def test_workers_run_under_the_chosen_policy(sched: str, policy: int) -> None:
+    """--worker-sched reaches every worker of the trial (checked on every call)."""
+    run_trial(PolicyCheckingMethod(policy), "shmeval", 2, SPEC,
+              dataclasses.replace(CONFIG, worker_sched=sched))

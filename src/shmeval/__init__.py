@@ -8,11 +8,12 @@ from .client import Client, connect
 from .errors import (ClientTableFull, EvaluatorClosed, EvaluatorDied, ModelError, SegmentError,
                      ShmevalError)
 from .evaluator import BatchPolicy, Evaluator
+from .sched import use_batch_scheduling
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Evaluator", "Client", "connect", "BatchPolicy",
+    "Evaluator", "Client", "connect", "BatchPolicy", "use_batch_scheduling",
     "ShmevalError", "SegmentError", "ClientTableFull", "EvaluatorClosed", "EvaluatorDied",
     "ModelError", "__version__",
 ]

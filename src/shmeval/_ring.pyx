@@ -732,6 +732,20 @@ def only_python_thread():
     return bool(shm_only_python_thread())
 
 
+cdef inline uint64_t _evaluator_spin(uint64_t spin_ns, uint32_t n_attached,
+                                    uint32_t ncpu) noexcept nogil:
+    """The evaluator's spin budget: none once the client processes outnumber
+    its CPUs, when a spinning evaluator holds a CPU that the clients it
+    waits for need (docs/performance.md, finding 21).  Up to one client per
+    CPU it spins: with 2 clients on 2 CPUs that doubled round trips/s."""
+    return spin_ns if n_attached <= ncpu else 0
+
+
+def evaluator_spin(uint64_t spin_ns, uint32_t n_attached, uint32_t ncpu):
+    """_evaluator_spin, for tests."""
+    return _evaluator_spin(spin_ns, n_attached, ncpu)
+
+
 cdef bint _rows_ok(object x, Py_ssize_t rows, uint64_t row_bytes):
     """x is an ndarray with at least `rows` rows (axis 0) of exactly
     row_bytes each, every row contiguous in memory (axis 0 may be strided)."""
@@ -886,9 +900,14 @@ cdef class Server:
     cdef uint64_t busy_since
     cdef list views
     cdef bint locked
+    cdef uint32_t ncpu
 
     def __cinit__(self, Segment seg, cnp.ndarray batch, ServeGroup group=None):
+        import os
         self.seg = seg
+        # CPUs this evaluator may run on, when its serving loop starts (after
+        # the model factory, which may have pinned it).
+        self.ncpu = len(os.sched_getaffinity(0))
         self.group = ServeGroup() if group is None else group
         self.cap = seg.seg.p.max_batch
         if not cnp.PyArray_IS_C_CONTIGUOUS(batch):
@@ -933,6 +952,7 @@ cdef class Server:
             raise ShmevalError("collect() while a batch is outstanding")
         max_batch = min(max_batch, self.cap)
         self.end_busy()
+        spin_ns = _evaluator_spin(spin_ns, shm_n_attached(&self.seg.seg), self.ncpu)
         with nogil:
             rc = shm_collect(&self.seg.seg, self.batch, self.taken, max_batch, &self.group.cursor,
                              spin_ns, max_wait_ns, timeout_ns)

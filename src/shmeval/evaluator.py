@@ -437,7 +437,9 @@ class Evaluator(Client):
         client spin budget before sleeping, used only while the attached
         processes and the evaluator fit on the CPU cores.
     evaluator_spin_us:
-        how long the idle evaluator spins before it sleeps on its doorbell.
+        how long the idle evaluator spins before it sleeps on its doorbell,
+        used only while the attached client processes do not outnumber its
+        CPU cores.
     serving_threads:
         1 (default): one model call at a time.  N > 1: N threads take turns
         collecting batches and run up to N model calls at once, which pays

@@ -121,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=_positive(int), default=20_000,
                    help="latencies each worker reports (default 20000)")
     p.add_argument("--max-batch", type=_positive(int), default=256, help="server batch limit (default 256)")
+    p.add_argument("--worker-sched", choices=("batch", "normal"), default="batch",
+                   help="scheduling policy of every method's workers: batch (SCHED_BATCH, what "
+                   "shmeval.use_batch_scheduling sets) or normal (default batch)")
     p.add_argument("--no-reference", action="store_true", help="skip the machine's reference figures")
     p.add_argument("--no-batch-path", action="store_true", help="skip the evaluator's batch-path table")
     p.add_argument("--reference-seconds", type=_positive(float),
@@ -154,7 +157,8 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         "skipped_methods": [m for m in DEFAULT_METHODS if not args.methods and m not in methods],
         "repeats": args.repeats or (1 if quick else FULL_REPEATS),
         "trial": asdict(TrialConfig(seconds=args.seconds or (QUICK_SECONDS if quick else FULL_SECONDS),
-                                    warmup=args.warmup, samples=args.samples, max_batch=args.max_batch)),
+                                    warmup=args.warmup, samples=args.samples, max_batch=args.max_batch,
+                                    worker_sched=args.worker_sched)),
         "reference": None if args.no_reference else args.reference_seconds or sections["reference"],
         "batch_path": None if args.no_batch_path else args.batch_path_seconds or sections["batch_path"],
         "cdf_grid": list(CDF_GRID),
@@ -226,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
     print(report.describe_machine(machine))
     print(f"methods {','.join(config['methods'])}; workers {','.join(map(str, config['workers']))}; "
           f"states {', '.join(s.describe() for s in specs)}; {trial_config.seconds:g} s windows; "
-          f"{config['repeats']} repetition(s); max_batch {trial_config.max_batch}", flush=True)
+          f"{config['repeats']} repetition(s); max_batch {trial_config.max_batch}; "
+          f"workers' scheduling policy {trial_config.worker_sched}", flush=True)
     for m in config["skipped_methods"]:
         print(f"note: {m} skipped: its package is not installed (pip install 'shmeval[bench]')", file=sys.stderr)
 

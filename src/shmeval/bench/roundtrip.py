@@ -189,6 +189,10 @@ class TrialConfig:
     warmup: int = 200  # untimed round trips per worker
     samples: int = 20_000  # latencies each worker reports
     max_batch: int = 256
+    # Every method's workers run under this policy: "batch" (SCHED_BATCH, as
+    # shmeval.use_batch_scheduling recommends for search workers) or
+    # "normal" (the default policy).
+    worker_sched: str = "batch"
 
 
 def check_reply(out: Mapping[str, Any], worker_id: int, spec: StateSpec) -> None:
@@ -202,6 +206,10 @@ def check_reply(out: Mapping[str, Any], worker_id: int, spec: StateSpec) -> None
 def worker_main(client: Client, worker_id: int, spec: StateSpec, config: TrialConfig, setup_timeout: float,
                 go: threading.Event, start_ns: Any, results: ResultPipe) -> None:
     try:
+        if config.worker_sched == "batch":
+            from shmeval import use_batch_scheduling
+
+            use_batch_scheduling()
         state = np.random.default_rng(worker_id).random(spec.shape, dtype=np.float32)
         state.flat[0] = worker_id  # see check_reply
         for _ in range(config.warmup):
