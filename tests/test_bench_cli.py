@@ -50,7 +50,7 @@ def test_json_has_every_trial(tiny_run: Tuple[subprocess.CompletedProcess[str], 
         assert key in data["machine"]
     assert data["config"]["methods"] == METHODS and data["config"]["workers"] == WORKERS
     assert data["config"]["states"] == ["c4"]
-    assert data["config"]["trial"]["worker_sched"] == "batch"  # the default
+    assert data["config"]["trial"]["worker_sched"] == "normal"  # the default
     trials = {(t["state"], t["workers"], t["method"]): t for t in data["trials"]}
     assert set(trials) == {("c4", n, m) for n in WORKERS for m in METHODS}
     grid = data["config"]["cdf_grid"]

@@ -8,14 +8,16 @@ def use_batch_scheduling(enable: bool = True) -> None:
     """Puts the calling thread, and the threads it starts afterwards, under
     Linux's ``SCHED_BATCH`` policy (``enable=False``: back to the default
     ``SCHED_OTHER``).  Call it at the start of each search worker when the
-    workers outnumber the cores.
+    workers outnumber the cores many times over, and measure.
 
     A ``SCHED_BATCH`` thread is scheduled like any other, with the same
     share of the CPU, but waking up does not let it preempt the thread that
     is running.  A worker woken by its answer then no longer interrupts the
     evaluator halfway through waking the rest of its batch.  With 16
-    workers on 2 cores this raised shmeval's round trips/s by about 30% and
-    cut its p99 latency.  It needs no privileges.
+    workers on 2 cores this raised shmeval's round trips/s by 25-35% and
+    cut its p99 latency by about a quarter; with 8 or 64 workers the
+    results were mixed and the tail longer (docs/performance.md, finding
+    21).  It needs no privileges.
     """
     policy = os.SCHED_BATCH if enable else os.SCHED_OTHER
     os.sched_setscheduler(0, policy, os.sched_param(0))

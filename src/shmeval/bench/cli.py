@@ -121,9 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=_positive(int), default=20_000,
                    help="latencies each worker reports (default 20000)")
     p.add_argument("--max-batch", type=_positive(int), default=256, help="server batch limit (default 256)")
-    p.add_argument("--worker-sched", choices=("batch", "normal"), default="batch",
-                   help="scheduling policy of every method's workers: batch (SCHED_BATCH, what "
-                   "shmeval.use_batch_scheduling sets) or normal (default batch)")
+    p.add_argument("--worker-sched", choices=("normal", "batch"), default="normal",
+                   help="scheduling policy of every method's workers: normal (the default policy) or "
+                   "batch (SCHED_BATCH, what shmeval.use_batch_scheduling sets) (default normal)")
     p.add_argument("--no-reference", action="store_true", help="skip the machine's reference figures")
     p.add_argument("--no-batch-path", action="store_true", help="skip the evaluator's batch-path table")
     p.add_argument("--reference-seconds", type=_positive(float),

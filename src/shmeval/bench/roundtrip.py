@@ -189,10 +189,9 @@ class TrialConfig:
     warmup: int = 200  # untimed round trips per worker
     samples: int = 20_000  # latencies each worker reports
     max_batch: int = 256
-    # Every method's workers run under this policy: "batch" (SCHED_BATCH, as
-    # shmeval.use_batch_scheduling recommends for search workers) or
-    # "normal" (the default policy).
-    worker_sched: str = "batch"
+    # Every method's workers run under this policy: "normal" (the default
+    # policy) or "batch" (SCHED_BATCH, what shmeval.use_batch_scheduling sets).
+    worker_sched: str = "normal"
 
 
 def check_reply(out: Mapping[str, Any], worker_id: int, spec: StateSpec) -> None:
