@@ -84,6 +84,19 @@ def run_threads(target: Callable[[int], None], n: int, timeout: float) -> None:
     assert not any(th.is_alive() for th in threads), "a thread hung"
 
 
+def run_python(code: str, timeout: float = 50.0) -> "subprocess.CompletedProcess[str]":
+    """Runs ``python -c code`` in a fresh interpreter (this one's
+    executable), with the tests directory importable; returns the finished
+    process, output captured as text."""
+    import subprocess
+    import sys
+
+    paths = [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
 def slow_fake_model(x: np.ndarray, seconds: float) -> dict[str, np.ndarray]:
     time.sleep(seconds)
     return fake_model(x)

@@ -12,7 +12,7 @@ import json
 import os
 from multiprocessing.synchronize import SemLock
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -42,16 +42,16 @@ class DyingClient:
         return self.inner.evaluate(state)
 
 
-class DyingWorkersMethod(ShmevalMethod):
-    """shmeval, with worker 0's client dying on call ``die_at``."""
+class WrappingMethod(ShmevalMethod):
+    """shmeval, its clients passed through ``wrap`` in the parent (only the
+    wrapped clients travel to the workers)."""
 
-    def __init__(self, die_at: int) -> None:
+    def __init__(self, wrap: Callable[[list[Any]], list[Any]]) -> None:
         super().__init__()
-        self.die_at = die_at
+        self.wrap = wrap
 
     def start(self, *args: Any) -> list[Any]:
-        clients = super().start(*args)
-        return [DyingClient(clients[0], self.die_at), *clients[1:]]
+        return self.wrap(super().start(*args))
 
 
 class PolicyCheckingClient:
@@ -67,15 +67,6 @@ class PolicyCheckingClient:
         if got != self.policy:
             raise RuntimeError(f"worker scheduling policy {got}, expected {self.policy}")
         return self.inner.evaluate(state)
-
-
-class PolicyCheckingMethod(ShmevalMethod):
-    def __init__(self, policy: int) -> None:
-        super().__init__()
-        self.policy = policy
-
-    def start(self, *args: Any) -> list[Any]:
-        return [PolicyCheckingClient(c, self.policy) for c in super().start(*args)]
 
 
 class NextWorkersValue(NullModel):
@@ -165,12 +156,13 @@ def test_a_worker_that_dies_fails_the_trial(die_at: int) -> None:
     window, fails the trial at once (its result pipe ends) instead of
     leaving the harness waiting for the setup timeout."""
     with pytest.raises(RuntimeError, match="worker 0 died"):
-        run_trial(DyingWorkersMethod(die_at), "shmeval", WORKERS, SPEC, CONFIG)
+        method = WrappingMethod(lambda cs: [DyingClient(cs[0], die_at), *cs[1:]])
+        run_trial(method, "shmeval", WORKERS, SPEC, CONFIG)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sched, policy", [("batch", os.SCHED_BATCH), ("normal", os.SCHED_OTHER)])
 def test_workers_run_under_the_chosen_policy(sched: str, policy: int) -> None:
     """--worker-sched reaches every worker of the trial (checked on every call)."""
-    run_trial(PolicyCheckingMethod(policy), "shmeval", 2, SPEC,
-              dataclasses.replace(CONFIG, worker_sched=sched))
+    method = WrappingMethod(lambda cs: [PolicyCheckingClient(c, policy) for c in cs])
+    run_trial(method, "shmeval", 2, SPEC, dataclasses.replace(CONFIG, worker_sched=sched))

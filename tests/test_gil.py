@@ -4,9 +4,6 @@ other Python thread it releases it, so that thread runs meanwhile."""
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -14,9 +11,8 @@ from typing import Any, Callable
 import pytest
 
 import shmeval
-from helpers import INPUT_SHAPE, OUTPUTS, check_answer, make_state, slow_fake_factory
+from helpers import INPUT_SHAPE, OUTPUTS, check_answer, make_state, run_python, slow_fake_factory
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 WAIT_S = 0.3  # how long the evaluator's model takes per batch below
 
 
@@ -35,8 +31,7 @@ def test_only_python_thread_in_a_fresh_interpreter() -> None:
         "go.set(); t.join()\n"
         "print(a, b, _ring.only_python_thread())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=50, check=True)
+    out = run_python(code)
     assert out.stdout.split() == ["True", "False", "True"], out.stderr
 
 
@@ -83,8 +78,7 @@ def test_single_threaded_client_answers_across_waits() -> None:
     """The path that keeps the GIL (a child with one Python thread) answers
     every request, including waits long enough to sleep in the kernel."""
     code = (
-        "import functools, sys\n"
-        f"sys.path.insert(0, {repr(TESTS)})\n"
+        "import functools\n"
         "import shmeval\n"
         "from shmeval import _ring\n"
         "from helpers import INPUT_SHAPE, OUTPUTS, make_state, check_answer, slow_fake_factory\n"
@@ -99,5 +93,5 @@ def test_single_threaded_client_answers_across_waits() -> None:
         "            check_answer(out, tag)\n"
         "    print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    out = run_python(code)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

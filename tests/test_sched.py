@@ -2,10 +2,8 @@
 (docs/performance.md, finding 21)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from helpers import run_python
 
 from shmeval import _ring
 
@@ -26,8 +24,7 @@ def test_batch_scheduling_in_a_fresh_process() -> None:
         "print(a == os.SCHED_OTHER, b == os.SCHED_BATCH, seen == [os.SCHED_BATCH],\n"
         "      os.sched_getscheduler(0) == os.SCHED_OTHER)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=50, check=True)
+    out = run_python(code)
     assert out.stdout.split() == ["True"] * 4, out.stderr
 
 
