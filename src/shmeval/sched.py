@@ -14,7 +14,7 @@ def use_batch_scheduling(enable: bool = True) -> None:
     share of the CPU, but waking up does not let it preempt the thread that
     is running.  A worker woken by its answer then no longer interrupts the
     evaluator halfway through waking the rest of its batch.  With 16
-    workers on 2 cores this raised shmeval's round trips/s by 25-35% and
+    workers on 2 cores this raised shmeval's round trips/s by 20-35% and
     cut its p99 latency by about a quarter; with 8 or 64 workers the
     results were mixed and the tail longer (docs/performance.md, finding
     21).  It needs no privileges.
