@@ -513,6 +513,14 @@ cdef class Segment:
         shm_stat_inc(&self.seg, STAT_INDEX[name], v)
 
 
+cdef inline int _publish_and_wait(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
+                                  uint64_t timeout_ns) noexcept nogil:
+    """Hands slot (c, k) to the evaluator and waits for its answer."""
+    shm_slot_publish(s, c, k)
+    shm_notify_evaluator(s, 1)
+    return shm_slot_wait(s, c, k, spin_ns, timeout_ns)
+
+
 cdef class ClientPort:
     """The hot path of ``Client.evaluate`` for one process: checks, slot
     allocation, copy in, publish, wait, copy out and the result dict in one
@@ -638,14 +646,10 @@ cdef class ClientPort:
             # The process's only Python thread: no one else wants the GIL, and
             # releasing and taking it back was about 5% of a worker's CPU time
             # with 16 workers on 2 cores (docs/performance.md, finding 20).
-            shm_slot_publish(&self.seg.seg, self.c, k)
-            shm_notify_evaluator(&self.seg.seg, 1)
-            rc = shm_slot_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns)
+            rc = _publish_and_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns)
         else:
             with nogil:
-                shm_slot_publish(&self.seg.seg, self.c, k)
-                shm_notify_evaluator(&self.seg.seg, 1)
-                rc = shm_slot_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns)
+                rc = _publish_and_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns)
         if rc < 0:
             return (rc, k, outs)
         r = self.seg._fetch(self.c, k, outs, 0)

@@ -68,6 +68,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Text
 import numpy as np
 
 from . import mcts
+from .display import Display
 from .jsonout import json_default
 from .procstat import cpu_model, cpu_s, machine_busy_s, rss_mb
 from .games import connect4
@@ -90,7 +91,6 @@ READY_TIMEOUT_S = 600.0
 #: CPU cores used by other programs in a window above which the summary warns.
 OTHER_LOAD_WARN = 0.2
 TICK_S = 0.5
-PLAIN_EVERY_S = 5.0
 
 
 # --------------------------------------------------------------------------- settings
@@ -696,50 +696,6 @@ def machine_info() -> Dict[str, Any]:
             "python": platform.python_version(), "numpy": np.__version__,
             "tensorflow": _version("tensorflow", "tensorflow-cpu"), "keras": _version("keras"),
             "loadavg_at_start": list(os.getloadavg())}
-
-
-# --------------------------------------------------------------------------- display
-
-
-class Display:
-    """The live status: one line rewritten in place on a terminal, plain
-    lines every few seconds otherwise."""
-
-    def __init__(self, stream: TextIO = sys.stdout, tty: Optional[bool] = None,
-                 plain_every: float = PLAIN_EVERY_S) -> None:
-        self.stream = stream
-        self.tty = stream.isatty() if tty is None else tty
-        self.plain_every = plain_every
-        self._open = False  # a status line is showing (TTY)
-        self._last_plain = -math.inf
-        self._last_text = ""
-
-    def status(self, text: str, force: bool = False) -> None:
-        if self.tty:
-            self.stream.write("\r" + text + "\x1b[K")
-            self.stream.flush()
-            self._open = True
-        else:
-            now = time.monotonic()
-            if force or now - self._last_plain >= self.plain_every:
-                if text != self._last_text:
-                    self.stream.write(text + "\n")
-                    self.stream.flush()
-                    self._last_text = text
-                self._last_plain = now
-
-    def line(self, text: str = "") -> None:
-        if self._open:
-            self.stream.write("\r\x1b[K")
-            self._open = False
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def end_status(self) -> None:
-        if self._open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._open = False
 
 
 # --------------------------------------------------------------------------- learner

@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 
 from . import DEFAULT_METHODS, METHODS, OPTIONAL_PACKAGES, STATES
@@ -63,12 +63,18 @@ def _worker_list(text: str) -> list[int]:
     return sorted(set(values))
 
 
-def _method_list(text: str) -> list[str]:
+def _known_names(text: str, known: Collection[str], kind: str) -> list[str]:
+    """The comma-separated names of text, in order, once each; all known."""
     names = list(dict.fromkeys(_comma_list(text)))
-    unknown = [m for m in names if m not in METHODS]
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(unknown) or repr(text)}; "
-                                         f"choose from {', '.join(METHODS)}")
+        raise argparse.ArgumentTypeError(f"unknown {kind}(s) {', '.join(unknown) or repr(text)}; "
+                                         f"choose from {', '.join(known)}")
+    return names
+
+
+def _method_list(text: str) -> list[str]:
+    names = _known_names(text, METHODS, "method")
     for m in names:
         package = OPTIONAL_PACKAGES.get(m)
         if package and importlib.util.find_spec(package) is None:
@@ -78,12 +84,7 @@ def _method_list(text: str) -> list[str]:
 
 
 def _state_list(text: str) -> list[str]:
-    names = list(dict.fromkeys(_comma_list(text)))
-    unknown = [s for s in names if s not in STATES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown state(s) {', '.join(unknown) or repr(text)}; "
-                                         f"choose from {', '.join(STATES)}")
-    return names
+    return _known_names(text, STATES, "state")
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Sequence, TextIO
 
 import numpy as np
 
+from ..display import Display
 from ..procstat import cpu_model
 from .roundtrip import CDF_GRID
 
@@ -44,13 +45,11 @@ class Progress:
                  width: int = 20) -> None:
         self.weights = list(weights)
         self.trials = trials
-        self.stream = stream if stream is not None else sys.stderr
+        self.display = Display(stream if stream is not None else sys.stderr)
         self.width = width
         self.done = 0
         self.done_weight = 0.0
         self.began = time.monotonic()
-        self.tty = self.stream.isatty()
-        self.drawn = False
 
     def line(self, last: str) -> str:
         total = sum(self.weights)
@@ -70,28 +69,18 @@ class Progress:
 
     def show(self, last: str) -> None:
         text = self.line(last)
-        if self.tty:
+        if self.display.tty:
             # Cut to the terminal's width: a wrapped line could not be redrawn.
-            text = text[: max(20, shutil.get_terminal_size().columns - 1)]
-            self.stream.write(f"\r\x1b[2K{text}")
-            self.drawn = True
+            self.display.status(text[: max(20, shutil.get_terminal_size().columns - 1)])
         else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+            self.display.line(text)  # every step, not only every few seconds
 
     def note(self, text: str) -> None:
         """A message that must not be drawn over (a warning, a failure)."""
-        if self.drawn:
-            self.stream.write("\r\x1b[2K")
-            self.drawn = False
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        self.display.line(text)
 
     def close(self) -> None:
-        if self.drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.drawn = False
+        self.display.end_status()
 
 
 # --- machine and summary ------------------------------------------------------------
