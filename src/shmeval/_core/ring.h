@@ -43,7 +43,7 @@
 /* ------------------------------------------------------------------ */
 
 #define SHM_MAGIC 0x314C4156454D4853ULL /* "SHMEVAL1" little-endian */
-#define SHM_LAYOUT_VERSION 2u
+#define SHM_LAYOUT_VERSION 3u
 #define SHM_LINE 64u
 #define SHM_SPEC_MAX 4096u       /* bytes of JSON spec kept in the header */
 #define SHM_HIST_BINS 256u       /* log-scale latency histogram bins */
@@ -174,6 +174,11 @@ typedef struct {
     /* --- evaluator doorbell: written by every client on every submit --- */
     _Alignas(SHM_LINE) _Atomic uint32_t submit_seq; /* futex word */
     _Atomic uint32_t ev_sleeping;     /* 1 while the evaluator may sleep */
+
+    /* --- client doorbells: word c / 32 is the futex of clients 32g..32g+31,
+     * bit c % 32 theirs in FUTEX_WAIT_BITSET; the evaluator bumps a word
+     * and wakes the bits of a batch's waiters in one FUTEX_WAKE_BITSET --- */
+    _Alignas(SHM_LINE) _Atomic uint32_t done_seq[SHM_MAX_CLIENTS / 32];
 
     /* --- client table bookkeeping --- */
     _Alignas(SHM_LINE) _Atomic uint32_t clients_hwm; /* 1 + highest index
@@ -364,6 +369,23 @@ static inline void shm_futex_wake(_Atomic uint32_t *w, int n) {
     syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, n, NULL, NULL, 0);
 }
 
+/* FUTEX_WAIT_BITSET: sleeps while *w == expected until a wake whose bits
+ * meet `bits`, or until the CLOCK_MONOTONIC time deadline_ns. */
+static inline int shm_futex_wait_bits(_Atomic uint32_t *w, uint32_t expected,
+                                      uint64_t deadline_ns, uint32_t bits) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)(deadline_ns / 1000000000ull);
+    ts.tv_nsec = (long)(deadline_ns % 1000000000ull);
+    return (int)syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT_BITSET, expected,
+                        &ts, NULL, bits);
+}
+
+/* Wakes every waiter on w whose bits meet `bits`. */
+static inline void shm_futex_wake_bits(_Atomic uint32_t *w, uint32_t bits) {
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_BITSET, INT_MAX, NULL, NULL,
+            bits);
+}
+
 static inline uint32_t shm_hist_bin(uint64_t ns) {
     if (ns < 4) return (uint32_t)ns;
     uint32_t msb = 63u - (uint32_t)__builtin_clzll(ns);
@@ -533,18 +555,26 @@ static inline int shm_state_is_final(uint32_t st) {
     return st == SLOT_DONE || st == SLOT_FAILED;
 }
 
+/* Client c's doorbell: a futex word shared by 32 clients, and c's bit. */
+static inline _Atomic uint32_t *shm_done_word(shm_seg *s, uint32_t c) {
+    return &shm_hdr(s)->done_seq[c / 32u];
+}
+static inline uint32_t shm_done_bit(uint32_t c) { return 1u << (c % 32u); }
+
 /* Waits until slot (c, k) is DONE or FAILED.  Spins for at most spin_ns
- * (callers pass 0 when processes outnumber cores), then sleeps on the slot
- * word itself, for at most timeout_ns in all.  Returns the final state, or
- * SHM_TIMEOUT (the caller checks the evaluator's liveness and calls again),
- * or SHM_CLOSED.  The Python wrappers call it without the GIL, unless the
- * caller is its process's only Python thread (nobody else can want it). */
+ * (callers pass 0 when processes outnumber cores), then sleeps on its
+ * client's doorbell (shm_done_word, its own bit), for at most timeout_ns in
+ * all.  Returns the final state, or SHM_TIMEOUT (the caller checks the
+ * evaluator's liveness and calls again), or SHM_CLOSED.  The Python
+ * wrappers call it without the GIL, unless the caller is its process's only
+ * Python thread (nobody else can want it). */
 static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
                                 uint64_t spin_ns, uint64_t timeout_ns) {
     shm_header *h = shm_hdr(s);
     _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
+    _Atomic uint32_t *bell = shm_done_word(s, c);
     /* Without a spin the clock is first read in the loop below, where the
-     * futex timeout needs it: one clock read fewer per wait. */
+     * timeout needs it: one clock read fewer per wait. */
     uint64_t start = spin_ns ? shm_now_ns() : 0;
     int started = spin_ns != 0;
     uint32_t cur;
@@ -564,11 +594,6 @@ static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
         uint32_t st = shm_word_state(cur);
         if (shm_state_is_final(st)) return (int)st;
         SHM_ASSERT(st == SLOT_READY || st == SLOT_TAKEN);
-        /* MO: acquire; pairs with the release store of EV_CLOSED in
-         * shm_close_and_wake. */
-        if (atomic_load_explicit(&h->ev_state, memory_order_acquire) >=
-            EV_CLOSED)
-            return SHM_CLOSED;
         uint64_t now = shm_now_ns();
         if (!started) {
             start = now;
@@ -576,23 +601,32 @@ static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
         }
         if (now - start >= timeout_ns) return SHM_TIMEOUT;
         if (!(cur & SLOT_WAITER)) {
-            /* MO: seq_cst on success (the Dekker pair below), acquire on
-             * failure; the evaluator's completing CAS either sees WAITER
-             * (and wakes us) or makes this CAS fail. */
+            /* MO: relaxed; on the one word, the evaluator's completing CAS
+             * either comes after this one (and sees WAITER, so it rings the
+             * doorbell) or makes it fail (and we look again). */
             if (!atomic_compare_exchange_strong_explicit(
-                    w, &cur, cur | SLOT_WAITER, memory_order_seq_cst,
-                    memory_order_acquire))
+                    w, &cur, cur | SLOT_WAITER, memory_order_relaxed,
+                    memory_order_relaxed))
                 continue;
-            cur |= SLOT_WAITER;
-            /* Re-check after announcing WAITER (Dekker with the seq_cst
-             * store of ev_state / load of w in shm_close_and_wake): either
-             * we see the close here, or close_and_wake sees WAITER. */
-            if (atomic_load_explicit(&h->ev_state, memory_order_seq_cst) >=
-                EV_CLOSED)
-                return SHM_CLOSED;
         }
-        /* Returns at once (EAGAIN) if the word changed since we read it. */
-        shm_futex_wait(w, cur, timeout_ns - (now - start));
+        /* The doorbell, then the word and the state once more, right
+         * before sleeping (other clients' answers ring the same word, and
+         * a ring between this load and the futex wait costs a retry).
+         * MO: acquire; pairs with the release increment in
+         * shm_ring_doorbell, which comes after the ringer's change of w
+         * (shm_finish) or ev_state (shm_close_and_wake).  So if w below is
+         * not final and ev_state not closed, `seq` predates that ring, and
+         * the futex wait returns at once (EAGAIN) or is woken by it. */
+        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
+        cur = atomic_load_explicit(w, memory_order_acquire);
+        if (shm_state_is_final(shm_word_state(cur)))
+            return (int)shm_word_state(cur);
+        /* MO: acquire; pairs with the release store of EV_CLOSED in
+         * shm_close_and_wake. */
+        if (atomic_load_explicit(&h->ev_state, memory_order_acquire) >=
+            EV_CLOSED)
+            return SHM_CLOSED;
+        shm_futex_wait_bits(bell, seq, start + timeout_ns, shm_done_bit(c));
     }
 }
 
@@ -755,6 +789,16 @@ static inline int shm_still_taken(shm_seg *s, const shm_taken *t) {
     return (cur & ~SLOT_WAITER) == shm_slot_word(SLOT_TAKEN, t->gen);
 }
 
+/* Rings doorbell word `group` for the waiters with `bits`.  MO: release;
+ * the slot words changed before it (DONE, FAILED) or ev_state (closed) are
+ * visible to a waiter that reads the new value (see shm_slot_wait). */
+static inline void shm_ring_doorbell(shm_seg *s, uint32_t group,
+                                     uint32_t bits) {
+    _Atomic uint32_t *bell = &shm_hdr(s)->done_seq[group];
+    atomic_fetch_add_explicit(bell, 1, memory_order_release);
+    shm_futex_wake_bits(bell, bits);
+}
+
 /* Marks every slot of the batch TAKEN -> DONE (or FAILED), then wakes the
  * clients asleep on them.  Two passes: a woken client may preempt us (the
  * scheduler favours the wakee), and by then every answer of the batch is
@@ -790,12 +834,24 @@ static inline uint32_t shm_finish(shm_seg *s, shm_taken *taken, uint32_t n,
             }
         }
     }
-    /* The word may already have been released and reused by its client: a
-     * wake is only a doorbell, a spurious one makes a waiter re-check. */
-    for (uint32_t i = 0; i < n; i++)
-        if (taken[i].wake)
-            shm_futex_wake(shm_slot_word_at(s, taken[i].client, taken[i].slot),
-                           INT_MAX);
+    /* One FUTEX_WAKE_BITSET per doorbell word for the whole batch: the
+     * kernel wakes every waiter of the batch before this thread returns to
+     * user space, where a wakee may preempt it (one wake system call per
+     * slot let the first wakee preempt us before we had woken the rest).
+     * A spurious wake (the client already took its answer) only makes a
+     * waiter look again. */
+    uint32_t bits = 0, group = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!taken[i].wake) continue;
+        uint32_t g = taken[i].client / 32u;
+        if (bits && g != group) {
+            shm_ring_doorbell(s, group, bits);
+            bits = 0;
+        }
+        group = g;
+        bits |= shm_done_bit(taken[i].client);
+    }
+    if (bits) shm_ring_doorbell(s, group, bits);
     return done;
 }
 
@@ -999,25 +1055,12 @@ static inline uint32_t shm_control_pending(shm_seg *s, uint32_t *done) {
  * sees the state within one futex round instead of its timeout. */
 static inline void shm_close_and_wake(shm_seg *s, uint32_t final_state) {
     shm_header *h = shm_hdr(s);
-    /* MO: seq_cst; Dekker pair with shm_slot_wait's seq_cst WAITER CAS and
-     * ev_state re-load: either the waiter sees the final state before it
-     * sleeps, or the load of its word below sees WAITER and wakes it. */
-    atomic_store_explicit(&h->ev_state, final_state, memory_order_seq_cst);
-    uint32_t hwm = shm_clients_hwm(s);
-    for (uint32_t c = 0; c < hwm; c++)
-        for (uint32_t k = 0; k < s->p.slots_per_client; k++) {
-            _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
-            /* MO: seq_cst; the other half of the Dekker pair above. */
-            uint32_t cur = atomic_load_explicit(w, memory_order_seq_cst);
-            if (cur & SLOT_WAITER) {
-                /* Change the word so a client between its CAS and its
-                 * futex_wait gets EAGAIN instead of sleeping a full timeout.
-                 * MO: relaxed fetch_and clears only WAITER. */
-                atomic_fetch_and_explicit(w, ~SLOT_WAITER,
-                                          memory_order_relaxed);
-                shm_futex_wake(w, INT_MAX);
-            }
-        }
+    /* MO: release; a waiter that reads a doorbell rung below sees it. */
+    atomic_store_explicit(&h->ev_state, final_state, memory_order_release);
+    /* Every doorbell, not only those below the clients' high-water mark: a
+     * client claimed meanwhile must not sleep through the close either. */
+    for (uint32_t g = 0; g < (s->p.max_clients + 31u) / 32u; g++)
+        shm_ring_doorbell(s, g, FUTEX_BITSET_MATCH_ANY);
 }
 
 /* ------------------------------------------------------------------ */

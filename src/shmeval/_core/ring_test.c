@@ -1113,10 +1113,13 @@ static void test_state(void) {
     /* client side: CLOSING is not yet CLOSED, so a wait just times out */
     CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 2 * MS), SHM_TIMEOUT);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, g0) | SLOT_WAITER);
+    uint32_t bell0 = atomic_load(shm_done_word(s, 0));
     shm_close_and_wake(s, EV_CLOSED);
     CHECK_EQ(shm_ev_state(s), EV_CLOSED);
-    /* close_and_wake cleared the WAITER bit the timed-out wait left */
-    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, g0));
+    /* close_and_wake rang the client's doorbell (a sleeper's futex wait
+     * returns); the WAITER bit the timed-out wait left stays, harmless */
+    CHECK_EQU(atomic_load(shm_done_word(s, 0)), bell0 + 1);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, g0) | SLOT_WAITER);
     t0 = shm_now_ns();
     CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 1000 * MS), SHM_CLOSED);
     CHECK(shm_now_ns() - t0 < 500 * MS);
@@ -2406,6 +2409,97 @@ static void test_scribbled(void) {
     seg_free(&t);
 }
 
+/* Doorbells: one batch answers sleepers of three doorbell words (clients
+ * 0..31, 32..63, 64..), taken in an order that moves between the words
+ * and back; every sleeper must wake promptly, not at its 10 s timeout.
+ * The batch rings each word once per run of its clients (one
+ * FUTEX_WAKE_BITSET with their bits): a ring of the wrong word, or of
+ * the wrong bits, leaves a sleeper asleep. */
+typedef struct {
+    shm_seg *s;
+    uint32_t c;
+    int rc;
+    uint64_t ret_ns;
+} bell_arg;
+
+static void *bell_sleeper(void *arg) {
+    bell_arg *a = arg;
+    a->rc = shm_slot_wait(a->s, a->c, 0, 0, 10000 * MS);
+    a->ret_ns = shm_now_ns();
+    return NULL;
+}
+
+static void test_doorbell(void) {
+    start_test("doorbell", 60);
+    const uint64_t prompt = (BUILD_SLOW ? 2000 : 1000) * MS;
+    const shm_params P = mkparams(336, 32, 70, 1, 8);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+    for (uint32_t c = 0; c < P.max_clients; c++)
+        CHECK_EQ(shm_client_register(s, 30000 + (int32_t)c, 1), (int)c);
+    CHECK(shm_done_word(s, 31) == shm_done_word(s, 0));
+    CHECK(shm_done_word(s, 32) != shm_done_word(s, 31));
+    CHECK_EQU(shm_done_bit(33), 2u);
+    enum { NB = 7 };
+    /* taken order: word 2, 0, 1, 0, 2, 0, 1 */
+    const uint32_t order[NB] = {64, 0, 32, 5, 69, 31, 63};
+    for (int round = 0; round < 2; round++) {
+        bell_arg ba[NB];
+        pthread_t tid[NB];
+        for (int i = 0; i < NB; i++) {
+            ba[i] = (bell_arg){s, order[i], 0, 0};
+            CHECK_EQ(shm_slot_begin(s, order[i], 0), SHM_OK);
+            shm_slot_publish(s, order[i], 0);
+            CHECK_EQ(pthread_create(&tid[i], NULL, bell_sleeper, &ba[i]), 0);
+        }
+        /* every sleeper has announced WAITER; give them time to sleep */
+        uint64_t t0 = shm_now_ns();
+        for (int i = 0; i < NB; i++)
+            while (!(word_of(s, order[i], 0) & SLOT_WAITER)) {
+                CHECK_MSG(shm_now_ns() - t0 < 10000 * MS,
+                          "client %u never went to sleep", order[i]);
+                sleep_ns(200 * US);
+            }
+        sleep_ns(30 * MS);
+        char batch[NB * 336], res[NB * 32];
+        shm_taken taken[8];
+        uint32_t cursor = 0;
+        memset(res, 7, sizeof res);
+        CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 100 * MS),
+                 NB);
+        /* the scan takes clients in index order; put them in `order` */
+        shm_taken by_order[NB];
+        for (int i = 0; i < NB; i++)
+            for (int j = 0; j < NB; j++)
+                if (taken[j].client == order[i]) by_order[i] = taken[j];
+        uint32_t bell0[3];
+        for (int g = 0; g < 3; g++) bell0[g] = atomic_load(&shm_hdr(s)->done_seq[g]);
+        uint64_t t_done = shm_now_ns();
+        CHECK_EQU(shm_complete(s, by_order, NB, res, 1 + (uint64_t)round), NB);
+        /* runs in `order`: word 2, 0, 1, 0, 2, 0, 1 -> 2, 3 and 2 rings */
+        CHECK_EQU(atomic_load(&shm_hdr(s)->done_seq[0]) - bell0[0], 3u);
+        CHECK_EQU(atomic_load(&shm_hdr(s)->done_seq[1]) - bell0[1], 2u);
+        CHECK_EQU(atomic_load(&shm_hdr(s)->done_seq[2]) - bell0[2], 2u);
+        uint64_t worst = 0;
+        for (int i = 0; i < NB; i++) {
+            CHECK_EQ(pthread_join(tid[i], NULL), 0);
+            CHECK_MSG(ba[i].rc == SLOT_DONE, "client %u: rc %d", order[i],
+                      ba[i].rc);
+            uint64_t lat = ba[i].ret_ns > t_done ? ba[i].ret_ns - t_done : 0;
+            CHECK_MSG(lat < prompt, "client %u woke %.3f s after its answer",
+                      order[i], secs(lat));
+            if (lat > worst) worst = lat;
+            CHECK_EQ(shm_slot_release(s, order[i], 0), SHM_OK);
+        }
+        if (round == 1)
+            printf("  doorbell: %d sleepers on 3 words woke %.2f ms after "
+                   "their batch (timeout 10 s)\n", NB, (double)worst / 1e6);
+    }
+    seg_free(&t);
+}
+
 /* ------------------------------------------------------------------ */
 
 typedef struct {
@@ -2418,7 +2512,7 @@ static const test_case k_tests[] = {
     {"state", test_state},     {"reclaim", test_reclaim},
     {"concurrency", test_concurrency}, {"close", test_close},
     {"max_wait", test_max_wait}, {"control", test_control},
-    {"scribbled", test_scribbled},
+    {"scribbled", test_scribbled}, {"doorbell", test_doorbell},
 };
 
 int main(int argc, char **argv) {
