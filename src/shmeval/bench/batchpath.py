@@ -22,9 +22,10 @@ no WAITER bit and makes no system call.  A second measurement
 (``finish_waiter_us``) first gives every slot the WAITER bit, through the
 public API: a helper thread calls ``Segment.wait`` on each taken slot with a
 timeout of a few µs, which sets WAITER, sleeps, times out and leaves the bit
-set.  The wake pass then makes one ``FUTEX_WAKE`` system call per request
-(with nobody to wake: the syscall's cost, not the cost of waking a process
-and having it preempt the evaluator, which depends on the scheduler).
+set.  The wake pass then rings the doorbell word of the batch's clients
+(one ``FUTEX_WAKE_BITSET`` system call per word of 32 clients;
+docs/protocol.md, *Doorbells*) with nobody to wake: the system call's cost,
+not the cost of waking a process, which depends on the scheduler.
 
 A third measurement (``serve_us``) runs one whole batch through
 ``Server.serve``, the loop the evaluator really runs (collect -> model ->
@@ -396,7 +397,7 @@ def run_batch_path(state_shape: tuple[int, ...], policy_size: int,
     states), vs_memcpy (total_us / memcpy_us); their p90s (collect_p90_us,
     ...); memcpy_inloop_us and vs_memcpy_inloop (the same copy in the
     rounds' cache conditions); finish_waiter_us (the finish step with WAITER on every slot: one
-    FUTEX_WAKE per request); serve_us (one batch through Server.serve, the
+    FUTEX_WAKE_BITSET per doorbell word); serve_us (one batch through Server.serve, the
     model's own time subtracted) and loop_overhead_us (serve_us - total_us);
     rounds, clients, slots_per_client, state_nbytes, reject_nonfinite,
     answered (requests fetched and checked correct) and served (the
@@ -421,7 +422,7 @@ def format_batch_path(rows: list[dict[str, Any]], state_name: str) -> str:
              "(no sleeper)",
              "  memcpy = np.copyto of the batch's states back to back; in-loop = the same "
              "copy in the rounds' cache conditions",
-             "  finish+WAITER = finish with one FUTEX_WAKE per request; serve = one batch "
+             "  finish+WAITER = finish with WAITER on every slot (a doorbell rung); serve = one batch "
              "through Server.serve minus the model"]
     body = [[str(r["batch"]), _fmt(r["collect_us"]), _fmt(r["finish_us"]),
              f"{r['total_us']:.1f} ({r['total_p90_us']:.1f})", f"{r['per_state_ns']:,.0f}",
