@@ -7,6 +7,7 @@ process (no IPC) and prints wall and CPU time per call and per state, e.g.
     python bench/tf_model_cost.py --filters 32 --threads 1
     python bench/tf_model_cost.py --filters 32 --threads 0   # TF's default pools
     python bench/tf_model_cost.py --styles --batches 1,32    # calling styles
+    python bench/tf_model_cost.py --net selfplay --jit       # compiled with XLA
     python bench/tf_model_cost.py --concurrent 2 --inter-threads 2 --batches 32
                                   # two threads calling at once (serving_threads)
 
@@ -39,6 +40,9 @@ def main() -> None:
                     help="calls/s from this many threads calling at once against one thread "
                          "(what Evaluator(serving_threads=N) does)")
     ap.add_argument("--batches", default="1,4,16,64,256")
+    ap.add_argument("--jit", action="store_true",
+                    help="TFModel(jit_compile=True): the net compiled with XLA (batches padded "
+                         "to powers of two)")
     ap.add_argument("--styles", action="store_true",
                     help="compare ways of calling the model instead (try --batches 1,32)")
     args = ap.parse_args()
@@ -56,15 +60,16 @@ def main() -> None:
     if args.net == "selfplay":
         from shmeval.games.connect4_net import build_resnet
 
-        model = TFModel(build_resnet(compile=False))
+        model = TFModel(build_resnet(compile=False), jit_compile=args.jit)
     else:
         cfg = tb.NetConfig(filters=args.filters, layers=args.layers)
-        model = TFModel(tb.build_keras_model(cfg, tb.make_weights(cfg)))
+        model = TFModel(tb.build_keras_model(cfg, tb.make_weights(cfg)), jit_compile=args.jit)
     model.prepare(Spec.build((6, 7, 2), "float32",
                              {"policy": ((7,), "float32"), "value": ((), "float32")},
                              256, 8, 8), None)
     shape = "residual (2 x 32)" if args.net == "selfplay" else f"{args.filters} filters x {args.layers}"
-    print(f"net {args.net}: {shape}, TF threads {args.threads or 'default'}, inter-op {inter or 'default'}")
+    print(f"net {args.net}: {shape}, TF threads {args.threads or 'default'}, inter-op {inter or 'default'}"
+          + (", XLA" if args.jit else ""))
     if args.concurrent:
         concurrent_calls(model, [int(x) for x in args.batches.split(",")], args.concurrent)
         return
