@@ -626,7 +626,11 @@ static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
         if (atomic_load_explicit(&h->ev_state, memory_order_acquire) >=
             EV_CLOSED)
             return SHM_CLOSED;
-        shm_futex_wait_bits(bell, seq, start + timeout_ns, shm_done_bit(c));
+        /* An absolute deadline; saturated, not wrapped, for huge timeouts. */
+        uint64_t deadline = timeout_ns > (uint64_t)INT64_MAX - start
+                                ? (uint64_t)INT64_MAX
+                                : start + timeout_ns;
+        shm_futex_wait_bits(bell, seq, deadline, shm_done_bit(c));
     }
 }
 

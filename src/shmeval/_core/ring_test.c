@@ -2429,6 +2429,27 @@ static void *bell_sleeper(void *arg) {
     return NULL;
 }
 
+typedef struct {
+    shm_seg *s;
+    uint32_t c;
+    int rc;
+    uint64_t cpu_ns;
+} endless_arg;
+
+static uint64_t thread_cpu_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void *endless_sleeper(void *arg) {
+    endless_arg *a = arg;
+    uint64_t c0 = thread_cpu_ns();
+    a->rc = shm_slot_wait(a->s, a->c, 0, 0, UINT64_MAX);
+    a->cpu_ns = thread_cpu_ns() - c0;
+    return NULL;
+}
+
 static void test_doorbell(void) {
     start_test("doorbell", 60);
     const uint64_t prompt = (BUILD_SLOW ? 2000 : 1000) * MS;
@@ -2496,6 +2517,29 @@ static void test_doorbell(void) {
         if (round == 1)
             printf("  doorbell: %d sleepers on 3 words woke %.2f ms after "
                    "their batch (timeout 10 s)\n", NB, (double)worst / 1e6);
+    }
+
+    /* An endless timeout: the absolute futex deadline saturates instead of
+     * wrapping (a wrapped one lies in the past: the wait would spin). */
+    {
+        CHECK_EQ(shm_slot_begin(s, 3, 0), SHM_OK);
+        shm_slot_publish(s, 3, 0);
+        endless_arg ea = {s, 3, 0, 0};
+        pthread_t tid;
+        CHECK_EQ(pthread_create(&tid, NULL, endless_sleeper, &ea), 0);
+        while (!(word_of(s, 3, 0) & SLOT_WAITER)) sleep_ns(200 * US);
+        sleep_ns(50 * MS);
+        char batch[336], res[32] = {0};
+        shm_taken taken[1];
+        uint32_t cursor = 0;
+        CHECK_EQ(shm_collect(s, batch, taken, 1, &cursor, 0, 0, 100 * MS), 1);
+        CHECK_EQU(shm_complete(s, taken, 1, res, 3), 1);
+        CHECK_EQ(pthread_join(tid, NULL), 0);
+        CHECK_EQ(ea.rc, SLOT_DONE);
+        CHECK_MSG(ea.cpu_ns < 20 * MS,
+                  "an endless wait used %.1f ms of CPU in 50 ms: it spun",
+                  (double)ea.cpu_ns / 1e6);
+        CHECK_EQ(shm_slot_release(s, 3, 0), SHM_OK);
     }
     seg_free(&t);
 }
