@@ -270,6 +270,17 @@ static void seg_make(test_seg *t, const shm_params *p) {
                       (uint32_t)strlen(k_spec), (int32_t)getpid()),
              SHM_OK);
 }
+
+/* A fresh segment whose evaluator is serving (pid 1): where most tests
+ * start. */
+static shm_seg *serving_seg(test_seg *t, const shm_params *p) {
+    seg_make(t, p);
+    CHECK_EQ(shm_set_serving(&t->s, 1, 1), EV_SERVING);
+    return &t->s;
+}
+
+/* How soon a woken waiter must return: generous, far below its timeout. */
+#define PROMPT_NS ((BUILD_SLOW ? 2000 : 1000) * MS)
 static void seg_free(test_seg *t) {
     free(t->mem);
     t->mem = NULL;
@@ -1861,15 +1872,13 @@ static void one_ready_request(shm_seg *seg, char *mem, const shm_layout *l,
 
 static void test_close(void) {
     start_test("close", 90);
-    const uint64_t prompt = (BUILD_SLOW ? 2000 : 1000) * MS;
+    const uint64_t prompt = PROMPT_NS;
 
     /* f1: clients asleep on READY and TAKEN slots (one already DONE) */
     {
         const shm_params P = mkparams(336, 32, 8, 2, 4);
         test_seg t;
-        seg_make(&t, &P);
-        shm_seg *s = &t.s;
-        CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+        shm_seg *s = serving_seg(&t, &P);
         enum { NS = 4 };
         sleeper_arg sa[NS];
         pthread_t tid[NS];
@@ -2190,9 +2199,7 @@ static void test_max_wait(void) {
     start_test("max_wait", 60);
     const shm_params P = mkparams(336, 32, 4, 4, 8);
     test_seg t;
-    seg_make(&t, &P);
-    shm_seg *s = &t.s;
-    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+    shm_seg *s = serving_seg(&t, &P);
     CHECK_EQ(shm_client_register(s, 1, 1), 0);
     CHECK_EQ(shm_client_register(s, 2, 1), 1);
     char batch[8 * 336];
@@ -2312,9 +2319,7 @@ static void test_control(void) {
     start_test("control", 60);
     const shm_params P = mkparams(336, 32, 4, 4, 8);
     test_seg t;
-    seg_make(&t, &P);
-    shm_seg *s = &t.s;
-    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+    shm_seg *s = serving_seg(&t, &P);
     CHECK_EQ(shm_client_register(s, 1, 1), 0);
     char batch[8 * 336];
     shm_taken taken[8];
@@ -2390,9 +2395,7 @@ static void test_scribbled(void) {
     start_test("scribbled", 30);
     const shm_params P = mkparams(336, 32, 4, 4, 8);
     test_seg t;
-    seg_make(&t, &P);
-    shm_seg *s = &t.s;
-    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+    shm_seg *s = serving_seg(&t, &P);
     CHECK_EQ(shm_client_register(s, 1, 1), 0);
     char batch[8 * 336];
     shm_taken taken[8];
@@ -2452,12 +2455,9 @@ static void *endless_sleeper(void *arg) {
 
 static void test_doorbell(void) {
     start_test("doorbell", 60);
-    const uint64_t prompt = (BUILD_SLOW ? 2000 : 1000) * MS;
     const shm_params P = mkparams(336, 32, 70, 1, 8);
     test_seg t;
-    seg_make(&t, &P);
-    shm_seg *s = &t.s;
-    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+    shm_seg *s = serving_seg(&t, &P);
     for (uint32_t c = 0; c < P.max_clients; c++)
         CHECK_EQ(shm_client_register(s, 30000 + (int32_t)c, 1), (int)c);
     CHECK(shm_done_word(s, 31) == shm_done_word(s, 0));
@@ -2509,7 +2509,7 @@ static void test_doorbell(void) {
             CHECK_MSG(ba[i].rc == SLOT_DONE, "client %u: rc %d", order[i],
                       ba[i].rc);
             uint64_t lat = ba[i].ret_ns > t_done ? ba[i].ret_ns - t_done : 0;
-            CHECK_MSG(lat < prompt, "client %u woke %.3f s after its answer",
+            CHECK_MSG(lat < PROMPT_NS, "client %u woke %.3f s after its answer",
                       order[i], secs(lat));
             if (lat > worst) worst = lat;
             CHECK_EQ(shm_slot_release(s, order[i], 0), SHM_OK);
