@@ -445,7 +445,7 @@ def test_waiter_bit_and_wake(rig: Rig) -> None:
     assert state(rig, c, 0) == (TAKEN, True, 0)
     assert th.is_alive()
     t0 = time.monotonic()
-    rig.server.complete(rig.results(1), 3)         # clears WAITER and wakes
+    rig.server.complete(rig.results(1), 3)         # clears WAITER, rings the doorbell
     th.join(NO_HANG)
     assert not th.is_alive(), "the waiter was not woken"
     assert rc[0][0] == DONE
