@@ -70,9 +70,10 @@ enum shm_status {
     SHM_CONTROL = -10,      /* shm_collect: a control request is pending */
 };
 
-/* Slot state word (32 bits, also the client's futex doorbell):
+/* Slot state word (32 bits):
  *   bits 0..6   state (enum shm_slot_state)
- *   bit  7      WAITER: the client is (about to be) asleep in futex_wait
+ *   bit  7      WAITER: the client is (about to be) asleep on its doorbell
+ *               (shm_done_word); the evaluator rings it when it sees this
  *   bits 8..31  generation, bumped every time the slot returns to FREE   */
 enum shm_slot_state {
     SLOT_FREE = 0,     /* owned by the client, not in use            */
