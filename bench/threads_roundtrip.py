@@ -19,6 +19,7 @@ import argparse
 import statistics
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -30,7 +31,7 @@ def null_model(batch: np.ndarray) -> dict[str, np.ndarray]:
     return {"policy": np.zeros((n, 7), np.float32), "value": batch[:, 0, 0, 0].copy()}
 
 
-def factory() -> object:
+def factory() -> Callable[[np.ndarray], dict[str, np.ndarray]]:
     return null_model
 
 
