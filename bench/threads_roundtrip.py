@@ -9,30 +9,22 @@ sleep again.  This measures what that costs, e.g.
     python bench/threads_roundtrip.py --threads 8 --repeats 3
 
 against an earlier commit's build on PYTHONPATH (docs/performance.md,
-*Reproducing*).  The evaluator is spawned with a null model (Connect Four
-shapes); each thread calls evaluate() in a loop and counts the round trips
+*Reproducing*).  The evaluator is spawned with the benchmark's null model
+(Connect Four shapes; it echoes the state's first element); each thread calls evaluate() in a loop and counts the round trips
 that end inside the window.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import threading
 import time
-from typing import Callable
 
 import numpy as np
 
 import shmeval
-
-
-def null_model(batch: np.ndarray) -> dict[str, np.ndarray]:
-    n = len(batch)
-    return {"policy": np.zeros((n, 7), np.float32), "value": batch[:, 0, 0, 0].copy()}
-
-
-def factory() -> Callable[[np.ndarray], dict[str, np.ndarray]]:
-    return null_model
+from shmeval.bench.roundtrip import NullModel
 
 
 def one_run(ev: shmeval.Evaluator, threads: int, seconds: float, warmup: float) -> float:
@@ -72,7 +64,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    with shmeval.Evaluator.spawn(factory, input_shape=(6, 7, 2),
+    with shmeval.Evaluator.spawn(functools.partial(NullModel, 7), input_shape=(6, 7, 2),
                                  outputs={"policy": ((7,), "float32"), "value": ((), "float32")},
                                  max_batch=64) as ev:
         rates = [one_run(ev, args.threads, args.seconds, args.warmup) for _ in range(args.repeats)]
