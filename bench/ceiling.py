@@ -46,7 +46,7 @@ def build(tmp: str) -> tuple[str, str]:
     for name in ("futex_pingpong", "ring_client"):
         exe = os.path.join(tmp, name)
         subprocess.run(["gcc", "-O2", "-std=gnu11", "-D_GNU_SOURCE", f"-I{core}", "-o", exe,
-                        os.path.join(HERE, "c", name + ".c"), "-lrt"], check=True)
+                        os.path.join(HERE, "c", name + ".c"), "-lrt", "-pthread"], check=True)
         out.append(exe)
     return out[0], out[1]
 

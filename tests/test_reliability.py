@@ -524,8 +524,9 @@ def test_killed_evaluator_wakes_every_waiter() -> None:
     """4 processes (2 waiting threads each) and 5 threads of this process
     (4 with requests in flight, 1 waiting for a free slot) wait on a model
     that sleeps 30 s; SIGKILL of the evaluator process makes each raise
-    EvaluatorDied within 1 s (clients check liveness after each 100 ms
-    wait)."""
+    EvaluatorDied within 1 s (clients check liveness at each tick of their
+    process's ticker, every 100 ms: their sleeps have no timer of their
+    own, so a ticker that fails to wake them makes this test hang)."""
     fs = forkserver_ctx()
     ev = make_evaluator("spawn", slow_forever_factory, max_batch=8, max_clients=8,
                         slots_per_client=8)

@@ -1,6 +1,7 @@
 /* A shmeval client written in C against ring.h directly: the ceiling of the
  * core with no Python on the client side.  Usage: ring_client ADDRESS SECONDS
- * Prints the number of round trips it completed. */
+ * Prints the number of round trips it completed.  Like the Python client it
+ * runs a ticker (100 ms), so that its sleeps need no timer. */
 #include "ring.h"
 
 #include <fcntl.h>
@@ -32,6 +33,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "client table full\n");
         return 1;
     }
+    shm_ticker tk;
+    shm_ticker *t = shm_ticker_start(&tk, &s, (uint32_t)c, 100000000) == 0 ? &tk : NULL;
     char *in = calloc(1, s.p.in_bytes);
     uint64_t end = shm_now_ns() + (uint64_t)(atof(argv[2]) * 1e9), n = 0;
     while (shm_now_ns() < end) {
@@ -40,11 +43,12 @@ int main(int argc, char **argv) {
         shm_slot_publish(&s, (uint32_t)c, 0);
         shm_notify_evaluator(&s, 1);
         int rc;
-        while ((rc = shm_slot_wait(&s, (uint32_t)c, 0, 0, 100000000)) < 0)
+        while ((rc = shm_slot_wait_ticked(&s, (uint32_t)c, 0, 0, 100000000, t)) < 0)
             if (rc == SHM_CLOSED) return 1;
         shm_slot_release(&s, (uint32_t)c, 0);
         n++;
     }
+    if (t) shm_ticker_stop(t);
     shm_client_detach(&s, (uint32_t)c);
     printf("%llu\n", (unsigned long long)n);
     return 0;

@@ -85,6 +85,14 @@ cdef extern from "ring.h" nogil:
     void shm_notify_evaluator(shm_seg *s, uint32_t count)
     int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
                       uint64_t timeout_ns)
+    ctypedef struct shm_ticker:
+        uint32_t c
+        uint64_t period_ns
+        int running
+    int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
+                             uint64_t timeout_ns, shm_ticker *t)
+    int shm_ticker_start(shm_ticker *t, const shm_seg *s, uint32_t c, uint64_t period_ns)
+    void shm_ticker_stop(shm_ticker *t)
     int shm_slot_release(shm_seg *s, uint32_t c, uint32_t k)
     uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k)
     char *shm_slot_in(const shm_seg *s, uint32_t c, uint32_t k)

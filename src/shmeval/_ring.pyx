@@ -7,7 +7,7 @@ process's only Python thread: ``shm_only_python_thread``).  Status codes
 become exceptions in one place, ``_check``.  No protocol logic lives here:
 it is all in ring.h.
 """
-from libc.stdint cimport int32_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
@@ -182,9 +182,16 @@ cdef class Segment:
     cdef list out_float    # float or complex kind
     cdef bint out_native   # every output a native built-in dtype: matched by type number
     cdef uint32_t *gen_of  # generation of each slot when this process began it
+    cdef shm_ticker *ticker  # this process's ticker (start_ticker), or NULL
+    cdef int ticker_pid      # the process that started it
+    cdef list old_tickers    # stopped ones (addresses), freed with the segment
     cdef readonly object name
 
     def __dealloc__(self):
+        self._retire_ticker()
+        if self.old_tickers is not None:
+            for addr in self.old_tickers:
+                free(<void *><size_t>addr)
         if self.addr != NULL:
             munmap(self.addr, self.size)
         free(self.out_off)
@@ -340,7 +347,64 @@ cdef class Segment:
 
     def detach(self, uint32_t c):
         self._client(c)
+        if self.ticker != NULL and self.ticker.c == c:
+            # Before the entry can become another process's: a ticker rings
+            # its client's doorbell bit.
+            self._retire_ticker()
         shm_client_detach(&self.seg, c)
+
+    # A ticker lets this process's waiters sleep without a timer (ring.h,
+    # shm_ticker; docs/performance.md finding 23).
+    def start_ticker(self, uint32_t c, uint64_t period_ns):
+        """Starts a ticker thread for client c of this process, ticking every
+        period_ns (any previous one is stopped first).  Waits of c with a
+        timeout of at least period_ns then sleep without a timer and return
+        TIMEOUT at the next tick.  Returns False when no thread could be
+        started (waits then use timers)."""
+        cdef shm_ticker *t
+        cdef int rc
+        self._client(c)
+        self._retire_ticker()
+        t = <shm_ticker *>calloc(1, sizeof(shm_ticker))
+        if t == NULL:
+            raise MemoryError()
+        rc = shm_ticker_start(t, &self.seg, c, period_ns)
+        if rc != 0:
+            free(t)
+            return False
+        self.ticker = t
+        self.ticker_pid = _current_pid
+        return True
+
+    def stop_ticker(self):
+        """Stops this process's ticker, if any (waits then use timers)."""
+        self._retire_ticker()
+
+    def ticker_running(self, uint32_t c):
+        """True when waits of client c with a timeout of at least the
+        ticker's period go without a timer in this process."""
+        return self._ticker_for(c, UINT64_MAX) != NULL
+
+    cdef void _retire_ticker(self):
+        # A stopped ticker is kept (not reused, not freed) until the segment
+        # goes: a waiter that chose it may still read it.  A forked child
+        # inherits the pointer but not the thread: it only forgets it.
+        if self.ticker == NULL:
+            return
+        if self.ticker_pid == _current_pid:
+            with nogil:
+                shm_ticker_stop(self.ticker)
+        if self.old_tickers is None:
+            self.old_tickers = []
+        self.old_tickers.append(<size_t>self.ticker)
+        self.ticker = NULL
+
+    cdef inline shm_ticker *_ticker_for(self, uint32_t c, uint64_t timeout_ns) noexcept nogil:
+        cdef shm_ticker *t = self.ticker
+        if t != NULL and self.ticker_pid == _current_pid and t.c == c and t.running and \
+                timeout_ns >= t.period_ns:
+            return t
+        return NULL
 
     cdef inline int _client(self, uint32_t c) except -1:
         if c >= self.seg.p.max_clients:
@@ -394,11 +458,12 @@ cdef class Segment:
     cdef int _wait(self, uint32_t c, uint32_t k, uint64_t spin_ns, uint64_t timeout_ns,
                    uint32_t ncpu):
         cdef int rc
+        cdef shm_ticker *t = self._ticker_for(c, timeout_ns)
         spin_ns = self._spin(spin_ns, ncpu)
         if shm_only_python_thread():  # nobody else wants the GIL: keep it
-            return shm_slot_wait(&self.seg, c, k, spin_ns, timeout_ns)
+            return shm_slot_wait_ticked(&self.seg, c, k, spin_ns, timeout_ns, t)
         with nogil:
-            rc = shm_slot_wait(&self.seg, c, k, spin_ns, timeout_ns)
+            rc = shm_slot_wait_ticked(&self.seg, c, k, spin_ns, timeout_ns, t)
         return rc
 
     def fetch(self, uint32_t c, uint32_t k, list dst, Py_ssize_t row):
@@ -514,11 +579,11 @@ cdef class Segment:
 
 
 cdef inline int _publish_and_wait(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
-                                  uint64_t timeout_ns) noexcept nogil:
+                                  uint64_t timeout_ns, shm_ticker *t) noexcept nogil:
     """Hands slot (c, k) to the evaluator and waits for its answer."""
     shm_slot_publish(s, c, k)
     shm_notify_evaluator(s, 1)
-    return shm_slot_wait(s, c, k, spin_ns, timeout_ns)
+    return shm_slot_wait_ticked(s, c, k, spin_ns, timeout_ns, t)
 
 
 cdef class ClientPort:
@@ -595,6 +660,7 @@ cdef class ClientPort:
         cdef uint32_t k, j
         cdef int rc, nd, i
         cdef uint64_t spin
+        cdef shm_ticker *t
         cdef cnp.npy_intp[32] dims
         cdef list outs
         cdef tuple shape
@@ -642,14 +708,15 @@ cdef class ClientPort:
         memcpy(shm_slot_in(&self.seg.seg, self.c, k), cnp.PyArray_DATA(a),
                self.seg.seg.p.in_bytes)
         spin = self.seg._spin(self.spin_ns, self.ncpu)
+        t = self.seg._ticker_for(self.c, self.timeout_ns)
         if shm_only_python_thread():
             # The process's only Python thread: no one else wants the GIL, and
             # releasing and taking it back was about 5% of a worker's CPU time
             # with 16 workers on 2 cores (docs/performance.md, finding 20).
-            rc = _publish_and_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns)
+            rc = _publish_and_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns, t)
         else:
             with nogil:
-                rc = _publish_and_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns)
+                rc = _publish_and_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns, t)
         if rc < 0:
             return (rc, k, outs)
         r = self.seg._fetch(self.c, k, outs, 0)

@@ -111,6 +111,10 @@ class Client:
                 seg, c, list(range(spec.slots_per_client)), spec.input_dtype,
                 spec.input_shape, int(self._spin_us * 1000), WAIT_TIMEOUT_NS, self._ncpu,
                 self._notify_waiters)
+            # Waits then sleep without a timer; the ticker wakes them every
+            # WAIT_TIMEOUT_NS to check on the evaluator (docs/performance.md,
+            # finding 23).  Without it (no thread to be had) they use timers.
+            seg.start_ticker(c, WAIT_TIMEOUT_NS)
             self._c = c
             self._pid = pid
             self._finalizer = weakref.finalize(self, _detach, seg, c, pid)

@@ -22,6 +22,8 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
+#include <signal.h>
 #include <linux/futex.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -356,14 +358,18 @@ static inline void shm_cpu_relax(void) {
 #endif
 }
 
-/* Not FUTEX_PRIVATE: the words live in a mapping shared between processes. */
+/* No timeout or deadline: a futex wait without a timer. */
+#define SHM_NO_DEADLINE UINT64_MAX
+
+/* Not FUTEX_PRIVATE: the words live in a mapping shared between processes.
+ * A relative timeout, or SHM_NO_DEADLINE. */
 static inline int shm_futex_wait(_Atomic uint32_t *w, uint32_t expected,
                                  uint64_t timeout_ns) {
     struct timespec ts;
     ts.tv_sec = (time_t)(timeout_ns / 1000000000ull);
     ts.tv_nsec = (long)(timeout_ns % 1000000000ull);
-    return (int)syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, expected, &ts,
-                        NULL, 0);
+    return (int)syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, expected,
+                        timeout_ns == SHM_NO_DEADLINE ? NULL : &ts, NULL, 0);
 }
 
 static inline void shm_futex_wake(_Atomic uint32_t *w, int n) {
@@ -371,20 +377,32 @@ static inline void shm_futex_wake(_Atomic uint32_t *w, int n) {
 }
 
 /* FUTEX_WAIT_BITSET: sleeps while *w == expected until a wake whose bits
- * meet `bits`, or until the CLOCK_MONOTONIC time deadline_ns. */
+ * meet `bits`, or until the CLOCK_MONOTONIC time deadline_ns.  With
+ * SHM_NO_DEADLINE the kernel arms no timer at all: on this machine arming
+ * and cancelling the hrtimer of every sleep cost ~10% of the round trips of
+ * 16 clients on 2 cores (docs/performance.md, finding 23). */
 static inline int shm_futex_wait_bits(_Atomic uint32_t *w, uint32_t expected,
                                       uint64_t deadline_ns, uint32_t bits) {
     struct timespec ts;
     ts.tv_sec = (time_t)(deadline_ns / 1000000000ull);
     ts.tv_nsec = (long)(deadline_ns % 1000000000ull);
     return (int)syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT_BITSET, expected,
-                        &ts, NULL, bits);
+                        deadline_ns == SHM_NO_DEADLINE ? NULL : &ts, NULL,
+                        bits);
 }
 
 /* Wakes every waiter on w whose bits meet `bits`. */
 static inline void shm_futex_wake_bits(_Atomic uint32_t *w, uint32_t bits) {
     syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_BITSET, INT_MAX, NULL, NULL,
             bits);
+}
+
+/* A doorbell ring: a new value, then the wake.  MO: release; what the
+ * ringer changed before it is visible to a waiter whose acquire load of the
+ * word sees the new value (see shm_slot_wait_ticked). */
+static inline void shm_ring_word(_Atomic uint32_t *bell, uint32_t bits) {
+    atomic_fetch_add_explicit(bell, 1, memory_order_release);
+    shm_futex_wake_bits(bell, bits);
 }
 
 static inline uint32_t shm_hist_bin(uint64_t ns) {
@@ -562,20 +580,142 @@ static inline _Atomic uint32_t *shm_done_word(shm_seg *s, uint32_t c) {
 }
 static inline uint32_t shm_done_bit(uint32_t c) { return 1u << (c % 32u); }
 
+/* A ticker: a thread of the client's process that, every period_ns,
+ * advances `tick` and rings client c's doorbell (its bit only).  Its
+ * process's waiters then sleep without a timer (shm_slot_wait_ticked) and
+ * still come back every period to check on the evaluator: one timer wake-up
+ * per period for the whole process instead of a timer armed and cancelled
+ * by every sleep.  shm_ticker_start / shm_ticker_stop, below. */
+typedef struct {
+    _Atomic uint32_t *word;   /* the futex word it rings; its mapping must
+                                 outlive the ticker */
+    uint32_t bits;            /* the waiters it wakes (FUTEX_WAKE_BITSET) */
+    int bump;                 /* 1: a doorbell, its value goes up each ring */
+    uint32_t c;               /* the client whose doorbell it rings */
+    uint64_t period_ns;
+    _Atomic uint32_t tick;    /* ticks so far */
+    _Atomic uint32_t stop;    /* 1: stop (a private futex word) */
+    int running;              /* started and not yet joined */
+    pthread_t thread;
+} shm_ticker;
+
+/* ------------------------------------------------------------------ */
+/* Ticker (see shm_ticker above)                                      */
+/* ------------------------------------------------------------------ */
+
+/* One tick: a waiter of client c that sees the new tick returns
+ * SHM_TIMEOUT.  MO: relaxed increment, published by the release increment
+ * of the doorbell that follows (shm_ring_word), which a waiter loads
+ * (acquire) before it looks at the tick and sleeps. */
+static inline void shm_ticker_tick(shm_ticker *t) {
+    atomic_fetch_add_explicit(&t->tick, 1, memory_order_relaxed);
+    if (t->bump)
+        shm_ring_word(t->word, t->bits);
+    else
+        shm_futex_wake_bits(t->word, t->bits);
+}
+
+static void *shm_ticker_main(void *arg) {
+    shm_ticker *t = (shm_ticker *)arg;
+    struct timespec ts;
+    ts.tv_sec = (time_t)(t->period_ns / 1000000000ull);
+    ts.tv_nsec = (long)(t->period_ns % 1000000000ull);
+    /* MO (both loads of stop): acquire; pairs with the release store in
+     * shm_ticker_stop. */
+    while (!atomic_load_explicit(&t->stop, memory_order_acquire)) {
+        /* Sleeps one period, or until shm_ticker_stop wakes it (a relative
+         * timeout: the timer is this thread's, once per period). */
+        syscall(SYS_futex, (uint32_t *)&t->stop, FUTEX_WAIT_PRIVATE, 0, &ts,
+                NULL, 0);
+        if (atomic_load_explicit(&t->stop, memory_order_acquire)) break;
+        shm_ticker_tick(t);
+    }
+    /* The last ring comes after stop was seen: a waiter whose load of the
+     * doorbell sees this ring sees stop too (and one that loaded it before
+     * is woken by the ring, or finds the doorbell changed). */
+    shm_ticker_tick(t);
+    return NULL;
+}
+
+/* Starts t: every period_ns it rings `word` for the waiters with `bits`
+ * (bump: as a doorbell, shm_ring_word; else a bare wake).  The thread
+ * blocks every signal, so that signals reach the process's own threads.
+ * Returns 0, or an errno value (the caller then waits with timers). */
+static inline int shm_ticker_start_word(shm_ticker *t, _Atomic uint32_t *word,
+                                        uint32_t bits, int bump,
+                                        uint64_t period_ns) {
+    sigset_t all, old;
+    pthread_attr_t attr;
+    int rc;
+    t->word = word;
+    t->bits = bits;
+    t->bump = bump;
+    t->c = UINT32_MAX;
+    t->period_ns = period_ns ? period_ns : 1;
+    atomic_init(&t->tick, 0);
+    atomic_init(&t->stop, 0);
+    t->running = 0;
+    if ((rc = pthread_attr_init(&attr)) != 0) return rc;
+    /* The thread's needs are a few hundred bytes of stack. */
+    pthread_attr_setstacksize(&attr, 64 * 1024);
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    rc = pthread_create(&t->thread, &attr, shm_ticker_main, t);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    if (rc == 0) t->running = 1;
+    return rc;
+}
+
+/* Starts t for client c of segment s (whose mapping must stay until
+ * shm_ticker_stop): it rings c's doorbell, c's bit only. */
+static inline int shm_ticker_start(shm_ticker *t, shm_seg *s, uint32_t c,
+                                   uint64_t period_ns) {
+    int rc = shm_ticker_start_word(t, shm_done_word(s, c), shm_done_bit(c), 1,
+                                   period_ns);
+    t->c = c;
+    return rc;
+}
+
+/* Stops and joins t's thread; it ticks once more on its way out, and a
+ * waiter that finds `stop` set returns SHM_TIMEOUT, so a waiter that chose
+ * this ticker returns and then waits with timers or another ticker.  A
+ * stopped ticker is not started again while such a waiter may still look
+ * at it (the Python layer starts a new one).  Only from the process that
+ * started it (a forked child has no such thread: it just forgets t). */
+static inline void shm_ticker_stop(shm_ticker *t) {
+    if (!t->running) return;
+    /* MO: release; pairs with the acquire load in shm_ticker_main. */
+    atomic_store_explicit(&t->stop, 1, memory_order_release);
+    syscall(SYS_futex, (uint32_t *)&t->stop, FUTEX_WAKE_PRIVATE, 1, NULL,
+            NULL, 0);
+    pthread_join(t->thread, NULL);
+    t->running = 0;
+}
+
 /* Waits until slot (c, k) is DONE or FAILED.  Spins for at most spin_ns
  * (callers pass 0 when processes outnumber cores), then sleeps on its
- * client's doorbell (shm_done_word, its own bit), for at most timeout_ns in
- * all.  Returns the final state, or SHM_TIMEOUT (the caller checks the
- * evaluator's liveness and calls again), or SHM_CLOSED.  The Python
- * wrappers call it without the GIL, unless the caller is its process's only
- * Python thread (nobody else can want it). */
-static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
-                                uint64_t spin_ns, uint64_t timeout_ns) {
+ * client's doorbell (shm_done_word, its own bit).  Without a ticker (t ==
+ * NULL) it waits for at most timeout_ns in all, with a timer on each sleep;
+ * with one (t running for client c of this process) it sleeps without a
+ * timer and returns SHM_TIMEOUT at the ticker's first tick after the wait
+ * began, so within one period (timeout_ns is then not used).  Returns the
+ * final state, or SHM_TIMEOUT (the caller checks the evaluator's liveness
+ * and calls again), or SHM_CLOSED.  The Python wrappers call it without the
+ * GIL, unless the caller is its process's only Python thread (nobody else
+ * can want it). */
+static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
+                                       uint64_t spin_ns, uint64_t timeout_ns,
+                                       shm_ticker *t) {
     shm_header *h = shm_hdr(s);
     _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
     _Atomic uint32_t *bell = shm_done_word(s, c);
-    /* Without a spin the clock is first read in the loop below, where the
-     * timeout needs it: one clock read fewer per wait. */
+    /* MO: relaxed; compared below after an acquire load of the doorbell,
+     * which the ticker rings (release) after each increment. */
+    uint32_t tick0 = t ? atomic_load_explicit(&t->tick, memory_order_relaxed)
+                       : 0;
+    /* The clock is read only where needed: for a spin, and for the
+     * deadline of a timed sleep (one clock read fewer per wait). */
     uint64_t start = spin_ns ? shm_now_ns() : 0;
     int started = spin_ns != 0;
     uint32_t cur;
@@ -595,12 +735,20 @@ static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
         uint32_t st = shm_word_state(cur);
         if (shm_state_is_final(st)) return (int)st;
         SHM_ASSERT(st == SLOT_READY || st == SLOT_TAKEN);
-        uint64_t now = shm_now_ns();
-        if (!started) {
-            start = now;
-            started = 1;
+        uint64_t deadline = SHM_NO_DEADLINE;
+        if (!t) {
+            uint64_t now = shm_now_ns();
+            if (!started) {
+                start = now;
+                started = 1;
+            }
+            if (now - start >= timeout_ns) return SHM_TIMEOUT;
+            /* An absolute deadline; saturated, not wrapped, for huge
+             * timeouts. */
+            deadline = timeout_ns > (uint64_t)INT64_MAX - start
+                           ? (uint64_t)INT64_MAX
+                           : start + timeout_ns;
         }
-        if (now - start >= timeout_ns) return SHM_TIMEOUT;
         if (!(cur & SLOT_WAITER)) {
             /* MO: relaxed; on the one word, the evaluator's completing CAS
              * either comes after this one (and sees WAITER, so it rings the
@@ -610,14 +758,15 @@ static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
                     memory_order_relaxed))
                 continue;
         }
-        /* The doorbell, then the word and the state once more, right
-         * before sleeping (other clients' answers ring the same word, and
-         * a ring between this load and the futex wait costs a retry).
+        /* The doorbell, then the word, the state and the tick once more,
+         * right before sleeping (other clients' answers ring the same word,
+         * and a ring between this load and the futex wait costs a retry).
          * MO: acquire; pairs with the release increment in
          * shm_ring_doorbell, which comes after the ringer's change of w
-         * (shm_finish) or ev_state (shm_close_and_wake).  So if w below is
-         * not final and ev_state not closed, `seq` predates that ring, and
-         * the futex wait returns at once (EAGAIN) or is woken by it. */
+         * (shm_finish), of ev_state (shm_close_and_wake) or of the tick
+         * (shm_ticker_tick).  So if none of those is seen below, `seq`
+         * predates that ring, and the futex wait returns at once (EAGAIN)
+         * or is woken by it. */
         uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
         cur = atomic_load_explicit(w, memory_order_acquire);
         if (shm_state_is_final(shm_word_state(cur)))
@@ -627,12 +776,19 @@ static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
         if (atomic_load_explicit(&h->ev_state, memory_order_acquire) >=
             EV_CLOSED)
             return SHM_CLOSED;
-        /* An absolute deadline; saturated, not wrapped, for huge timeouts. */
-        uint64_t deadline = timeout_ns > (uint64_t)INT64_MAX - start
-                                ? (uint64_t)INT64_MAX
-                                : start + timeout_ns;
+        /* A tick since the wait began, or a stopped ticker (which ticks no
+         * more; it set `stop` before its last ring).  MO: relaxed loads,
+         * ordered by the acquire load of the doorbell above. */
+        if (t && (atomic_load_explicit(&t->tick, memory_order_relaxed) != tick0 ||
+                  atomic_load_explicit(&t->stop, memory_order_relaxed)))
+            return SHM_TIMEOUT;
         shm_futex_wait_bits(bell, seq, deadline, shm_done_bit(c));
     }
+}
+
+static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
+                                uint64_t spin_ns, uint64_t timeout_ns) {
+    return shm_slot_wait_ticked(s, c, k, spin_ns, timeout_ns, NULL);
 }
 
 /* DONE/FAILED -> FREE with a new generation, after copying the outputs out.
@@ -799,9 +955,7 @@ static inline int shm_still_taken(shm_seg *s, const shm_taken *t) {
  * visible to a waiter that reads the new value (see shm_slot_wait). */
 static inline void shm_ring_doorbell(shm_seg *s, uint32_t group,
                                      uint32_t bits) {
-    _Atomic uint32_t *bell = &shm_hdr(s)->done_seq[group];
-    atomic_fetch_add_explicit(bell, 1, memory_order_release);
-    shm_futex_wake_bits(bell, bits);
+    shm_ring_word(&shm_hdr(s)->done_seq[group], bits);
 }
 
 /* Marks every slot of the batch TAKEN -> DONE (or FAILED), then wakes the
@@ -1073,10 +1227,16 @@ static inline void shm_close_and_wake(shm_seg *s, uint32_t final_state) {
 /* ------------------------------------------------------------------ */
 
 /* Waits until *w == want: spins up to spin_ns, then sleeps on the word.
- * Returns SHM_OK, or SHM_TIMEOUT after timeout_ns without it. */
+ * Returns SHM_OK, or SHM_TIMEOUT after about timeout_ns without it.
+ * ticked: a ticker wakes this side now and then (shm_pingpong), so a sleep
+ * needs no timer, and without a spin the clock is first read after a wake
+ * that was not the answer -- the cheapest wait there is, as a shmeval
+ * client's is. */
 static inline int shm_pp_wait(_Atomic uint32_t *w, uint32_t want,
-                              uint64_t spin_ns, uint64_t timeout_ns) {
-    uint64_t start = shm_now_ns();
+                              uint64_t spin_ns, uint64_t timeout_ns,
+                              int ticked) {
+    uint64_t start = 0;
+    int started = 0;
     for (uint32_t i = 0;; i++) {
         /* MO: acquire; pairs with the release store of the other side. */
         uint32_t cur = atomic_load_explicit(w, memory_order_acquire);
@@ -1085,10 +1245,19 @@ static inline int shm_pp_wait(_Atomic uint32_t *w, uint32_t want,
             shm_cpu_relax();
             continue;
         }
+        if (ticked && !spin_ns && i == 0) {
+            shm_futex_wait(w, cur, SHM_NO_DEADLINE);
+            continue;
+        }
         uint64_t now = shm_now_ns();
+        if (!started) {
+            start = now;
+            started = 1;
+        }
         if (now - start >= timeout_ns) return SHM_TIMEOUT;
         if (now - start >= spin_ns)
-            shm_futex_wait(w, cur, timeout_ns - (now - start));
+            shm_futex_wait(w, cur,
+                           ticked ? SHM_NO_DEADLINE : timeout_ns - (now - start));
         else
             shm_cpu_relax();
     }
@@ -1097,33 +1266,43 @@ static inline int shm_pp_wait(_Atomic uint32_t *w, uint32_t want,
 /* One side of a two-process futex ping-pong on *w (a word in a shared
  * mapping, 0 at the start): the cheapest wake-up round trip the machine
  * allows, the physical limit a blocking request/response can approach.
- * word must be 4-byte aligned.  Side 0 stores 2i+1 and waits for 2i+2; side 1 answers.  Each wake is a
- * FUTEX_WAKE system call, each wait spins up to spin_ns before FUTEX_WAIT.
- * Side 0 stores each round trip's ns in lat[i] when lat is not NULL.
- * Returns SHM_OK, or SHM_TIMEOUT when the other side fell silent. */
+ * word must be 4-byte aligned.  Side 0 stores 2i+1 and waits for 2i+2;
+ * side 1 answers.  Each wake is a FUTEX_WAKE system call, each wait spins
+ * up to spin_ns before a FUTEX_WAIT without a timer: a ticker thread
+ * (100 ms, or timeout_ns if shorter) wakes it to check the time, as
+ * shmeval's clients sleep (with a timer on every sleep a round trip cost
+ * 0.6 us more here, docs/performance.md finding 23).  Side 0 stores each
+ * round trip's ns in lat[i] when lat is not NULL.  Returns SHM_OK, or
+ * SHM_TIMEOUT when the other side fell silent. */
 static inline int shm_pingpong(void *word, int side, uint64_t rounds,
                                uint64_t *lat, uint64_t spin_ns,
                                uint64_t timeout_ns) {
     _Atomic uint32_t *w = (_Atomic uint32_t *)word;
-    for (uint64_t i = 0; i < rounds; i++) {
+    shm_ticker tk;
+    const uint64_t period = 100000000ull;
+    int ticked = shm_ticker_start_word(&tk, w, FUTEX_BITSET_MATCH_ANY, 0,
+                                       timeout_ns < period ? timeout_ns
+                                                           : period) == 0;
+    int rc = SHM_OK;
+    for (uint64_t i = 0; i < rounds && rc == SHM_OK; i++) {
         uint32_t ping = (uint32_t)(2 * i + 1), pong = ping + 1;
         if (side == 0) {
             uint64_t t0 = shm_now_ns();
             /* MO: release; the other side's acquire load sees it. */
             atomic_store_explicit(w, ping, memory_order_release);
             shm_futex_wake(w, 1);
-            if (shm_pp_wait(w, pong, spin_ns, timeout_ns) != SHM_OK)
-                return SHM_TIMEOUT;
-            if (lat) lat[i] = shm_now_ns() - t0;
+            rc = shm_pp_wait(w, pong, spin_ns, timeout_ns, ticked);
+            if (lat && rc == SHM_OK) lat[i] = shm_now_ns() - t0;
         } else {
-            if (shm_pp_wait(w, ping, spin_ns, timeout_ns) != SHM_OK)
-                return SHM_TIMEOUT;
+            rc = shm_pp_wait(w, ping, spin_ns, timeout_ns, ticked);
+            if (rc != SHM_OK) break;
             /* MO: release; as above. */
             atomic_store_explicit(w, pong, memory_order_release);
             shm_futex_wake(w, 1);
         }
     }
-    return SHM_OK;
+    if (ticked) shm_ticker_stop(&tk);
+    return rc;
 }
 
 #endif /* SHMEVAL_RING_H */

@@ -2425,6 +2425,8 @@ typedef struct {
     uint64_t timeout_ns;
     int rc;
     uint64_t ret_ns, cpu_ns; /* when it returned; its CPU time in the wait */
+    shm_ticker *ticker;      /* NULL: a timed wait */
+    _Atomic int returned;
 } bell_arg;
 
 static uint64_t thread_cpu_ns(void) {
@@ -2437,9 +2439,10 @@ static uint64_t thread_cpu_ns(void) {
 static void *bell_sleeper(void *arg) {
     bell_arg *a = arg;
     uint64_t c0 = thread_cpu_ns();
-    a->rc = shm_slot_wait(a->s, a->c, 0, 0, a->timeout_ns);
+    a->rc = shm_slot_wait_ticked(a->s, a->c, 0, 0, a->timeout_ns, a->ticker);
     a->ret_ns = shm_now_ns();
     a->cpu_ns = thread_cpu_ns() - c0;
+    atomic_store(&a->returned, 1);
     return NULL;
 }
 
@@ -2460,7 +2463,7 @@ static void test_doorbell(void) {
         bell_arg ba[NB];
         pthread_t tid[NB];
         for (int i = 0; i < NB; i++) {
-            ba[i] = (bell_arg){s, order[i], 10000 * MS, 0, 0, 0};
+            ba[i] = (bell_arg){s, order[i], 10000 * MS, 0, 0, 0, NULL, 0};
             CHECK_EQ(shm_slot_begin(s, order[i], 0), SHM_OK);
             shm_slot_publish(s, order[i], 0);
             CHECK_EQ(pthread_create(&tid[i], NULL, bell_sleeper, &ba[i]), 0);
@@ -2514,7 +2517,7 @@ static void test_doorbell(void) {
     {
         CHECK_EQ(shm_slot_begin(s, 3, 0), SHM_OK);
         shm_slot_publish(s, 3, 0);
-        bell_arg ea = {s, 3, UINT64_MAX, 0, 0, 0};
+        bell_arg ea = {s, 3, UINT64_MAX, 0, 0, 0, NULL, 0};
         pthread_t tid;
         CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &ea), 0);
         while (!(word_of(s, 3, 0) & SLOT_WAITER)) sleep_ns(200 * US);
@@ -2534,6 +2537,108 @@ static void test_doorbell(void) {
     seg_free(&t);
 }
 
+/* The ticker (shm_ticker): a waiter that chose it sleeps without a timer
+ * and returns SHM_TIMEOUT at its next tick, however long the timeout it
+ * was given; it still gets its answer as soon as it comes; once the ticker
+ * is stopped, such a waiter returns at once.  A ticker that rings the wrong
+ * bit, or rings without ticking, leaves the waiter asleep for good: the
+ * bounded joins below fail (there is no timer to fall back on). */
+static void join_within(pthread_t tid, bell_arg *a, uint64_t limit_ns,
+                        const char *what) {
+    uint64_t t0 = shm_now_ns();
+    while (!atomic_load(&a->returned)) {
+        CHECK_MSG(shm_now_ns() - t0 < limit_ns,
+                  "%s: client %u still asleep after %.1f s", what, a->c,
+                  secs(limit_ns));
+        sleep_ns(1 * MS);
+    }
+    CHECK_EQ(pthread_join(tid, NULL), 0);
+}
+
+static void test_ticker(void) {
+    start_test("ticker", 60);
+    const shm_params P = mkparams(336, 32, 40, 1, 8);
+    test_seg ts;
+    shm_seg *s = serving_seg(&ts, &P);
+    for (uint32_t c = 0; c < P.max_clients; c++)
+        CHECK_EQ(shm_client_register(s, 31000 + (int32_t)c, 1), (int)c);
+    const uint64_t period = 20 * MS;
+    /* clients 1 and 33 each with a ticker: on two doorbell words */
+    const uint32_t cs[2] = {1, 33};
+    shm_ticker tk[2];
+    for (int i = 0; i < 2; i++)
+        CHECK_EQ(shm_ticker_start(&tk[i], s, cs[i], period), 0);
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(shm_slot_begin(s, cs[i], 0), SHM_OK);
+        shm_slot_publish(s, cs[i], 0);
+    }
+    /* Nobody answers: each wait returns at a tick, within a period (plus
+     * scheduling slack), though its timeout is 10 s; it slept meanwhile. */
+    for (int round = 0; round < 3; round++)
+        for (int i = 0; i < 2; i++) {
+            bell_arg a = {s, cs[i], 10000 * MS, 0, 0, 0, &tk[i], 0};
+            pthread_t tid;
+            uint32_t tick0 = atomic_load(&tk[i].tick);
+            uint64_t t0 = shm_now_ns();
+            CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
+            join_within(tid, &a, PROMPT_NS, "ticked wait, no answer");
+            CHECK_EQ(a.rc, SHM_TIMEOUT);
+            CHECK(atomic_load(&tk[i].tick) != tick0);
+            CHECK_MSG(a.cpu_ns < period / 2,
+                      "a ticked wait used %.1f ms of CPU in %.1f ms",
+                      (double)a.cpu_ns / 1e6, (double)(a.ret_ns - t0) / 1e6);
+        }
+    /* An answer wakes a ticked waiter as it wakes a timed one: client 1
+     * asleep on a ticker of a long period (no tick during the test). */
+    shm_ticker slow;
+    CHECK_EQ(shm_ticker_start(&slow, s, 2, 3600000 * MS), 0);
+    CHECK_EQ(shm_slot_begin(s, 2, 0), SHM_OK);
+    shm_slot_publish(s, 2, 0);
+    {
+        bell_arg a = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0};
+        pthread_t tid;
+        CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
+        while (!(word_of(s, 2, 0) & SLOT_WAITER)) sleep_ns(200 * US);
+        sleep_ns(30 * MS);
+        char batch[3 * 336], res[3 * 32] = {0};
+        shm_taken taken[3];
+        uint32_t cursor = 0;
+        /* the other two slots are still READY: all three are taken */
+        CHECK_EQ(shm_collect(s, batch, taken, 3, &cursor, 0, 0, 100 * MS), 3);
+        uint64_t t_done = shm_now_ns();
+        CHECK_EQU(shm_complete(s, taken, 3, res, 5), 3);
+        join_within(tid, &a, PROMPT_NS, "ticked wait, answered");
+        CHECK_EQ(a.rc, SLOT_DONE);
+        CHECK_MSG(a.ret_ns - t_done < PROMPT_NS, "woke %.3f s after its answer",
+                  secs(a.ret_ns - t_done));
+        for (int i = 0; i < 2; i++)
+            CHECK_EQ(shm_slot_release(s, cs[i], 0), SHM_OK);
+        CHECK_EQ(shm_slot_release(s, 2, 0), SHM_OK);
+    }
+    /* Stopping: a waiter asleep on the slow ticker returns when it stops,
+     * and one that chose it afterwards returns at once. */
+    CHECK_EQ(shm_slot_begin(s, 2, 0), SHM_OK);
+    shm_slot_publish(s, 2, 0);
+    {
+        bell_arg a = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0};
+        pthread_t tid;
+        CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
+        while (!(word_of(s, 2, 0) & SLOT_WAITER)) sleep_ns(200 * US);
+        sleep_ns(30 * MS);
+        CHECK(!atomic_load(&a.returned));
+        shm_ticker_stop(&slow);
+        join_within(tid, &a, PROMPT_NS, "ticked wait, ticker stopped");
+        CHECK_EQ(a.rc, SHM_TIMEOUT);
+        bell_arg b = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0};
+        bell_sleeper(&b);
+        CHECK_EQ(b.rc, SHM_TIMEOUT);
+    }
+    for (int i = 0; i < 2; i++) shm_ticker_stop(&tk[i]);
+    printf("  ticker: waits on two doorbell words returned at ticks of "
+           "20 ms (timeout 10 s)\n");
+    seg_free(&ts);
+}
+
 /* ------------------------------------------------------------------ */
 
 typedef struct {
@@ -2547,6 +2652,7 @@ static const test_case k_tests[] = {
     {"concurrency", test_concurrency}, {"close", test_close},
     {"max_wait", test_max_wait}, {"control", test_control},
     {"scribbled", test_scribbled}, {"doorbell", test_doorbell},
+    {"ticker", test_ticker},
 };
 
 int main(int argc, char **argv) {
