@@ -484,7 +484,10 @@ cdef class Segment:
             return rc
         return self._fetch(c, k, dst, row)
 
-    cdef object _fetch(self, uint32_t c, uint32_t k, list dst, Py_ssize_t row):
+    cdef object _fetch(self, uint32_t c, uint32_t k, list dst, Py_ssize_t row,
+                       bint trusted=False):
+        """trusted: dst are arrays of the declared outputs (ClientPort made
+        or checked them), so their size needs no check."""
         cdef uint32_t j, st, w
         cdef shm_slot_meta *m
         cdef char *out
@@ -498,12 +501,12 @@ cdef class Segment:
         m = shm_meta(&self.seg, c, k)
         out = shm_slot_out(&self.seg, c, k)
         if st == SLOT_DONE:
-            if len(dst) != self.n_out:
+            if not trusted and len(dst) != self.n_out:
                 raise ValueError("wrong number of output buffers")
             for j in range(self.n_out):
                 a = dst[j]
-                if not cnp.PyArray_IS_C_CONTIGUOUS(a) or \
-                        <uint64_t>cnp.PyArray_NBYTES(a) < (row + 1) * self.out_nbytes[j]:
+                if not trusted and (not cnp.PyArray_IS_C_CONTIGUOUS(a) or
+                        <uint64_t>cnp.PyArray_NBYTES(a) < (row + 1) * self.out_nbytes[j]):
                     raise ValueError("output buffer too small or not C-contiguous")
                 memcpy(<char *>cnp.PyArray_DATA(a) + row * self.out_nbytes[j],
                        out + self.out_off[j], self.out_nbytes[j])
@@ -617,6 +620,10 @@ cdef class ClientPort:
     cdef public bint retired   # closed: takes no new request (see Client.close)
     cdef public bint detached  # its client entry is detached: waiters give up
     cdef public list abandoned # slots whose waiting thread gave up early
+    cdef int *out_nd           # the declared outputs' ranks, NumPy type numbers
+    cdef int *out_type         # and shapes (out_dims[out_at[j]:...]), in C for
+    cdef Py_ssize_t *out_at    # _unreferenced
+    cdef cnp.npy_intp *out_dims
 
     def __cinit__(self, Segment seg, uint32_t c, list free, object in_dtype, tuple in_shape,
                   uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu, object notify):
@@ -637,6 +644,30 @@ cdef class ClientPort:
         self.ncpu = ncpu
         self.notify = notify
         self.abandoned = []
+        cdef Py_ssize_t j, n = seg.n_out, total = 0
+        for j in range(n):
+            total += len(seg.out_dims[j])
+        self.out_nd = <int *>malloc(sizeof(int) * max(1, n))
+        self.out_type = <int *>malloc(sizeof(int) * max(1, n))
+        self.out_at = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * max(1, n))
+        self.out_dims = <cnp.npy_intp *>malloc(sizeof(cnp.npy_intp) * max(1, total))
+        if not (self.out_nd and self.out_type and self.out_at and self.out_dims):
+            raise MemoryError()
+        total = 0
+        for j in range(n):
+            shape = seg.out_dims[j]
+            self.out_nd[j] = len(shape)
+            self.out_type[j] = seg.out_types[j]
+            self.out_at[j] = total
+            for i in range(len(shape)):
+                self.out_dims[total + i] = shape[i]
+            total += len(shape)
+
+    def __dealloc__(self):
+        free(self.out_nd)
+        free(self.out_type)
+        free(self.out_at)
+        free(self.out_dims)
 
     cpdef give_back(self, uint32_t k):
         self.free.append(k)
@@ -674,7 +705,8 @@ cdef class ClientPort:
         for i in range(self.in_nd):
             if cnp.PyArray_DIM(a, i) != self.in_dims[i]:
                 return None
-        if not (a.dtype is self.in_dtype or a.dtype == self.in_dtype):
+        if <PyObject *>cnp.PyArray_DESCR(a) != <PyObject *>self.in_dtype and \
+                a.dtype != self.in_dtype:
             return None
         if shm_ev_state(&self.seg.seg) >= EV_CLOSING or not self.free:
             return None
@@ -719,7 +751,7 @@ cdef class ClientPort:
                 rc = _publish_and_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns, t)
         if rc < 0:
             return (rc, k, outs)
-        r = self.seg._fetch(self.c, k, outs, 0)
+        r = self.seg._fetch(self.c, k, outs, 0, True)
         if type(r) is int and r < 0:  # the slot was reclaimed: not ours any more
             return (r, k, outs)
         self.give_back(k)
@@ -750,7 +782,8 @@ cdef class ClientPort:
         cdef Py_ssize_t j, i
         cdef PyObject *x
         cdef cnp.ndarray arr
-        cdef tuple shape
+        cdef cnp.npy_intp *dims
+        cdef cnp.npy_intp *want
         # Borrowed pointers: a Python-level reference here would itself
         # show in the counts.
         cdef PyObject *cached = <PyObject *>(self.prev if older else self.last)
@@ -764,13 +797,15 @@ cdef class ClientPort:
             if Py_REFCNT(x) != 2 or PyDict_GetItem(<object>cached, self.seg.out_names[j]) != x:
                 return False
             arr = <cnp.ndarray>x
-            shape = self.seg.out_dims[j]
+            # Unchanged in place too (a caller may set .shape or resize).
             if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or \
-                    cnp.PyArray_TYPE(arr) != <int>self.seg.out_types[j] or \
-                    cnp.PyArray_NDIM(arr) != len(shape):
+                    cnp.PyArray_TYPE(arr) != self.out_type[j] or \
+                    cnp.PyArray_NDIM(arr) != self.out_nd[j]:
                 return False
-            for i in range(len(shape)):
-                if cnp.PyArray_DIM(arr, i) != <Py_ssize_t>shape[i]:
+            dims = cnp.PyArray_DIMS(arr)
+            want = &self.out_dims[self.out_at[j]]
+            for i in range(self.out_nd[j]):
+                if dims[i] != want[i]:
                     return False
         return True
 
