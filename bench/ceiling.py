@@ -4,14 +4,19 @@
   pinned to one core and free (bench/c/futex_pingpong.c);
 * the core without Python clients: N client processes written in C against
   ring.h (bench/c/ring_client.c) served by Evaluator.spawn with a null model,
-  beside the same evaluator serving N Python workers that call evaluate().
+  beside the same evaluator serving N Python workers that call evaluate();
+* with --timers, each of those again with a 100 ms timer on every sleep
+  (the ping-pong) or without the client's ticker, so that every sleep has
+  one (the clients): what sleeping without a timer saves
+  (docs/performance.md, finding 23).  Runs alternate within each repeat.
 
 Needs gcc.  Usage: python bench/ceiling.py [--workers 16] [--seconds 3]
-[--repeats 3] [--json PATH]
+[--repeats 3] [--timers] [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -25,19 +30,15 @@ from typing import Any
 import numpy as np
 
 import shmeval
+from shmeval.bench.roundtrip import NullModel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INPUT_SHAPE = (6, 7, 2)
 OUTPUTS = {"policy": ((7,), "float32"), "value": ((), "float32")}
 
 
-def null_model(x: np.ndarray) -> dict[str, np.ndarray]:
-    n = len(x)
-    return {"policy": np.zeros((n, 7), np.float32), "value": x.reshape(n, -1)[:, 0]}
-
-
-def null_factory() -> Any:
-    return null_model
+# The benchmark's null model, for the Connect Four state's 7 moves.
+null_factory = functools.partial(NullModel, 7)
 
 
 def build(tmp: str) -> tuple[str, str]:
@@ -51,10 +52,12 @@ def build(tmp: str) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def python_worker(ev: Any, seconds: float, start: Any, q: Any) -> None:
+def python_worker(ev: Any, seconds: float, start: Any, q: Any, timer: bool = False) -> None:
     state = np.zeros(INPUT_SHAPE, np.float32)
     for _ in range(200):
         ev.evaluate(state)
+    if timer:  # as if no ticker could be started: every sleep has a timer
+        ev._attach().stop_ticker()
     start.wait()
     n = 0
     end = time.perf_counter() + seconds
@@ -65,26 +68,27 @@ def python_worker(ev: Any, seconds: float, start: Any, q: Any) -> None:
     q.put(n)
 
 
-def run_c_clients(client_exe: str, workers: int, seconds: float) -> float:
+def run_c_clients(client_exe: str, workers: int, seconds: float, timer: bool = False) -> float:
     with shmeval.Evaluator.spawn(null_factory, input_shape=INPUT_SHAPE, outputs=OUTPUTS) as ev:
-        procs = [subprocess.Popen([client_exe, ev.address, str(seconds)], stdout=subprocess.PIPE)
+        procs = [subprocess.Popen([client_exe, ev.address, str(seconds)] + ["timer"] * timer,
+                                  stdout=subprocess.PIPE)
                  for _ in range(workers)]
         total = sum(int(p.communicate(timeout=seconds + 60)[0]) for p in procs)
     return total / seconds
 
 
-def run_python_clients(workers: int, seconds: float) -> float:
+def run_python_clients(workers: int, seconds: float, timer: bool = False) -> float:
     ctx = mp.get_context("spawn")
     with shmeval.Evaluator.spawn(null_factory, input_shape=INPUT_SHAPE, outputs=OUTPUTS) as ev:
         q: Any = ctx.Queue()
         start = ctx.Event()
-        procs = [ctx.Process(target=python_worker, args=(ev, seconds, start, q))
+        procs = [ctx.Process(target=python_worker, args=(ev, seconds, start, q, timer))
                  for _ in range(workers)]
         for p in procs:
             p.start()
         time.sleep(1.0 + 0.1 * workers)  # let every worker attach and warm up
         start.set()
-        total = sum(q.get(timeout=seconds + 120) for _ in procs)
+        total: int = sum(q.get(timeout=seconds + 120) for _ in procs)
         for p in procs:
             p.join(30)
     return total / seconds
@@ -95,26 +99,45 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--timers", action="store_true",
+                    help="also measure each with a timer on every sleep")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    results: dict[str, list[float]] = {"pingpong_free_us": [], "pingpong_pinned_us": [],
-                                       "c_clients_per_s": [], "python_clients_per_s": []}
+    variants = [False, True] if args.timers else [False]
+    results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         pingpong, client = build(tmp)
+
+        def measure(key: str, fn: Any) -> None:
+            for timer in (variants[::-1] if r % 2 else variants):
+                name = key + ("_timer" if timer else "")
+                results.setdefault(name, []).append(fn(timer))
+
         for r in range(args.repeats):
-            results["pingpong_free_us"].append(float(subprocess.check_output([pingpong])))
-            results["pingpong_pinned_us"].append(float(subprocess.check_output([pingpong, "pin"])))
-            results["c_clients_per_s"].append(run_c_clients(client, args.workers, args.seconds))
-            results["python_clients_per_s"].append(run_python_clients(args.workers, args.seconds))
+            measure("pingpong_free_us", lambda t: float(subprocess.check_output(
+                [pingpong] + ["timer"] * t)))
+            measure("pingpong_pinned_us", lambda t: float(subprocess.check_output(
+                [pingpong, "pin"] + ["timer"] * t)))
+            measure("c_clients_per_s", lambda t: run_c_clients(client, args.workers, args.seconds, t))
+            measure("python_clients_per_s", lambda t: run_python_clients(args.workers, args.seconds, t))
             print(f"[{r + 1}/{args.repeats}] " + "  ".join(
                 f"{k} {v[-1]:,.1f}" for k, v in results.items()), flush=True)
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"\nmachine: {os.cpu_count()} CPUs, {sys.version.split()[0]}; medians of {args.repeats}")
-    print(f"futex ping-pong, free          {med['pingpong_free_us']:8.2f} µs per round trip")
-    print(f"futex ping-pong, one core      {med['pingpong_pinned_us']:8.2f} µs per round trip")
-    print(f"{args.workers} C clients -> shmeval      {med['c_clients_per_s']:10,.0f} round trips/s")
-    print(f"{args.workers} Python clients -> shmeval {med['python_clients_per_s']:10,.0f} round trips/s"
-          f"  ({med['python_clients_per_s'] / med['c_clients_per_s']:.2f} of the C clients)")
+    for timer in variants:
+        x = "_timer" if timer else ""
+        if args.timers:
+            print("with a timer on every sleep:" if timer else "sleeping without a timer:")
+        print(f"futex ping-pong, free          {med['pingpong_free_us' + x]:8.2f} µs per round trip")
+        print(f"futex ping-pong, one core      {med['pingpong_pinned_us' + x]:8.2f} µs per round trip")
+        c, py = med["c_clients_per_s" + x], med["python_clients_per_s" + x]
+        print(f"{args.workers} C clients -> shmeval      {c:10,.0f} round trips/s")
+        print(f"{args.workers} Python clients -> shmeval {py:10,.0f} round trips/s"
+              f"  ({py / c:.2f} of the C clients)")
+    if args.timers:
+        print("without a timer against with one: " + ", ".join(
+            f"{k} {med[k] / med[k + '_timer']:.2f}x" for k in
+            ("pingpong_pinned_us", "c_clients_per_s", "python_clients_per_s")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results, "medians": med}, f, indent=2)

@@ -1,5 +1,7 @@
 /* The machine's wake-up cost: two processes bounce a futex word in shared
- * memory.  Usage: futex_pingpong [pin]  ("pin": both on CPU 0).
+ * memory.  Usage: futex_pingpong [pin] [timer]  ("pin": both on CPU 0;
+ * "timer": every sleep with a 100 ms timeout, as a waiter that checks on
+ * its partner from time to time without a ticker would sleep).
  * Prints µs per round trip (two wake-ups, two context switches). */
 #define _GNU_SOURCE
 #include <linux/futex.h>
@@ -7,14 +9,18 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
+static int timer;
+
 static void futex_wait(_Atomic uint32_t *w, uint32_t v) {
-    syscall(SYS_futex, w, FUTEX_WAIT, v, NULL, NULL, 0);
+    struct timespec ts = {0, 100000000};
+    syscall(SYS_futex, w, FUTEX_WAIT, v, timer ? &ts : NULL, NULL, 0);
 }
 static void futex_wake(_Atomic uint32_t *w) {
     syscall(SYS_futex, w, FUTEX_WAKE, 1, NULL, NULL, 0);
@@ -29,7 +35,16 @@ int main(int argc, char **argv) {
     const int rounds = 100000;
     _Atomic uint32_t *w = mmap(NULL, 4096, PROT_READ | PROT_WRITE,
                                MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (argc > 1) {
+    int pin = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "pin") == 0) pin = 1;
+        else if (strcmp(argv[i], "timer") == 0) timer = 1;
+        else {
+            fprintf(stderr, "usage: %s [pin] [timer]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (pin) {
         cpu_set_t set;
         CPU_ZERO(&set);
         CPU_SET(0, &set);

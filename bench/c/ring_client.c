@@ -1,7 +1,8 @@
 /* A shmeval client written in C against ring.h directly: the ceiling of the
- * core with no Python on the client side.  Usage: ring_client ADDRESS SECONDS
- * Prints the number of round trips it completed.  Like the Python client it
- * runs a ticker (100 ms), so that its sleeps need no timer. */
+ * core with no Python on the client side.  Usage: ring_client ADDRESS
+ * SECONDS [timer]  Prints the number of round trips it completed.  Like the
+ * Python client it runs a ticker (100 ms), so that its sleeps need no
+ * timer; with "timer" it has none, and every sleep has a 100 ms timeout. */
 #include "ring.h"
 
 #include <fcntl.h>
@@ -11,8 +12,9 @@
 #include <sys/stat.h>
 
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s ADDRESS SECONDS\n", argv[0]);
+    int timer = argc == 4 && strcmp(argv[3], "timer") == 0;
+    if (argc != 3 && !timer) {
+        fprintf(stderr, "usage: %s ADDRESS SECONDS [timer]\n", argv[0]);
         return 2;
     }
     int fd = shm_open(argv[1], O_RDWR, 0);
@@ -34,7 +36,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     shm_ticker tk;
-    shm_ticker *t = shm_ticker_start(&tk, &s, (uint32_t)c, 100000000) == 0 ? &tk : NULL;
+    shm_ticker *t =
+        !timer && shm_ticker_start(&tk, &s, (uint32_t)c, 100000000) == 0 ? &tk : NULL;
     char *in = calloc(1, s.p.in_bytes);
     uint64_t end = shm_now_ns() + (uint64_t)(atof(argv[2]) * 1e9), n = 0;
     while (shm_now_ns() < end) {

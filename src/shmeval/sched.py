@@ -13,11 +13,13 @@ def use_batch_scheduling(enable: bool = True) -> None:
     A ``SCHED_BATCH`` thread is scheduled like any other, with the same
     share of the CPU, but waking up does not let it preempt the thread that
     is running.  A worker woken by its answer then no longer interrupts the
-    evaluator halfway through waking the rest of its batch.  With 16
-    workers on 2 cores this raised shmeval's round trips/s by 20-35% and
-    cut its p99 latency by about a quarter; with 8 or 64 workers the
-    results were mixed and the tail longer (docs/performance.md, finding
-    21).  It needs no privileges.
+    evaluator halfway through waking the rest of its batch.  When it was
+    introduced it raised shmeval's round trips/s with 16 workers on 2
+    cores by 20-35% (docs/performance.md, finding 21); since the evaluator
+    wakes a batch in one system call and clients sleep without timers
+    (findings 22, 23) it helps most with 2-4 and 32-64 workers and no
+    longer at 8-16, where the tail got longer: measure.  It needs no
+    privileges.
     """
     policy = os.SCHED_BATCH if enable else os.SCHED_OTHER
     os.sched_setscheduler(0, policy, os.sched_param(0))

@@ -2555,6 +2555,16 @@ static void join_within(pthread_t tid, bell_arg *a, uint64_t limit_ns,
     CHECK_EQ(pthread_join(tid, NULL), 0);
 }
 
+/* Publishes slot 0 of a->c and starts a sleeper on it; returns once it
+ * has announced WAITER and had 30 ms to fall asleep. */
+static void publish_and_sleep(bell_arg *a, pthread_t *tid) {
+    CHECK_EQ(shm_slot_begin(a->s, a->c, 0), SHM_OK);
+    shm_slot_publish(a->s, a->c, 0);
+    CHECK_EQ(pthread_create(tid, NULL, bell_sleeper, a), 0);
+    while (!(word_of(a->s, a->c, 0) & SLOT_WAITER)) sleep_ns(200 * US);
+    sleep_ns(30 * MS);
+}
+
 static void test_ticker(void) {
     start_test("ticker", 60);
     const shm_params P = mkparams(336, 32, 40, 1, 8);
@@ -2592,14 +2602,10 @@ static void test_ticker(void) {
      * asleep on a ticker of a long period (no tick during the test). */
     shm_ticker slow;
     CHECK_EQ(shm_ticker_start(&slow, s, 2, 3600000 * MS), 0);
-    CHECK_EQ(shm_slot_begin(s, 2, 0), SHM_OK);
-    shm_slot_publish(s, 2, 0);
     {
         bell_arg a = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0};
         pthread_t tid;
-        CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
-        while (!(word_of(s, 2, 0) & SLOT_WAITER)) sleep_ns(200 * US);
-        sleep_ns(30 * MS);
+        publish_and_sleep(&a, &tid);
         char batch[3 * 336], res[3 * 32] = {0};
         shm_taken taken[3];
         uint32_t cursor = 0;
@@ -2617,14 +2623,10 @@ static void test_ticker(void) {
     }
     /* Stopping: a waiter asleep on the slow ticker returns when it stops,
      * and one that chose it afterwards returns at once. */
-    CHECK_EQ(shm_slot_begin(s, 2, 0), SHM_OK);
-    shm_slot_publish(s, 2, 0);
     {
         bell_arg a = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0};
         pthread_t tid;
-        CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
-        while (!(word_of(s, 2, 0) & SLOT_WAITER)) sleep_ns(200 * US);
-        sleep_ns(30 * MS);
+        publish_and_sleep(&a, &tid);
         CHECK(!atomic_load(&a.returned));
         shm_ticker_stop(&slow);
         join_within(tid, &a, PROMPT_NS, "ticked wait, ticker stopped");
