@@ -1049,10 +1049,12 @@ cdef class Server:
             self.locked = False
             PyThread_release_lock(self.group.lock)
 
-    def collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
-                uint64_t timeout_ns):
+    cpdef int collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
+                      uint64_t timeout_ns) except? -1000:
         """Returns n > 0 requests gathered, 0 on timeout, CLOSED, or
-        CONTROL (a control request is pending; nothing was taken)."""
+        CONTROL (a control request is pending; nothing was taken).  (cpdef,
+        as finish_fast and complete: serve() calls them without a Python
+        call each, on the evaluator's path between batches.)"""
         cdef int rc
         if self.n:
             raise ShmevalError("collect() while a batch is outstanding")
@@ -1138,8 +1140,8 @@ cdef class Server:
             if not self.finish_fast(out, rows, model_ns, g.version, reject_nonfinite):
                 return (SERVE_SLOW, n, rows, out, model_ns)
 
-    def finish_fast(self, object out, uint32_t rows, uint64_t model_ns, uint64_t version,
-                    bint reject_nonfinite):
+    cpdef bint finish_fast(self, object out, uint32_t rows, uint64_t model_ns, uint64_t version,
+                           bint reject_nonfinite) except -1:
         """Records and completes the outstanding batch if the model's outputs
         are already exactly as declared: arrays of the declared dtype (native
         order, C-contiguous) and shape (rows, *shape), finite where required.
@@ -1191,7 +1193,7 @@ cdef class Server:
     def pending(self):
         return self.n
 
-    def complete(self, list arrays, uint64_t model_version):
+    cpdef uint32_t complete(self, list arrays, uint64_t model_version) except? 0xffffffff:
         """Scatters row i of each output array into request i's slot; marks
         DONE and wakes.  Each array needs at least n rows of exactly the
         declared row size, each row contiguous (axis 0 may be strided)."""
