@@ -2446,13 +2446,18 @@ static void *bell_sleeper(void *arg) {
     return NULL;
 }
 
+/* Claims entries 0..n-1 for pids pid0, pid0 + 1, ... */
+static void register_clients(shm_seg *s, uint32_t n, int32_t pid0) {
+    for (uint32_t c = 0; c < n; c++)
+        CHECK_EQ(shm_client_register(s, pid0 + (int32_t)c, 1), (int)c);
+}
+
 static void test_doorbell(void) {
     start_test("doorbell", 60);
     const shm_params P = mkparams(336, 32, 70, 1, 8);
     test_seg t;
     shm_seg *s = serving_seg(&t, &P);
-    for (uint32_t c = 0; c < P.max_clients; c++)
-        CHECK_EQ(shm_client_register(s, 30000 + (int32_t)c, 1), (int)c);
+    register_clients(s, P.max_clients, 30000);
     CHECK(shm_done_word(s, 31) == shm_done_word(s, 0));
     CHECK(shm_done_word(s, 32) != shm_done_word(s, 31));
     CHECK_EQU(shm_done_bit(33), 2u);
@@ -2570,8 +2575,7 @@ static void test_ticker(void) {
     const shm_params P = mkparams(336, 32, 40, 1, 8);
     test_seg ts;
     shm_seg *s = serving_seg(&ts, &P);
-    for (uint32_t c = 0; c < P.max_clients; c++)
-        CHECK_EQ(shm_client_register(s, 31000 + (int32_t)c, 1), (int)c);
+    register_clients(s, P.max_clients, 31000);
     const uint64_t period = 20 * MS;
     /* clients 1 and 33 each with a ticker: on two doorbell words */
     const uint32_t cs[2] = {1, 33};
