@@ -108,18 +108,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         pingpong, client = build(tmp)
 
-        def measure(key: str, fn: Any) -> None:
-            for timer in (variants[::-1] if r % 2 else variants):
-                name = key + ("_timer" if timer else "")
-                results.setdefault(name, []).append(fn(timer))
+        def measure(key: str, fn: Any, order: list[bool]) -> None:
+            for timer in order:
+                results.setdefault(key + ("_timer" if timer else ""), []).append(fn(timer))
 
         for r in range(args.repeats):
+            order = variants[::-1] if r % 2 else variants  # alternate which goes first
             measure("pingpong_free_us", lambda t: float(subprocess.check_output(
-                [pingpong] + ["timer"] * t)))
+                [pingpong] + ["timer"] * t)), order)
             measure("pingpong_pinned_us", lambda t: float(subprocess.check_output(
-                [pingpong, "pin"] + ["timer"] * t)))
-            measure("c_clients_per_s", lambda t: run_c_clients(client, args.workers, args.seconds, t))
-            measure("python_clients_per_s", lambda t: run_python_clients(args.workers, args.seconds, t))
+                [pingpong, "pin"] + ["timer"] * t)), order)
+            measure("c_clients_per_s", lambda t: run_c_clients(client, args.workers, args.seconds, t), order)
+            measure("python_clients_per_s", lambda t: run_python_clients(args.workers, args.seconds, t),
+                    order)
             print(f"[{r + 1}/{args.repeats}] " + "  ".join(
                 f"{k} {v[-1]:,.1f}" for k, v in results.items()), flush=True)
     med = {k: statistics.median(v) for k, v in results.items()}

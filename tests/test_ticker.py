@@ -83,9 +83,12 @@ def test_forked_child_starts_its_own() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ticker", [True, False])
 def test_waits_longer_than_a_tick(ticker: bool, monkeypatch: Any) -> None:
-    """A 0.35 s model with ticks (or timers) every 50 ms: each wait returns
-    to the Python layer several times, which checks the evaluator and waits
-    again; every thread gets its own answer."""
+    """A 0.35 s model with ticks (or timers) every 50 ms: each wait comes
+    back to the Python layer, which checks the evaluator and waits again,
+    and every thread still gets its own answer.  (That the ticks do wake a
+    waiter is ring_test.c's test_ticker and, end to end,
+    test_killed_evaluator_wakes_every_waiter: here a waiter the ticks
+    missed would only sleep until its answer.)"""
     monkeypatch.setattr(client_mod, "WAIT_TIMEOUT_NS", 50_000_000)
     with make_ev(lambda x: slow_fake_model(x, 0.35), max_batch=4) as ev:
         seg = ev._attach()

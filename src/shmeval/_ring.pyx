@@ -177,8 +177,10 @@ cdef class Segment:
     cdef uint64_t *out_off
     cdef uint64_t *out_nbytes
     cdef tuple out_names   # declared outputs, in order (set_outputs)
-    cdef list out_dims     # their shapes (tuples)
-    cdef list out_types    # their NumPy type numbers
+    cdef int *out_nd       # their ranks,
+    cdef int *out_type     # NumPy type numbers,
+    cdef cnp.npy_intp *out_shape  # and shapes, back to back (_out_dims)
+    cdef Py_ssize_t *out_at       # where output j's shape starts in out_shape
     cdef list out_float    # float or complex kind
     cdef bint out_native   # every output a native built-in dtype: matched by type number
     cdef uint32_t *gen_of  # generation of each slot when this process began it
@@ -194,8 +196,7 @@ cdef class Segment:
                 free(<void *><size_t>addr)
         if self.addr != NULL:
             munmap(self.addr, self.size)
-        free(self.out_off)
-        free(self.out_nbytes)
+        self._free_outputs()
         free(self.gen_of)
 
     cdef int _alloc_gens(self) except -1:
@@ -257,26 +258,51 @@ cdef class Segment:
     def set_outputs(self, tuple outputs):
         """The declared outputs (spec.OutputSpec: name, offset, nbytes, shape,
         dtype), in order.  Client and server fast paths read them from here."""
-        cdef Py_ssize_t j
-        free(self.out_off)
-        free(self.out_nbytes)
+        cdef Py_ssize_t j, i, n = len(outputs), at = 0
+        cdef Py_ssize_t total = sum(len(o.shape) for o in outputs)
+        self._free_outputs()
         self.n_out = 0
-        self.out_off = <uint64_t *>malloc(sizeof(uint64_t) * max(1, len(outputs)))
-        self.out_nbytes = <uint64_t *>malloc(sizeof(uint64_t) * max(1, len(outputs)))
-        if self.out_off == NULL or self.out_nbytes == NULL:
+        self.out_off = <uint64_t *>malloc(sizeof(uint64_t) * max(1, n))
+        self.out_nbytes = <uint64_t *>malloc(sizeof(uint64_t) * max(1, n))
+        self.out_nd = <int *>malloc(sizeof(int) * max(1, n))
+        self.out_type = <int *>malloc(sizeof(int) * max(1, n))
+        self.out_at = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * max(1, n))
+        self.out_shape = <cnp.npy_intp *>malloc(sizeof(cnp.npy_intp) * max(1, total))
+        if not (self.out_off and self.out_nbytes and self.out_nd and self.out_type and
+                self.out_at and self.out_shape):
             raise MemoryError()
         for j, o in enumerate(outputs):
             if o.offset + o.nbytes > self.seg.p.out_bytes:
                 raise ValueError("output field exceeds the result row")
             self.out_off[j] = o.offset
             self.out_nbytes[j] = o.nbytes
+            self.out_nd[j] = len(o.shape)
+            self.out_type[j] = o.dtype.num
+            self.out_at[j] = at
+            for i in range(len(o.shape)):
+                self.out_shape[at + i] = o.shape[i]
+            at += len(o.shape)
         self.out_names = tuple(o.name for o in outputs)
-        self.out_dims = [tuple(o.shape) for o in outputs]
-        self.out_types = [o.dtype.num for o in outputs]
         self.out_float = [o.dtype.kind in "fc" for o in outputs]
         self.out_native = all(o.dtype.isnative and o.dtype.num < cnp.NPY_NTYPES_LEGACY and
                               len(o.shape) <= 32 for o in outputs)
         self.n_out = len(outputs)
+
+    cdef void _free_outputs(self):
+        free(self.out_off)
+        free(self.out_nbytes)
+        free(self.out_nd)
+        free(self.out_type)
+        free(self.out_at)
+        free(self.out_shape)
+        self.out_off = self.out_nbytes = NULL
+        self.out_nd = self.out_type = NULL
+        self.out_at = NULL
+        self.out_shape = NULL
+
+    cdef inline cnp.npy_intp *_out_dims(self, Py_ssize_t j) noexcept:
+        """Output j's shape (out_nd[j] dimensions), in C."""
+        return &self.out_shape[self.out_at[j]]
 
     # ---------------------------------------------------------------- header
     @property
@@ -620,10 +646,6 @@ cdef class ClientPort:
     cdef public bint retired   # closed: takes no new request (see Client.close)
     cdef public bint detached  # its client entry is detached: waiters give up
     cdef public list abandoned # slots whose waiting thread gave up early
-    cdef int *out_nd           # the declared outputs' ranks, NumPy type numbers
-    cdef int *out_type         # and shapes (out_dims[out_at[j]:...]), in C for
-    cdef Py_ssize_t *out_at    # _unreferenced
-    cdef cnp.npy_intp *out_dims
 
     def __cinit__(self, Segment seg, uint32_t c, list free, object in_dtype, tuple in_shape,
                   uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu, object notify):
@@ -644,30 +666,6 @@ cdef class ClientPort:
         self.ncpu = ncpu
         self.notify = notify
         self.abandoned = []
-        cdef Py_ssize_t j, n = seg.n_out, total = 0
-        for j in range(n):
-            total += len(seg.out_dims[j])
-        self.out_nd = <int *>malloc(sizeof(int) * max(1, n))
-        self.out_type = <int *>malloc(sizeof(int) * max(1, n))
-        self.out_at = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * max(1, n))
-        self.out_dims = <cnp.npy_intp *>malloc(sizeof(cnp.npy_intp) * max(1, total))
-        if not (self.out_nd and self.out_type and self.out_at and self.out_dims):
-            raise MemoryError()
-        total = 0
-        for j in range(n):
-            shape = seg.out_dims[j]
-            self.out_nd[j] = len(shape)
-            self.out_type[j] = seg.out_types[j]
-            self.out_at[j] = total
-            for i in range(len(shape)):
-                self.out_dims[total + i] = shape[i]
-            total += len(shape)
-
-    def __dealloc__(self):
-        free(self.out_nd)
-        free(self.out_type)
-        free(self.out_at)
-        free(self.out_dims)
 
     cpdef give_back(self, uint32_t k):
         self.free.append(k)
@@ -689,12 +687,10 @@ cdef class ClientPort:
     cdef object _evaluate(self, object state, bint versioned):
         cdef cnp.ndarray a
         cdef uint32_t k, j
-        cdef int rc, nd, i
+        cdef int rc, i
         cdef uint64_t spin
         cdef shm_ticker *t
-        cdef cnp.npy_intp[32] dims
         cdef list outs
-        cdef tuple shape
         cdef dict result
         cdef bint reuse
         if type(state) is not cnp.ndarray or not self.fast or self.pid != _current_pid:
@@ -728,11 +724,8 @@ cdef class ClientPort:
                 reuse = False
                 outs = []
                 for j in range(self.seg.n_out):
-                    shape = self.seg.out_dims[j]
-                    nd = len(shape)
-                    for i in range(nd):
-                        dims[i] = shape[i]
-                    outs.append(cnp.PyArray_EMPTY(nd, dims, self.seg.out_types[j], 0))
+                    outs.append(cnp.PyArray_EMPTY(self.seg.out_nd[j], self.seg._out_dims(j),
+                                                  self.seg.out_type[j], 0))
             self.seg._begin(self.c, k)
         except BaseException:
             self.free.append(k)
@@ -799,12 +792,12 @@ cdef class ClientPort:
             arr = <cnp.ndarray>x
             # Unchanged in place too (a caller may set .shape or resize).
             if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or \
-                    cnp.PyArray_TYPE(arr) != self.out_type[j] or \
-                    cnp.PyArray_NDIM(arr) != self.out_nd[j]:
+                    cnp.PyArray_TYPE(arr) != self.seg.out_type[j] or \
+                    cnp.PyArray_NDIM(arr) != self.seg.out_nd[j]:
                 return False
             dims = cnp.PyArray_DIMS(arr)
-            want = &self.out_dims[self.out_at[j]]
-            for i in range(self.out_nd[j]):
+            want = self.seg._out_dims(j)
+            for i in range(self.seg.out_nd[j]):
                 if dims[i] != want[i]:
                     return False
         return True
@@ -1149,7 +1142,7 @@ cdef class Server:
         converts the outputs or explains what is wrong."""
         cdef list arrays
         cdef cnp.ndarray a
-        cdef tuple dims
+        cdef cnp.npy_intp *want
         cdef Py_ssize_t j, i, nout = self.seg.n_out
         cdef Segment seg = self.seg
         if not seg.out_native or self.n == 0:
@@ -1174,12 +1167,12 @@ cdef class Server:
             if type(x) is not cnp.ndarray:
                 return False
             a = <cnp.ndarray>x
-            dims = <tuple>seg.out_dims[j]
-            if not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_TYPE(a) != <int>seg.out_types[j] or \
-                    cnp.PyArray_NDIM(a) != len(dims) + 1 or cnp.PyArray_DIM(a, 0) != rows:
+            want = seg._out_dims(j)
+            if not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_TYPE(a) != seg.out_type[j] or \
+                    cnp.PyArray_NDIM(a) != seg.out_nd[j] + 1 or cnp.PyArray_DIM(a, 0) != rows:
                 return False
-            for i in range(len(dims)):
-                if cnp.PyArray_DIM(a, i + 1) != <Py_ssize_t>dims[i]:
+            for i in range(seg.out_nd[j]):
+                if cnp.PyArray_DIM(a, i + 1) != want[i]:
                     return False
             if not _rows_ok(a, self.n, self.seg.out_nbytes[j]):
                 return False
