@@ -97,6 +97,7 @@ cdef extern from "ring.h" nogil:
     uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k)
     char *shm_slot_in(const shm_seg *s, uint32_t c, uint32_t k)
     char *shm_slot_out(const shm_seg *s, uint32_t c, uint32_t k)
+    void shm_copy(char *dst, const char *src, size_t n)
     shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k)
 
     int shm_collect(shm_seg *s, char *batch, shm_taken *taken,

@@ -459,7 +459,7 @@ cdef class Segment:
             self._begin(c, k)
         for i in range(n):
             k = slots[i]
-            memcpy(shm_slot_in(&self.seg, c, k), src + (row0 + i) * inb, inb)
+            shm_copy(shm_slot_in(&self.seg, c, k), src + (row0 + i) * inb, inb)
         # Copy everything first, then publish in a tight loop: an evaluator
         # scanning meanwhile then rarely splits the rows over two batches.
         for i in range(n):
@@ -730,8 +730,8 @@ cdef class ClientPort:
         except BaseException:
             self.free.append(k)
             raise
-        memcpy(shm_slot_in(&self.seg.seg, self.c, k), cnp.PyArray_DATA(a),
-               self.seg.seg.p.in_bytes)
+        shm_copy(shm_slot_in(&self.seg.seg, self.c, k), <const char *>cnp.PyArray_DATA(a),
+                 self.seg.seg.p.in_bytes)
         spin = self.seg._spin(self.spin_ns, self.ncpu)
         t = self.seg._ticker_for(self.c, self.timeout_ns)
         if shm_only_python_thread():

@@ -2645,6 +2645,48 @@ static void test_ticker(void) {
     seg_free(&ts);
 }
 
+/* shm_copy: every byte of [dst, dst + n) copied, nothing outside it
+ * touched, for sources and destinations at every kind of offset within a
+ * cache line (the line-load path handles a head, whole 128-byte blocks and
+ * a tail) and lengths around the threshold and the block size. */
+static void test_copy(void) {
+    start_test("copy", 60);
+    enum { PAD = 256, MAXN = 24576 }; /* multiples of the line */
+    static const size_t offs[] = {0, 1, 4, 8, 16, 31, 32, 33, 60, 63};
+    static const size_t lens[] = {0,    1,    63,   64,   2047, 2048,
+                                  2049, 2111, 2175, 2176, 4133, 24548};
+    const size_t nofs = sizeof offs / sizeof offs[0];
+    unsigned char *src = aligned_alloc(SHM_LINE, MAXN + PAD);
+    unsigned char *dst = aligned_alloc(SHM_LINE, MAXN + 2 * PAD);
+    CHECK(src && dst);
+    uint64_t rng = g_seed;
+    for (size_t i = 0; i < MAXN + PAD; i++) src[i] = (unsigned char)rng_next(&rng);
+    unsigned cases = 0;
+    for (size_t a = 0; a < nofs; a++)
+        for (size_t b = 0; b < nofs; b++)
+            for (size_t l = 0; l < sizeof lens / sizeof lens[0]; l++) {
+                size_t n = lens[l];
+                const unsigned char *from = src + offs[a];
+                unsigned char *to = dst + PAD + offs[b];
+                memset(dst, 0xA5, MAXN + 2 * PAD);
+                shm_copy((char *)to, (const char *)from, n);
+                CHECK_MSG(memcmp(to, from, n) == 0,
+                          "shm_copy of %zu bytes, source at line offset %zu, "
+                          "destination at %zu: the copy differs", n, offs[a],
+                          offs[b]);
+                for (unsigned char *p = dst; p < dst + MAXN + 2 * PAD; p++)
+                    if (p < to || p >= to + n)
+                        CHECK_MSG(*p == 0xA5,
+                                  "shm_copy of %zu bytes (offsets %zu, %zu) "
+                                  "wrote byte %td outside its destination",
+                                  n, offs[a], offs[b], p - to);
+                cases++;
+            }
+    free(src);
+    free(dst);
+    printf("  copy: %u cases of offsets and lengths\n", cases);
+}
+
 /* ------------------------------------------------------------------ */
 
 typedef struct {
@@ -2658,7 +2700,7 @@ static const test_case k_tests[] = {
     {"concurrency", test_concurrency}, {"close", test_close},
     {"max_wait", test_max_wait}, {"control", test_control},
     {"scribbled", test_scribbled}, {"doorbell", test_doorbell},
-    {"ticker", test_ticker},
+    {"ticker", test_ticker},   {"copy", test_copy},
 };
 
 int main(int argc, char **argv) {
