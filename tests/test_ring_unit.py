@@ -752,3 +752,33 @@ def test_foreign_fd_is_never_trusted() -> None:
         shm.close_fd()
     finally:
         segment.unlink(name)
+
+
+@pytest.mark.timeout(60)
+def test_large_states_cross_intact() -> None:
+    """Go-sized states (24,548 bytes: rows of a batch are 4-byte aligned, slots
+    line-aligned, so the copies take shm_copy's line-load path) arrive at the
+    model byte for byte and come back so: an identity model returns each
+    state as its output.  Sent alone, as packed rows of evaluate_many, and
+    from a buffer at an odd 4-byte offset."""
+    shape = (19, 19, 17)
+    ev = shmeval.Evaluator(lambda x: {"echo": x.copy(), "first": x[:, 0, 0, 0].copy()},
+                           input_shape=shape, outputs={"echo": (shape, "float32"),
+                                                       "first": ((), "float32")},
+                           max_batch=16, max_clients=4, slots_per_client=8)
+    rng = np.random.default_rng(7)
+    with ev:
+        for _ in range(3):
+            one = rng.standard_normal(shape).astype(np.float32)
+            out = ev.evaluate(one)
+            np.testing.assert_array_equal(out["echo"], one)
+            assert float(out["first"]) == float(one[0, 0, 0])
+            rows = rng.standard_normal((11,) + shape).astype(np.float32)
+            many = ev.evaluate_many(rows)
+            np.testing.assert_array_equal(many["echo"], rows)
+            np.testing.assert_array_equal(many["first"], rows[:, 0, 0, 0])
+            raw = np.zeros(rows.nbytes + 64, np.uint8)
+            odd = np.frombuffer(raw, np.float32, count=rows.size, offset=4).reshape(rows.shape)
+            odd[...] = rows[::-1]
+            np.testing.assert_array_equal(ev.evaluate_many(odd)["echo"], rows[::-1])
+            np.testing.assert_array_equal(ev.evaluate(odd[3])["echo"], rows[-4])
