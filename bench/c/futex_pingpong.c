@@ -3,7 +3,9 @@
  * "timer": every sleep with a 100 ms timeout, as a waiter that checks on
  * its partner from time to time without a ticker would sleep).
  * Prints µs per round trip (two wake-ups, two context switches). */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include <linux/futex.h>
 #include <sched.h>
 #include <stdatomic.h>
