@@ -40,6 +40,7 @@ cdef extern from "ring.h" nogil:
         SHM_LAYOUT_VERSION
         SHM_SPEC_MAX
         SHM_HIST_BINS
+        SHM_MAX_SLOTS_PER_CLIENT
         SHM_N_STATS
         SHM_OK
         SHM_E_TOO_SMALL

@@ -166,35 +166,88 @@ class Client:
         result = dict(zip(spec.output_names, outs))
         return (result, int(version[0])) if versioned else result
 
-    @overload
-    def evaluate_many(self, states: Any) -> Outputs: ...
-    @overload
-    def evaluate_many(self, states: Any, return_version: Literal[False]) -> Outputs: ...
-    @overload
-    def evaluate_many(self, states: Any,
-                      return_version: Literal[True]) -> tuple[Outputs, np.ndarray]: ...
-    @overload
-    def evaluate_many(self, states: Any,
-                      return_version: bool) -> Outputs | tuple[Outputs, np.ndarray]: ...
+    if TYPE_CHECKING:
+        @overload
+        def evaluate_many(self, states: Any) -> Outputs: ...
+        @overload
+        def evaluate_many(self, states: Any, return_version: Literal[False]) -> Outputs: ...
+        @overload
+        def evaluate_many(self, states: Any,
+                          return_version: Literal[True]) -> tuple[Outputs, np.ndarray]: ...
+        @overload
+        def evaluate_many(self, states: Any,
+                          return_version: bool) -> Outputs | tuple[Outputs, np.ndarray]: ...
 
-    def evaluate_many(self, states: Any,
-                      return_version: bool = False) -> Outputs | tuple[Outputs, np.ndarray]:
-        """Evaluates a batch ``[n, *input_shape]``; returns arrays with a
-        leading dimension n.  Any n works: more than the client's slots are
-        sent in several rounds.  With ``return_version=True`` returns
-        ``(outputs, versions)``, versions an int64 array of n model versions
-        (rows may be computed in different batches, so versions may differ)."""
+        def evaluate_many(self, states: Any,
+                          return_version: bool = False) -> Outputs | tuple[Outputs, np.ndarray]:
+            """Evaluates a batch ``[n, *input_shape]``; returns arrays with a
+            leading dimension n.  Any n works: more than the client's slots are
+            sent in several rounds.  With ``return_version=True`` returns
+            ``(outputs, versions)``, versions an int64 array of n model versions
+            (rows may be computed in different batches, so versions may differ)."""
+            return _ring.client_evaluate_many(self, states, return_version)  # type: ignore[no-any-return]
+    else:
+        # Written in Cython (_ring.client_evaluate_many): a batch that fits in
+        # the free slots runs no Python frame; anything else calls
+        # _evaluate_many_slow below.
+        evaluate_many = _ring.client_evaluate_many
+
+    def _evaluate_many_slow(self, states: Any, r: Any, port: Optional["_ring.ClientPort"],
+                            versioned: bool) -> Outputs | tuple[Outputs, np.ndarray]:
         spec = self.spec
-        a = self._as_input(states, None, "states")
-        n = a.shape[0]
-        outs = [np.empty((n,) + o.shape, o.dtype) for o in spec.outputs]
-        versions = np.zeros(n, np.int64) if return_version else None
-        if n:
-            self._roundtrip(a, n, outs, versions)
+        if r is None:  # the fast path did not apply: the general one
+            a = self._as_input(states, None, "states")
+            n = a.shape[0]
+            outs = [np.empty((n,) + o.shape, o.dtype) for o in spec.outputs]
+            versions = np.zeros(n, np.int64) if versioned else None
+            if n:
+                self._roundtrip(a, n, outs, versions)
+        else:
+            if isinstance(r, str):
+                raise ModelError(r)
+            # Rows from `row` on are in flight in `slots`; `error`: an earlier
+            # row's batch failed.
+            rc, row, slots, outs, versions, exc, error = r
+            assert port is not None
+            if exc is not None:
+                self._give_back(port, [], slots)
+                raise exc
+            self._answer_rest(port, slots, outs, row, versions, rc)
+            if error is not None:
+                raise ModelError(error)
         result = dict(zip(spec.output_names, outs))
         if versions is not None:
             return result, versions
         return result
+
+    def _answer_rest(self, port: "_ring.ClientPort", slots: List[int], outs: List[np.ndarray],
+                     row: int, versions: Optional[np.ndarray], rc: int) -> None:
+        """After the fast path of evaluate_many handed over: slots[i] holds
+        row + i, all posted; the first one's wait ended with rc (timed out,
+        closed or reclaimed)."""
+        seg = self._seg
+        assert seg is not None
+        spin_ns = int(self._spin_us * 1000)
+        error: Optional[str] = None
+        fetched = 0
+        try:
+            for k in slots:
+                if fetched == 0:
+                    r: Any = rc
+                else:
+                    r = seg.answer(port.c, k, outs, row + fetched, spin_ns, WAIT_TIMEOUT_NS,
+                                   self._ncpu)
+                if type(r) is int and r < 0:
+                    r = self._wait_slow(seg, port, k, outs, row + fetched, r)
+                if type(r) is str:
+                    error = error or r
+                elif versions is not None:
+                    versions[row + fetched] = r
+                fetched += 1
+        finally:
+            self._give_back(port, slots[:fetched], slots[fetched:])
+        if error is not None:
+            raise ModelError(error)
 
     def stats(self) -> Dict[str, Any]:
         """Evaluator statistics read from the segment (any process may ask)."""
