@@ -807,6 +807,9 @@ cdef class ClientPort:
             return None
         if shm_ev_state(&self.seg.seg) >= EV_CLOSING or self.retired:
             return None
+        for j in range(self.seg.n_out):
+            if self.seg.out_nd[j] > 32:  # Spec caps them at 32; dims holds 1 + 32
+                return None
         outs = []
         dims[0] = n
         for j in range(self.seg.n_out):
