@@ -14,6 +14,9 @@
  *   rows, shm_copy  ring.h's shm_copy per row (what it does now)
  *   rows, same off  memcpy per row into rows spaced like the slots, so that
  *                   source and destination share their offset in the line
+ *   posts, glibc    the client's direction: memcpy per row, packed rows ->
+ *                   slots (what a post did)
+ *   posts, shm_copy the same with shm_copy (what evaluate_many does now)
  *
  * Build and run (from the repository root):
  *   gcc -O2 -std=gnu11 -I src/shmeval/_core -o /tmp/row_copy bench/c/row_copy.c && /tmp/row_copy
@@ -26,9 +29,10 @@
 
 #include "ring.h"
 
-enum { VARIANTS = 4 };
-static const char *const k_names[VARIANTS] = {"batch memcpy", "rows, glibc",
-                                              "rows, shm_copy", "rows, same off"};
+enum { VARIANTS = 6 };
+static const char *const k_names[VARIANTS] = {
+    "batch memcpy", "rows, glibc",  "rows, shm_copy",
+    "rows, same off", "posts, glibc", "posts, shm_copy"};
 
 /* A buffer as NumPy allocates a large array: huge pages where the kernel
  * gives them on request (transparent huge pages in "madvise" mode). */
@@ -77,7 +81,7 @@ int main(int argc, char **argv) {
         for (int v = 0; v < VARIANTS; v++) {
             if (v == 0) /* back to back: the second copy finds both in cache */
                 memcpy(hot_dst, hot, packed);
-            else /* the clients' posts */
+            else if (v <= 3) /* the clients' posts */
                 for (size_t i = 0; i < n; i++)
                     memcpy(slots + i * stride, in + i * row, row);
             uint64_t t0 = shm_now_ns();
@@ -93,17 +97,28 @@ int main(int argc, char **argv) {
                 for (size_t i = 0; i < n; i++)
                     shm_copy(rows + i * row, slots + i * stride, row);
                 break;
-            default:
+            case 3:
                 for (size_t i = 0; i < n; i++)
                     memcpy(batch + i * stride, slots + i * stride, row);
                 break;
+            case 4:
+                for (size_t i = 0; i < n; i++)
+                    memcpy(slots + i * stride, in + i * row, row);
+                break;
+            default:
+                for (size_t i = 0; i < n; i++)
+                    shm_copy(slots + i * stride, in + i * row, row);
+                break;
             }
             t[v][r] = (double)(shm_now_ns() - t0) / 1e3;
-            if (r == 0 && (v == 1 || v == 2)) {
-                if (memcmp(rows, in, packed) != 0) {
-                    fprintf(stderr, "row_copy: %s copied wrong bytes\n", k_names[v]);
-                    return 1;
-                }
+            int bad = 0;
+            if (r == 0 && (v == 1 || v == 2))
+                bad = memcmp(rows, in, packed) != 0;
+            for (size_t i = 0; r == 0 && v >= 4 && i < n; i++)
+                bad |= memcmp(slots + i * stride, in + i * row, row) != 0;
+            if (bad) {
+                fprintf(stderr, "row_copy: %s copied wrong bytes\n", k_names[v]);
+                return 1;
             }
         }
     }

@@ -776,14 +776,13 @@ cdef class ClientPort:
         Python of ``Client._roundtrip`` around a post and a wait per row:
         that Python was about 20 us of CPU per call with 8 workers on 2
         cores (docs/performance.md, finding 26)."""
-        cdef cnp.ndarray a, arr
+        cdef cnp.ndarray a
         cdef Py_ssize_t n, i, j, d
         cdef uint32_t ks[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint32_t k
-        cdef uint64_t inb, spin
+        cdef uint64_t inb
         cdef int rc
-        cdef shm_ticker *t
-        cdef cnp.npy_intp dims[33]
+        cdef cnp.npy_intp dims[33]  # rows, then up to 32 (self.fast: out_native)
         cdef cnp.npy_intp *od
         cdef char *src
         cdef list outs
@@ -807,9 +806,6 @@ cdef class ClientPort:
             return None
         if shm_ev_state(&self.seg.seg) >= EV_CLOSING or self.retired:
             return None
-        for j in range(self.seg.n_out):
-            if self.seg.out_nd[j] > 32:  # Spec caps them at 32; dims holds 1 + 32
-                return None
         outs = []
         dims[0] = n
         for j in range(self.seg.n_out):
@@ -844,18 +840,11 @@ cdef class ClientPort:
         for i in range(n):
             shm_slot_publish(&self.seg.seg, self.c, ks[i])
         shm_notify_evaluator(&self.seg.seg, <uint32_t>n)
-        spin = self.seg._spin(self.spin_ns, self.ncpu)
-        t = self.seg._ticker_for(self.c, self.timeout_ns)
         i = 0
         try:
             while i < n:
                 k = ks[i]
-                if shm_only_python_thread():
-                    rc = shm_slot_wait_ticked(&self.seg.seg, self.c, k, spin, self.timeout_ns, t)
-                else:
-                    with nogil:
-                        rc = shm_slot_wait_ticked(&self.seg.seg, self.c, k, spin,
-                                                  self.timeout_ns, t)
+                rc = self.seg._wait(self.c, k, self.spin_ns, self.timeout_ns, self.ncpu)
                 if rc < 0:
                     return (rc, i, [ks[d] for d in range(i, n)], outs, versions, None, error)
                 r = self.seg._fetch(self.c, k, outs, i, True)
@@ -863,8 +852,7 @@ cdef class ClientPort:
                     return (r, i, [ks[d] for d in range(i, n)], outs, versions, None, error)
                 self.give_back(k)
                 if type(r) is str:
-                    if error is None:
-                        error = r
+                    error = r  # the last failed row's, as in Client._answer_posted
                 elif versioned:
                     (<int64_t *>cnp.PyArray_DATA(versions))[i] = <int64_t>r
                 i += 1
@@ -921,6 +909,15 @@ cdef class ClientPort:
 
 
 @cython.binding(True)
+cdef inline bint _answered(object r, bint versioned):
+    """r, from a ClientPort fast path, is the caller's result: the dict, or
+    with versioned the pair (dict, version(s)); not None, an error text or a
+    hand-over tuple for the Python path."""
+    if versioned:
+        return type(r) is tuple and len(<tuple>r) == 2
+    return type(r) is dict
+
+
 def client_evaluate(self, object state, bint return_version=False):
     """Evaluates one state; returns ``{name: array of the output's shape}``,
     or ``(outputs, model_version)`` with ``return_version=True``: the
@@ -934,10 +931,7 @@ def client_evaluate(self, object state, bint return_version=False):
     cdef object r = None
     if port is not None:
         r = (<ClientPort?>port)._evaluate(state, return_version)
-        if return_version:
-            if type(r) is tuple and len(<tuple>r) == 2:
-                return r
-        elif type(r) is dict:
+        if _answered(r, return_version):
             return r
     return self._evaluate_slow(state, r, port, return_version)
 
@@ -949,10 +943,7 @@ def client_evaluate_many(self, object states, bint return_version=False):
     cdef object r = None
     if port is not None:
         r = (<ClientPort?>port)._evaluate_many(states, return_version)
-        if return_version:
-            if type(r) is tuple and len(<tuple>r) == 2:
-                return r
-        elif type(r) is dict:
+        if _answered(r, return_version):
             return r
     return self._evaluate_many_slow(states, r, port, return_version)
 

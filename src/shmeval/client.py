@@ -212,42 +212,13 @@ class Client:
             if exc is not None:
                 self._give_back(port, [], slots)
                 raise exc
-            self._answer_rest(port, slots, outs, row, versions, rc)
+            error = self._answer_posted(port, slots, outs, row, versions, rc) or error
             if error is not None:
                 raise ModelError(error)
         result = dict(zip(spec.output_names, outs))
         if versions is not None:
             return result, versions
         return result
-
-    def _answer_rest(self, port: "_ring.ClientPort", slots: List[int], outs: List[np.ndarray],
-                     row: int, versions: Optional[np.ndarray], rc: int) -> None:
-        """After the fast path of evaluate_many handed over: slots[i] holds
-        row + i, all posted; the first one's wait ended with rc (timed out,
-        closed or reclaimed)."""
-        seg = self._seg
-        assert seg is not None
-        spin_ns = int(self._spin_us * 1000)
-        error: Optional[str] = None
-        fetched = 0
-        try:
-            for k in slots:
-                if fetched == 0:
-                    r: Any = rc
-                else:
-                    r = seg.answer(port.c, k, outs, row + fetched, spin_ns, WAIT_TIMEOUT_NS,
-                                   self._ncpu)
-                if type(r) is int and r < 0:
-                    r = self._wait_slow(seg, port, k, outs, row + fetched, r)
-                if type(r) is str:
-                    error = error or r
-                elif versions is not None:
-                    versions[row + fetched] = r
-                fetched += 1
-        finally:
-            self._give_back(port, slots[:fetched], slots[fetched:])
-        if error is not None:
-            raise ModelError(error)
 
     def stats(self) -> Dict[str, Any]:
         """Evaluator statistics read from the segment (any process may ask)."""
@@ -423,37 +394,53 @@ class Client:
         if port is None or port.c != c:  # closed by another thread just now
             raise EvaluatorClosed(f"{self} was closed in this process")
         K = self.spec.slots_per_client
-        spin_ns = int(self._spin_us * 1000)
-        ncpu = self._ncpu
         error: Optional[str] = None
         done = 0
         while done < n:
             m = min(K, n - done)
             slots = self._acquire(m, port)
-            fetched = 0
-            posted = False
             try:
                 if seg.ev_state() >= _ring.CLOSING:
                     self._check_state(seg)
                 seg.post(c, slots, a, done)
-                posted = True
-                for k in slots:
-                    r = seg.answer(c, k, outs, done + fetched, spin_ns, WAIT_TIMEOUT_NS, ncpu)
-                    if type(r) is int and r < 0:
-                        r = self._wait_slow(seg, port, k, outs, done + fetched, r)
-                    if type(r) is str:
-                        error = r
-                    elif versions is not None:
-                        versions[done + fetched] = r
-                    fetched += 1
-            finally:
-                if posted:
-                    self._give_back(port, slots[:fetched], slots[fetched:])
-                else:
-                    self._give_back(port, slots, [])
+            except BaseException:
+                self._give_back(port, slots, [])
+                raise
+            error = self._answer_posted(port, slots, outs, done, versions) or error
             done += m
         if error is not None:
             raise ModelError(error)
+
+    def _answer_posted(self, port: "_ring.ClientPort", slots: List[int], outs: List[np.ndarray],
+                       row: int, versions: Optional[np.ndarray],
+                       rc: Optional[int] = None) -> Optional[str]:
+        """Waits for and fetches posted slots: slots[i] holds row + i.  rc:
+        how the wait for slots[0] already ended (timed out, closed or
+        reclaimed: the fast path of evaluate_many handing over), or None.
+        Gives every slot back (those not answered as abandoned) and returns
+        the error text of the last failed row, or None."""
+        seg = self._seg
+        assert seg is not None
+        spin_ns = int(self._spin_us * 1000)
+        error: Optional[str] = None
+        fetched = 0
+        try:
+            for k in slots:
+                if fetched == 0 and rc is not None:
+                    r: Any = rc
+                else:
+                    r = seg.answer(port.c, k, outs, row + fetched, spin_ns, WAIT_TIMEOUT_NS,
+                                   self._ncpu)
+                if type(r) is int and r < 0:
+                    r = self._wait_slow(seg, port, k, outs, row + fetched, r)
+                if type(r) is str:
+                    error = r
+                elif versions is not None:
+                    versions[row + fetched] = r
+                fetched += 1
+        finally:
+            self._give_back(port, slots[:fetched], slots[fetched:])
+        return error
 
 
 def _detach(seg: "_ring.Segment", c: int, pid: int) -> None:
