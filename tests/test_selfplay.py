@@ -4,7 +4,8 @@
   CLI in a subprocess: exit code 0, the JSON has the figures and settings,
   the games file reads back with load_games and every game replays to the
   stored states, policies and outcomes; every mode served the same initial
-  weights (the probe positions evaluate alike); shmeval and queue workers
+  weights (the probe positions evaluate alike, with the weights folded
+  into the graph or, in local-batched, in variables); shmeval and queue workers
   never imported TensorFlow;
 - a short --train run seeded with saved games: weights pushed, the model
   version went up, the loss recorded;
@@ -68,7 +69,9 @@ class Runs:
         if mode not in self.done:
             js = str(self.tmp / f"{mode}.json")
             npz = str(self.tmp / f"{mode}.npz")
-            extra = ["--pin"] if mode == "queue" else []
+            # queue: pinned; local-batched: weights in variables (the
+            # probe test then also shows frozen and unfrozen nets agree).
+            extra = {"queue": ["--pin"], "local-batched": ["--no-freeze"]}.get(mode, [])
             r = _cli(["--mode", mode, *TINY, *extra, "--json", js, "--games", npz])
             assert r.returncode == 0, r.stdout + r.stderr
             with open(js) as f:
@@ -130,6 +133,8 @@ def test_mode_runs_and_reports(runs: Runs, mode: str) -> None:
     st = out["settings"]
     assert (st["workers"], st["games_per_worker"], st["simulations"]) == (WORKERS, GAMES_PER_WORKER, 8)
     assert st["evaluator_threads"] == 1 and st["modes"] == [mode]
+    assert st["freeze"] == (mode != "local-batched")
+    assert ("weights in variables" in text) == (mode == "local-batched")
     assert out["machine"]["cpus"] >= 1 and out["machine"]["tensorflow"]
     assert out["wall_s"] > 0
     assert "mode " in text and "moves/s" in text   # the summary table was printed

@@ -368,14 +368,65 @@ def test_spawned_evaluator_keeps_tensorflow_out_of_workers(keras: Any, tmp_path:
             np.testing.assert_allclose(r["single_" + k], expect[k], rtol=1e-5, atol=1e-5)
 
 
+def reads_variables(fn: Any) -> bool:
+    """Whether a concrete function's graph reads a variable (a frozen one
+    holds its weights as constants and reads none)."""
+    return any(op.type == "ReadVariableOp" for op in fn.graph.get_operations()) or any(
+        n.op == "ReadVariableOp" for f in fn.graph.as_graph_def().library.function
+        for n in f.node_def)
+
+
+@pytest.mark.parametrize("kind", ["functional_dict", "subclassed", "tf_module",
+                                  "savedmodel_keras", "savedmodel_module"])
+def test_frozen_serves_like_direct_call(kind: str, tf: Any, keras: Any, backend: Any,
+                                        tmp_path: Any) -> None:
+    """TFModel(freeze=True): the functions that serve read no variable, and
+    answer as the model does."""
+    source, outputs, ref = make_case(kind, tf, keras, tmp_path)
+    plain = backend.TFModel(source)
+    tm = backend.TFModel(source, freeze=True)
+    with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=outputs, max_batch=64,
+                           max_clients=4, slots_per_client=32) as ev:
+        serve_and_compare(ev, ref, tuple(outputs))
+        assert ev.stats()["failed_requests"] == 0
+    assert not reads_variables(tm._general)
+    plain.prepare(Spec.build(INPUT_SHAPE, F32, outputs, 64, 1, 1), None)
+    assert reads_variables(plain._general)
+
+
+def test_frozen_standalone_and_jit(tf: Any, backend: Any) -> None:
+    """Frozen functions keep the model's output structure before prepare,
+    and compile with XLA per bucket."""
+    x = random_states(3, 3)
+    m = pv_net(14, "list")
+    out = backend.TFModel(m, freeze=True)(x)
+    assert isinstance(out, tuple) and [o.shape for o in out] == [(3, 1), (3, 7)]
+    np.testing.assert_allclose(out[1], m(x)[1].numpy(), rtol=1e-5, atol=1e-5)
+    m2 = pv_net(12, "dict")
+    tm = backend.TFModel(m2, jit_compile=True, freeze=True)
+    with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=16,
+                           buckets=[4, 16], max_clients=4, slots_per_client=16) as ev:
+        serve_and_compare(ev, keras_reference(m2), tuple(OUTPUTS), sizes=(1, 3, 9, 16, 20))
+    assert sorted(tm._by_rows) == [4, 16]
+    assert not any(reads_variables(f) for f in tm._by_rows.values())
+
+
+def test_frozen_function_wants_one_tensor(tf: Any, backend: Any) -> None:
+    fn = tf.function(lambda a, b: a + b).get_concrete_function(
+        tf.TensorSpec([None], tf.float32), tf.TensorSpec([None], tf.float32))
+    with pytest.raises(ValueError, match="one tensor"):
+        backend.frozen_function(fn)
+
+
 def assert_weights_equal(a: list[np.ndarray], b: list[np.ndarray]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-def test_keras_weights(keras: Any, backend: Any, tmp_path: Any) -> None:
-    tm = backend.TFModel(pv_net(1))
+@pytest.mark.parametrize("freeze", [False, True])
+def test_keras_weights(freeze: bool, keras: Any, backend: Any, tmp_path: Any) -> None:
+    tm = backend.TFModel(pv_net(1), freeze=freeze)
     tm.prepare(Spec.build(INPUT_SHAPE, F32, OUTPUTS, 8, 1, 1), None)
     traces = tm.trace_count
     x = random_states(8, 5)
@@ -426,11 +477,12 @@ def test_keras_weights(keras: Any, backend: Any, tmp_path: Any) -> None:
     assert tm.trace_count == traces, "a weight update retraced"
 
 
-def test_hot_swap_through_evaluator(backend: Any, tmp_path: Any) -> None:
+@pytest.mark.parametrize("freeze", [False, True])
+def test_hot_swap_through_evaluator(freeze: bool, backend: Any, tmp_path: Any) -> None:
     """ev.set_weights / ev.load_weights reach TFModel between batches:
-    answers follow the new weights, a refused update changes nothing, and
-    nothing is retraced."""
-    tm = backend.TFModel(pv_net(1))
+    answers follow the new weights (with freeze, folded again), a refused
+    update changes nothing, and nothing is retraced."""
+    tm = backend.TFModel(pv_net(1), freeze=freeze)
     with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
                            max_clients=4, slots_per_client=32) as ev:
         traces = tm.trace_count
@@ -453,15 +505,17 @@ def test_hot_swap_through_evaluator(backend: Any, tmp_path: Any) -> None:
         assert tm.trace_count == traces
 
 
+@pytest.mark.parametrize("freeze", [False, True])
 @pytest.mark.parametrize("saved", [False, True])
-def test_module_weights(saved: bool, tf: Any, backend: Any, tmp_path: Any) -> None:
+def test_module_weights(saved: bool, freeze: bool, tf: Any, backend: Any,
+                        tmp_path: Any) -> None:
     """A tf.Module's variables, or a SavedModel's (through its signature)."""
     mod = make_module(tf, 1)
     source: Any = mod
     if saved:
         tf.saved_model.save(mod, str(tmp_path / "sm"))
         source = str(tmp_path / "sm")
-    tm = backend.TFModel(source)
+    tm = backend.TFModel(source, freeze=freeze)
     tm.prepare(Spec.build(INPUT_SHAPE, F32, OUTPUTS, 8, 1, 1), None)
     traces = tm.trace_count
     old = tm.get_weights()

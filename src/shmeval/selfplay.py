@@ -109,6 +109,7 @@ class Settings:
     seed: int = 0
     evaluator_threads: int = 1
     serving_threads: int = 2
+    freeze: bool = True
     max_batch: int = 256
     pin: bool = False
     net: NetConfig = field(default_factory=NetConfig)
@@ -449,7 +450,8 @@ def _pin(cpus: Optional[set[int]]) -> None:
 
 
 def _evaluator_factory(net: NetConfig, seed: int, threads: int,
-                       cpus: Optional[set[int]] = None, serving_threads: int = 1) -> Any:
+                       cpus: Optional[set[int]] = None, serving_threads: int = 1,
+                       freeze: bool = False) -> Any:
     """Evaluator.spawn's factory: runs in the evaluator process, the only
     process of the shmeval mode that imports TensorFlow.  ``threads`` intra-op
     threads per model call; with several serving threads, as many inter-op
@@ -464,10 +466,22 @@ def _evaluator_factory(net: NetConfig, seed: int, threads: int,
     # Before the net is built: building it initialises TensorFlow.
     configure(intra_op_threads=threads or None,
               inter_op_threads=max(threads, serving_threads) if threads else None)
-    return TFModel(build_resnet(net, seed=seed, compile=False))
+    return TFModel(build_resnet(net, seed=seed, compile=False), freeze=freeze)
 
 
 EvaluateBatch = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]
+
+
+def _net_function(tf: Any, model: Any, rows: Optional[int], freeze: bool) -> Any:
+    """The queue and local modes' net: the Keras model's concrete function
+    for batches of ``rows`` (None: any), with ``freeze`` its weights folded
+    in as constants, as TFModel(freeze=True) serves it in the shmeval mode."""
+    fn = tf.function(lambda x: model(x, training=False)).get_concrete_function(
+        tf.TensorSpec((rows,) + connect4.INPUT_SHAPE, tf.float32))
+    if freeze:
+        from .backends.tensorflow import frozen_function
+        fn = frozen_function(fn)
+    return fn
 
 
 def _open_local(s: Settings, batched: bool) -> EvaluateBatch:
@@ -478,8 +492,7 @@ def _open_local(s: Settings, batched: bool) -> EvaluateBatch:
     tf = import_tensorflow(1)
     model = build_resnet(s.net, seed=s.seed, compile=False)
     rows = None if batched else 1
-    fn = tf.function(lambda x: model(x, training=False)).get_concrete_function(
-        tf.TensorSpec((rows,) + connect4.INPUT_SHAPE, tf.float32))
+    fn = _net_function(tf, model, rows, s.freeze)
     constant = tf.constant
     n_actions = connect4.N_ACTIONS
 
@@ -627,8 +640,7 @@ def _queue_server_main(s: Settings, requests: Any, responses: List[Any], counter
 
         tf = import_tensorflow(s.evaluator_threads or None)
         model = build_resnet(s.net, seed=s.seed, compile=False)
-        fn = tf.function(lambda x: model(x, training=False)).get_concrete_function(
-            tf.TensorSpec((None,) + connect4.INPUT_SHAPE, tf.float32))
+        fn = _net_function(tf, model, None, s.freeze)
         for n in (1, s.workers * s.games_per_worker):
             fn(tf.constant(np.zeros((n,) + connect4.INPUT_SHAPE, np.float32)))
     except BaseException:
@@ -923,7 +935,7 @@ class ModeRun:
             G = s.games_per_worker
             self.ev = shmeval.Evaluator.spawn(
                 functools.partial(_evaluator_factory, s.net, s.seed, s.evaluator_threads,
-                                  ev_cpus, s.serving_threads),
+                                  ev_cpus, s.serving_threads, s.freeze),
                 input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS, max_batch=s.max_batch,
                 max_clients=max(64, s.workers + 8), slots_per_client=min(64, max(16, G)),
                 serving_threads=s.serving_threads)
@@ -1335,7 +1347,8 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         f"shmeval selfplay: Connect Four, {s.workers} workers x {s.games_per_worker} games, "
         f"{s.simulations} simulations/move; net {net.blocks} residual blocks x {net.filters} "
         f"filters; modes {', '.join(modes)}; {s.seconds:g} s each after {s.warmup:g} s warm-up; "
-        f"central evaluator TF threads {s.evaluator_threads or 'default'}"
+        f"central evaluator TF threads {s.evaluator_threads or 'default'}; weights "
+        f"{'folded into the graph' if s.freeze else 'in variables'}"
         + ("; central evaluator pinned to its own CPU" if s.pin else ""))
     if s.train:
         buffer = ReplayBuffer(s.buffer_size)
@@ -1430,6 +1443,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shmeval mode: model calls the evaluator runs at once (Evaluator("
                         "serving_threads=...)): while one batch is computed the next is "
                         f"gathered and computed on another core (default {d.serving_threads})")
+    p.add_argument("--no-freeze", action="store_true",
+                   help="every mode: run the net with its weights in variables instead of "
+                        "folded into the graph as constants (TFModel(freeze=True) and the "
+                        "same for the queue and local modes: cheaper calls; docs/performance.md "
+                        "finding 27)")
     p.add_argument("--pin", action="store_true",
                    help="give the central evaluator (shmeval, queue) a CPU of its own and "
                         "keep the workers on the others (needs 2+ CPUs; local modes are not "
@@ -1466,7 +1484,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     simulations=args.simulations, seconds=args.seconds, warmup=args.warmup,
                     repeats=args.repeats,
                     seed=args.seed, evaluator_threads=args.evaluator_threads,
-                    serving_threads=args.serving_threads,
+                    serving_threads=args.serving_threads, freeze=not args.no_freeze,
                     max_batch=args.max_batch, pin=args.pin, net=net, train=args.train,
                     push_every=args.push_every, batch_size=args.batch_size,
                     buffer_size=args.buffer_size, sample_reuse=args.sample_reuse)

@@ -20,7 +20,8 @@ What it does for the evaluator:
 * ``__call__(batch)`` calls the traced function and returns
   ``{name: ndarray}`` with exactly the declared dtypes and shapes;
 * ``set_weights`` / ``load_weights`` swap the weights in place (variables are
-  assigned, nothing is retraced).
+  assigned, nothing is retraced; with ``freeze=True`` the weights are folded
+  into new functions instead, see :func:`frozen_function`).
 """
 from __future__ import annotations
 
@@ -190,6 +191,55 @@ def _plain(out: Any) -> Any:
     return out
 
 
+def frozen_function(concrete: Any, jit_compile: bool = False) -> Any:
+    """``concrete`` (a concrete function of one tensor) with the values its
+    variables hold now folded into its graph as constants: a new concrete
+    function of the same input signature and output structure.
+
+    TensorFlow's graph optimiser can then fold what only depends on the
+    weights (a batch norm after a convolution becomes the convolution's
+    bias) and drops the variable reads, which lowers the fixed cost of a
+    call; for the self-play net about a quarter at batches 1-32
+    (docs/performance.md, finding 27).  Later changes to the variables do
+    not reach the frozen function: freeze again after them."""
+    # The converter lives in TensorFlow's framework package (what
+    # tf.compat.v1.graph_util's converter is for TF1 graphs); the graph it
+    # returns is imported into a new tf.function with public API only.
+    from tensorflow.python.framework.convert_to_constants import (
+        convert_variables_to_constants_v2)
+
+    args = concrete.structured_input_signature[0]
+    if len(args) != 1 or concrete.structured_input_signature[1]:
+        raise ValueError("frozen_function: the concrete function must take one tensor")
+    converted = convert_variables_to_constants_v2(concrete)
+    graph_def = converted.graph.as_graph_def()
+    feeds = [t.name for t in converted.inputs]
+    if len(feeds) != 1:
+        raise ValueError(f"frozen_function: the frozen graph still takes {len(feeds)} inputs "
+                         f"({feeds}); only the state should be left")
+    fetches = [t.name for t in converted.outputs]
+    structure = concrete.structured_outputs
+    # The import maps the placeholder's uses to the new input but still
+    # imports the placeholder, which XLA cannot compile: make it an unused
+    # scalar constant.
+    feed_op = feeds[0].rsplit(":", 1)[0]
+    for node in graph_def.node:
+        if node.name == feed_op and node.op == "Placeholder":
+            dtype = node.attr["dtype"].type
+            node.op = "Const"
+            node.ClearField("attr")
+            node.attr["dtype"].type = dtype
+            node.attr["value"].tensor.CopyFrom(
+                tf.make_tensor_proto(np.zeros((), tf.dtypes.as_dtype(dtype).as_numpy_dtype)))
+
+    def run(x: Any) -> Any:
+        flat = tf.graph_util.import_graph_def(graph_def, input_map={feeds[0]: x},
+                                              return_elements=fetches, name="frozen")
+        return tf.nest.pack_sequence_as(structure, flat)
+
+    return tf.function(run, jit_compile=jit_compile).get_concrete_function(args[0])
+
+
 def _pow2(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(max_batch.bit_length())
                          if 1 << i < max_batch} | {max_batch}))
@@ -211,6 +261,11 @@ class TFModel:
     ``memory_limit_mb``, ``intra_op_threads``, ``inter_op_threads``: passed
     to :func:`configure` before the model is loaded.  ``device``: where the
     model runs (default ``/GPU:0`` if there is a GPU, else ``/CPU:0``).
+    ``freeze``: serve the traced functions with the weights folded in as
+    constants (:func:`frozen_function`): cheaper calls, but every
+    ``set_weights`` / ``load_weights`` folds again and runs each batch size
+    once before it returns (tens of ms per batch size, while the evaluator
+    serves nothing).
 
     After ``prepare``: ``trace_count`` (times the model was traced; constant
     while serving) and ``warmup_s`` (seconds ``prepare`` took).
@@ -219,7 +274,8 @@ class TFModel:
     def __init__(self, model_or_path: Any, *, buckets: Optional[Sequence[int]] = None,
                  jit_compile: bool = False, memory_growth: bool = True,
                  memory_limit_mb: Optional[int] = None, intra_op_threads: Optional[int] = None,
-                 inter_op_threads: Optional[int] = None, device: Optional[str] = None) -> None:
+                 inter_op_threads: Optional[int] = None, device: Optional[str] = None,
+                 freeze: bool = False) -> None:
         configure(memory_growth, memory_limit_mb, intra_op_threads, inter_op_threads)
         self.buckets: Optional[tuple[int, ...]] = None
         if buckets is not None:
@@ -227,6 +283,7 @@ class TFModel:
             if not self.buckets or self.buckets[0] < 1:
                 raise ValueError(f"TFModel buckets must be positive ints, got {buckets!r}")
         self.jit_compile = bool(jit_compile)
+        self.freeze = bool(freeze)
         self.device = device or ("/GPU:0" if tf.config.list_physical_devices("GPU")
                                  else "/CPU:0")
         self.model = _load(model_or_path)
@@ -254,8 +311,11 @@ class TFModel:
         self._dtype: Optional[np.dtype[Any]] = None
         self._native = True
         self._function: Any = None     # tf.function over _body
-        self._general: Any = None      # its concrete function for any batch size
-        self._by_rows: dict[int, Any] = {}  # its concrete functions per bucket size
+        # What serves, per batch size (None: any size): _body's concrete
+        # function, or with freeze its frozen_function.
+        self._general: Any = None
+        self._by_rows: dict[int, Any] = {}
+        self._traced: dict[Optional[int], Any] = {}  # _body's concrete functions
         self._trace_error: Optional[ModelError] = None  # raised while tracing
 
     # -- tracing ---------------------------------------------------------------
@@ -285,18 +345,37 @@ class TFModel:
         self._function = tf.function(self._body, jit_compile=self.jit_compile)
         self._general = None
         self._by_rows = {}
+        self._traced = {}
 
     def _concrete(self, rows: Optional[int]) -> Any:
+        """The function that serves batches of ``rows`` (None: any)."""
         assert self._row_shape is not None and self._dtype is not None
         spec = tf.TensorSpec((rows, *self._row_shape),
                              tf.as_dtype(self._dtype.newbyteorder("=")))
         self._trace_error = None
         try:
-            return self._function.get_concrete_function(spec)
+            fn = self._function.get_concrete_function(spec)
         except Exception:
             if self._trace_error is not None:
                 raise self._trace_error from None
             raise
+        self._traced[rows] = fn
+        return frozen_function(fn, self.jit_compile) if self.freeze else fn
+
+    def _refreeze(self) -> None:
+        """With freeze: folds the current weights into new functions, runs
+        each once (the optimiser's work happens at the first call), then
+        serves them."""
+        if not self.freeze:
+            return
+        by_rows = {n: frozen_function(self._traced[n], self.jit_compile) for n in self._by_rows}
+        general = (frozen_function(self._traced[None], self.jit_compile)
+                   if self._general is not None else None)
+        assert self._row_shape is not None and self._dtype is not None
+        for n, fn in [*by_rows.items(), (1, general)]:
+            if fn is not None:
+                fn(tf.constant(np.zeros((n, *self._row_shape), self._dtype.newbyteorder("="))))
+        self._by_rows, self._general = by_rows, general
 
     # -- the evaluator's protocol ---------------------------------------------
 
@@ -381,7 +460,7 @@ class TFModel:
             found = self.signature.variables
         if found is None:
             # A plain tf.function: what our traced function captured.
-            fn = self._general or next(iter(self._by_rows.values()), None)
+            fn = next(iter(self._traced.values()), None)
             if fn is None:
                 raise RuntimeError("TFModel: the weights of a plain tf.function are known once "
                                    "it was traced; call prepare() or the model first")
@@ -396,7 +475,8 @@ class TFModel:
         return [np.array(v.numpy()) for v in self._variables()]
 
     def set_weights(self, weights: Sequence[Any]) -> None:
-        """Assigns new values to the weights in place (no retracing).  Counts,
+        """Assigns new values to the weights in place (no retracing; with
+        freeze, folds them into new functions before it returns).  Counts,
         shapes and dtypes are checked first: a bad update raises ValueError
         and leaves every weight as it was."""
         variables = self._variables()
@@ -414,6 +494,16 @@ class TFModel:
                 raise ValueError(f"set_weights: weight {i} ({v.name}) is {want}, got "
                                  f"{a.dtype}, which cannot be cast to it")
             arrays.append(a.astype(want, copy=False))
+        old = self.get_weights() if self.freeze else None
+        self._assign(variables, arrays)
+        if old is not None:
+            try:
+                self._refreeze()
+            except BaseException:
+                self._assign(variables, old)  # the weights that still serve
+                raise
+
+    def _assign(self, variables: list[Any], arrays: list[np.ndarray]) -> None:
         if self.keras:
             self.model.set_weights(arrays)
         else:
@@ -439,6 +529,7 @@ class TFModel:
             old = self.model.get_weights()
             try:
                 self.model.load_weights(path)
+                self._refreeze()
             except BaseException:
                 self.model.set_weights(old)
                 raise
@@ -447,4 +538,4 @@ class TFModel:
                              "a Keras model")
 
 
-__all__ = ["TFModel", "configure"]
+__all__ = ["TFModel", "configure", "frozen_function"]
