@@ -8,6 +8,7 @@ process (no IPC) and prints wall and CPU time per call and per state, e.g.
     python bench/tf_model_cost.py --filters 32 --threads 0   # TF's default pools
     python bench/tf_model_cost.py --styles --batches 1,32    # calling styles
     python bench/tf_model_cost.py --net selfplay --jit       # compiled with XLA
+    python bench/tf_model_cost.py --net selfplay --freeze    # weights folded in (finding 27)
     python bench/tf_model_cost.py --concurrent 2 --inter-threads 2 --batches 32
                                   # two threads calling at once (serving_threads)
 
@@ -43,6 +44,8 @@ def main() -> None:
     ap.add_argument("--jit", action="store_true",
                     help="TFModel(jit_compile=True): the net compiled with XLA (batches padded "
                          "to powers of two)")
+    ap.add_argument("--freeze", action="store_true",
+                    help="TFModel(freeze=True): the weights folded into the graph as constants")
     ap.add_argument("--styles", action="store_true",
                     help="compare ways of calling the model instead (try --batches 1,32)")
     args = ap.parse_args()
@@ -60,16 +63,17 @@ def main() -> None:
     if args.net == "selfplay":
         from shmeval.games.connect4_net import build_resnet
 
-        model = TFModel(build_resnet(compile=False), jit_compile=args.jit)
+        model = TFModel(build_resnet(compile=False), jit_compile=args.jit, freeze=args.freeze)
     else:
         cfg = tb.NetConfig(filters=args.filters, layers=args.layers)
-        model = TFModel(tb.build_keras_model(cfg, tb.make_weights(cfg)), jit_compile=args.jit)
+        model = TFModel(tb.build_keras_model(cfg, tb.make_weights(cfg)), jit_compile=args.jit,
+                        freeze=args.freeze)
     model.prepare(Spec.build((6, 7, 2), "float32",
                              {"policy": ((7,), "float32"), "value": ((), "float32")},
                              256, 8, 8), None)
     shape = "residual (2 x 32)" if args.net == "selfplay" else f"{args.filters} filters x {args.layers}"
     print(f"net {args.net}: {shape}, TF threads {args.threads or 'default'}, inter-op {inter or 'default'}"
-          + (", XLA" if args.jit else ""))
+          + (", XLA" if args.jit else "") + (", frozen" if args.freeze else ""))
     if args.concurrent:
         concurrent_calls(model, [int(x) for x in args.batches.split(",")], args.concurrent)
         return
@@ -81,6 +85,15 @@ def main() -> None:
         x = np.random.default_rng(0).random((b, 6, 7, 2), np.float32)
         wall, cpu = per_call(model, x)
         print(f"{b:>6} {wall * 1e6:>9.0f} {cpu * 1e6:>9.0f} {wall / b * 1e6:>9.1f}")
+    # A weight update: assigning the variables, and with --freeze folding
+    # them into new functions and running each once.
+    weights = model.get_weights()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        model.set_weights(weights)
+        times.append(time.perf_counter() - t0)
+    print("set_weights: " + ", ".join(f"{t * 1e3:.1f}" for t in times) + " ms")
 
 
 def per_call(fn: Callable[[Any], Any], x: Any, n: int = 0) -> tuple[float, float]:
@@ -141,16 +154,22 @@ def calling_styles(model: Any, batches: list[int]) -> None:
         "model.predict_on_batch": keras_model.predict_on_batch,
         "eager model(x)": lambda x: numpy(keras_model(x, training=False)),
     }
-    # Not what TFModel does (a lead, docs/performance.md): the weights
-    # folded into the graph as constants, so that TensorFlow's graph
-    # optimiser folds the batch norms, called through the private flat-call
-    # entry point (the public call of the converted function is slower).
+    # The weights folded into the graph as constants: TFModel(freeze=True)
+    # (frozen_function, docs/performance.md finding 27), and the converted
+    # function called as it comes (its public call) and through its private
+    # flat-call entry point, the two ways finding 13 tried first.
     from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
 
-    frozen = getattr(convert_variables_to_constants_v2(concrete), "_inference_function", None)
-    if frozen is not None:
-        styles["frozen weights, flat call (not TFModel)"] = \
-            lambda x: numpy(frozen.call_flat(tf.constant(x)))
+    from shmeval.backends.tensorflow import TFModel
+
+    frozen_model = TFModel(keras_model, freeze=True)
+    frozen_model.prepare(model.spec, None)
+    styles["TFModel(freeze=True)"] = frozen_model
+    converted = convert_variables_to_constants_v2(concrete)
+    styles["converted function(tf.constant)"] = lambda x: numpy(converted(tf.constant(x)))
+    flat = getattr(converted, "_inference_function", None)
+    if flat is not None:
+        styles["converted, private flat call"] = lambda x: numpy(flat.call_flat(tf.constant(x)))
     print(f"{'calling style':<40}" + "".join(f"{'batch ' + str(b):>12}" for b in batches)
           + "   (wall us per call)")
     for name, call in styles.items():
