@@ -411,6 +411,30 @@ def test_frozen_standalone_and_jit(tf: Any, backend: Any) -> None:
     assert not any(reads_variables(f) for f in tm._by_rows.values())
 
 
+def test_freeze_refuses_a_model_that_assigns_while_it_runs(tf: Any, backend: Any) -> None:
+    """A model whose call assigns a variable cannot be frozen: a ModelError
+    that says so at start-up, not an error of TensorFlow's graph import."""
+
+    class Counting(tf.Module):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = tf.Variable(0.0)
+            self.w = tf.Variable(np.ones((84, 8), np.float32))
+
+        @tf.function
+        def __call__(self, x: Any) -> Any:
+            self.calls.assign_add(1.0)
+            y = tf.reshape(x, [-1, 84]) @ self.w
+            return y[:, :7], y[:, 7] + self.calls
+
+    with pytest.raises(shmeval.ModelError, match="freeze=False"):
+        shmeval.Evaluator(backend.TFModel(Counting(), freeze=True), input_shape=INPUT_SHAPE,
+                          outputs=OUTPUTS, max_batch=8)
+    assert not own_segments()
+    out = backend.TFModel(Counting())(random_states(2, 0))  # unfrozen it serves
+    assert out[0].shape == (2, 7)
+
+
 def test_frozen_function_wants_one_tensor(tf: Any, backend: Any) -> None:
     fn = tf.function(lambda a, b: a + b).get_concrete_function(
         tf.TensorSpec([None], tf.float32), tf.TensorSpec([None], tf.float32))

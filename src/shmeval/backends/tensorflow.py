@@ -360,7 +360,16 @@ class TFModel:
                 raise self._trace_error from None
             raise
         self._traced[rows] = fn
-        return frozen_function(fn, self.jit_compile) if self.freeze else fn
+        return self._frozen(fn) if self.freeze else fn
+
+    def _frozen(self, fn: Any) -> Any:
+        try:
+            return frozen_function(fn, self.jit_compile)
+        except Exception as e:
+            # e.g. a model that assigns a variable while it runs
+            raise ModelError(f"TFModel(freeze=True) could not fold the model's weights into "
+                             f"its graph ({type(e).__name__}: {e}); serve it with "
+                             "freeze=False") from e
 
     def _refreeze(self) -> None:
         """With freeze: folds the current weights into new functions, runs
@@ -368,9 +377,8 @@ class TFModel:
         serves them."""
         if not self.freeze:
             return
-        by_rows = {n: frozen_function(self._traced[n], self.jit_compile) for n in self._by_rows}
-        general = (frozen_function(self._traced[None], self.jit_compile)
-                   if self._general is not None else None)
+        by_rows = {n: self._frozen(self._traced[n]) for n in self._by_rows}
+        general = self._frozen(self._traced[None]) if self._general is not None else None
         assert self._row_shape is not None and self._dtype is not None
         for n, fn in [*by_rows.items(), (1, general)]:
             if fn is not None:
