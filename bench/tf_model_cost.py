@@ -46,6 +46,10 @@ def main() -> None:
                          "to powers of two)")
     ap.add_argument("--freeze", action="store_true",
                     help="TFModel(freeze=True): the weights folded into the graph as constants")
+    ap.add_argument("--buckets", default="",
+                    help="TFModel(buckets=...): batch sizes to pad to, e.g. 1,2,4,...,256 "
+                         "(each is traced, and with --freeze folded again at every weight "
+                         "update)")
     ap.add_argument("--styles", action="store_true",
                     help="compare ways of calling the model instead (try --batches 1,32)")
     args = ap.parse_args()
@@ -60,14 +64,16 @@ def main() -> None:
     # Before the model is built: building it initialises TensorFlow.
     inter = args.inter_threads if args.inter_threads is not None else args.threads
     configure(intra_op_threads=threads, inter_op_threads=inter or None)
+    buckets = [int(x) for x in args.buckets.split(",")] if args.buckets else None
     if args.net == "selfplay":
         from shmeval.games.connect4_net import build_resnet
 
-        model = TFModel(build_resnet(compile=False), jit_compile=args.jit, freeze=args.freeze)
+        model = TFModel(build_resnet(compile=False), jit_compile=args.jit, freeze=args.freeze,
+                        buckets=buckets)
     else:
         cfg = tb.NetConfig(filters=args.filters, layers=args.layers)
         model = TFModel(tb.build_keras_model(cfg, tb.make_weights(cfg)), jit_compile=args.jit,
-                        freeze=args.freeze)
+                        freeze=args.freeze, buckets=buckets)
     model.prepare(Spec.build((6, 7, 2), "float32",
                              {"policy": ((7,), "float32"), "value": ((), "float32")},
                              256, 8, 8), None)
