@@ -199,7 +199,7 @@ def frozen_function(concrete: Any, jit_compile: bool = False) -> Any:
     TensorFlow's graph optimiser can then fold what only depends on the
     weights (a batch norm after a convolution becomes the convolution's
     bias) and drops the variable reads, which lowers the fixed cost of a
-    call; for the self-play net about a quarter at batches 1-32
+    call; for the self-play net 17-27% at batches 1-16, nothing by 64
     (docs/performance.md, finding 27).  Later changes to the variables do
     not reach the frozen function: freeze again after them."""
     # The converter lives in TensorFlow's framework package (what
