@@ -50,6 +50,9 @@ def main() -> None:
                     help="TFModel(buckets=...): batch sizes to pad to, e.g. 1,2,4,...,256 "
                          "(each is traced, and with --freeze folded again at every weight "
                          "update)")
+    ap.add_argument("--updates", type=int, default=0,
+                    help="weight updates to time (default 3) and print the RSS across, "
+                         "every 50")
     ap.add_argument("--styles", action="store_true",
                     help="compare ways of calling the model instead (try --batches 1,32)")
     args = ap.parse_args()
@@ -93,13 +96,25 @@ def main() -> None:
         print(f"{b:>6} {wall * 1e6:>9.0f} {cpu * 1e6:>9.0f} {wall / b * 1e6:>9.1f}")
     # A weight update: assigning the variables, and with --freeze folding
     # them into new functions and running each once.
+    # With --updates N, also the process's RSS across them (whether the
+    # functions an update replaces are freed).
     weights = model.get_weights()
     times = []
-    for _ in range(3):
+    rss = [_rss_mb()]
+    for i in range(max(3, args.updates)):
         t0 = time.perf_counter()
         model.set_weights(weights)
         times.append(time.perf_counter() - t0)
-    print("set_weights: " + ", ".join(f"{t * 1e3:.1f}" for t in times) + " ms")
+        if args.updates and (i + 1) % 50 == 0:
+            rss.append(_rss_mb())
+    print("set_weights: " + ", ".join(f"{t * 1e3:.1f}" for t in times[:3]) + " ms")
+    if args.updates:
+        print(f"RSS over {len(times)} updates, every 50: " + ", ".join(map(str, rss)) + " MB")
+
+
+def _rss_mb() -> int:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
 
 
 def per_call(fn: Callable[[Any], Any], x: Any, n: int = 0) -> tuple[float, float]:

@@ -908,7 +908,6 @@ cdef class ClientPort:
         return True
 
 
-@cython.binding(True)
 cdef inline bint _answered(object r, bint versioned):
     """r, from a ClientPort fast path, is the caller's result: the dict, or
     with versioned the pair (dict, version(s)); not None, an error text or a
@@ -918,6 +917,7 @@ cdef inline bint _answered(object r, bint versioned):
     return type(r) is dict
 
 
+@cython.binding(True)
 def client_evaluate(self, object state, bint return_version=False):
     """Evaluates one state; returns ``{name: array of the output's shape}``,
     or ``(outputs, model_version)`` with ``return_version=True``: the
@@ -936,6 +936,7 @@ def client_evaluate(self, object state, bint return_version=False):
     return self._evaluate_slow(state, r, port, return_version)
 
 
+@cython.binding(True)
 def client_evaluate_many(self, object states, bint return_version=False):
     """``Client.evaluate_many``: the common case in ClientPort (no Python
     frame); anything else goes to ``Client._evaluate_many_slow``."""

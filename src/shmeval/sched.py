@@ -15,11 +15,12 @@ def use_batch_scheduling(enable: bool = True) -> None:
     is running.  A worker woken by its answer then no longer interrupts the
     evaluator halfway through waking the rest of its batch.  When it was
     introduced it raised shmeval's round trips/s with 16 workers on 2
-    cores by 20-35% (docs/performance.md, finding 21); since the evaluator
+    cores by 20-35% (docs/performance.md, finding 21).  Since the evaluator
     wakes a batch in one system call and clients sleep without timers
-    (findings 22, 23) it helps most with 2-4 and 32-64 workers and no
-    longer at 8-16, where the tail got longer: measure.  It needs no
-    privileges.
+    (findings 22, 23) the runs differ: the latest full pair on 2 cores
+    gained at every worker count from 2 to 64, with a longer tail at 32-64;
+    the pair before it lost at 8 and 16: measure (README, "Many workers on
+    few cores").  It needs no privileges.
     """
     policy = os.SCHED_BATCH if enable else os.SCHED_OTHER
     os.sched_setscheduler(0, policy, os.sched_param(0))

@@ -365,8 +365,9 @@ static inline void shm_cpu_relax(void) {
  * memcpy aligns the stores, so when the two differ in their offset within a
  * line every load of the gather spans two lines.  Loading line by line and
  * storing unaligned instead was about a third faster for Go rows on the
- * development machine (bench/c/row_copy.c; docs/performance.md, finding 25).  Small copies, copies whose
- * ends share their offset in the line, and CPUs without AVX2 use memcpy. */
+ * development machine (bench/c/row_copy.c; docs/performance.md, finding
+ * 25).  Small copies, copies whose ends share their offset in the line, and
+ * CPUs without AVX2 use memcpy. */
 #define SHM_COPY_MIN 2048u
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
