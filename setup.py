@@ -1,4 +1,6 @@
-"""Build of the Cython extension shmeval._ring (everything else is in pyproject.toml).
+"""Build of the Cython extensions shmeval._ring (the shared-memory ring) and
+shmeval._mcts (the search tree of shmeval.mcts); everything else is in
+pyproject.toml.
 
 SHMEVAL_DEBUG=1 builds with -DSHM_DEBUG: state-machine assertions in ring.h.
 """
@@ -19,9 +21,16 @@ ext = Extension(
     extra_compile_args=["-std=gnu11", "-O2"] + (["-UNDEBUG", "-g"] if debug else []),
 )
 
+mcts_ext = Extension(
+    "shmeval._mcts",
+    sources=["src/shmeval/_mcts.pyx"],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    extra_compile_args=["-O2"] + (["-UNDEBUG", "-g"] if debug else []),
+)
+
 setup(
     ext_modules=cythonize(
-        [ext],
+        [ext, mcts_ext],
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
     )

@@ -132,28 +132,28 @@ def test_dirichlet_noise_only_at_the_root() -> None:
     m = mcts.MCTS(c4, CountingModel(policy), dirichlet_alpha=0.3, dirichlet_fraction=0.25)
     t = m.new_tree(root)
     m.search([t], 60, np.random.default_rng(1), noise=True)
-    noisy = np.array(t.prior[t.root])
-    assert t.actions[t.root] == [1, 2, 3, 4, 5, 6]
+    noisy = np.array(t.priors(t.root))
+    assert t.actions(t.root) == [1, 2, 3, 4, 5, 6]
     assert not np.allclose(noisy, clean)
     assert noisy.sum() == pytest.approx(1.0) and (noisy > 0).all()
     # at least 0.75 of each clean prior survives the mix
     assert (noisy >= 0.75 * clean - 1e-12).all()
-    expanded = [i for i in range(len(t)) if t.expanded[i] and i != t.root]
+    expanded = [i for i in range(len(t)) if t.is_expanded(i) and i != t.root]
     assert len(expanded) > 10
     for i in expanded:
         legal = c4.legal_moves(t.state[i])
-        np.testing.assert_allclose(t.prior[i], policy[legal] / policy[legal].sum())
+        np.testing.assert_allclose(t.priors(i), policy[legal] / policy[legal].sum())
     # noise is drawn afresh from the clean priors each search, never stacked
     m.search([t], 1, np.random.default_rng(2), noise=True)
-    noisy2 = np.array(t.prior[t.root])
+    noisy2 = np.array(t.priors(t.root))
     assert not np.allclose(noisy2, noisy)
     assert ((noisy2 - 0.75 * clean) >= -1e-12).all()
     m.search([t], 1, noise=False)          # no noise: the clean priors come back
-    np.testing.assert_allclose(t.prior[t.root], clean)
+    np.testing.assert_allclose(t.priors(t.root), clean)
     # without noise the root priors are the model's
     t2 = m.new_tree(root)
     m.search([t2], 20)
-    np.testing.assert_allclose(t2.prior[t2.root], clean)
+    np.testing.assert_allclose(t2.priors(t2.root), clean)
     with pytest.raises(ValueError):
         m.search([m.new_tree(root)], 5, None, noise=True)
 
@@ -269,6 +269,107 @@ def test_errors() -> None:
 
     counts = mcts.search_many(c4, [c4.initial()], zero_policy, 14, rng)
     assert counts.sum() == 14 and (counts > 0).all()            # uniform over legal moves
+
+
+def reference_search(root: State, model: Any, simulations: int, c_puct: float = 1.5,
+                     fpu: float = 0.0) -> np.ndarray:
+    """PUCT written out plainly (recursion, one state per call, nodes keyed
+    by the moves from the root so that transpositions stay apart as in a
+    tree): the oracle for the C tree's choices."""
+    stats: Dict[Tuple[int, ...], Tuple[List[int], List[float], List[int], List[float]]] = {}
+
+    def expand(s: State, path: Tuple[int, ...]) -> float:
+        p, v = model(c4.encode_many([s]))
+        acts = c4.legal_moves(s)
+        ps = [float(p[0][a]) for a in acts]
+        total = sum(ps)
+        stats[path] = (acts, [x / total for x in ps], [0] * len(acts), [0.0] * len(acts))
+        return float(np.asarray(v).reshape(-1)[0])
+
+    def simulate(s: State, path: Tuple[int, ...]) -> float:
+        """One simulation below ``s``; returns the leaf's value from the
+        view of the player to move at ``s``."""
+        term = c4.terminal_value(s)
+        if term is not None:
+            return term
+        if path not in stats:
+            return expand(s, path)
+        acts, prior, n, w = stats[path]
+        sq = c_puct * np.sqrt(sum(n) + 1)
+        u = [w[i] / n[i] + sq * prior[i] / (n[i] + 1) if n[i] else fpu + sq * prior[i]
+             for i in range(len(acts))]
+        i = int(np.argmax(u))
+        v = -simulate(c4.play(s, acts[i]), path + (acts[i],))
+        n[i] += 1
+        w[i] += v
+        return v
+
+    expand(root, ())
+    for _ in range(simulations):
+        simulate(root, ())
+    out = np.zeros(7, dtype=np.int64)
+    acts, _, n, _ = stats[()]
+    out[acts] = n
+    return out
+
+
+def hashed_model(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """A deterministic, position-dependent stand-in for a net."""
+    h = (x.reshape(len(x), -1) * np.arange(1, 85)).sum(axis=1)
+    return np.abs(np.sin(np.outer(h, np.arange(1, 8)))) + 0.01, np.tanh(np.cos(h))
+
+
+@pytest.mark.parametrize("moves", [[], [3, 3], [0, 1, 0, 1, 0]])
+def test_c_tree_matches_a_plain_reference(moves: List[int]) -> None:
+    root = c4.from_moves(moves)
+    expected = reference_search(root, hashed_model, 300)
+    got = mcts.search_many(c4, [root], hashed_model, 300)[0]
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_tree_inspection_and_errors() -> None:
+    t = mcts.Tree(c4, c4.initial())
+    assert len(t) == 1 and t.root == 0 and not t.is_expanded(0)
+    assert t.edges(0) == ([], [], [], [], []) and t.visit_counts(7).sum() == 0
+    row = np.arange(1, 8, dtype=np.float64)
+    t.expand(0, [0, 2, 4], row)
+    acts, prior, n, w, child = t.edges(0)
+    assert acts == [0, 2, 4] and n == [0, 0, 0] and w == [0.0] * 3 and child == [-1] * 3
+    np.testing.assert_allclose(prior, [1 / 9, 3 / 9, 5 / 9])
+    with pytest.raises(ValueError, match="already expanded"):
+        t.expand(0, [0], row)
+    with pytest.raises(IndexError):
+        t.is_expanded(1)
+    with pytest.raises(ValueError, match="noise values"):
+        t.add_noise([0.5, 0.5], 0.25)
+    t.add_noise([1.0, 0.0, 0.0], 0.5)
+    np.testing.assert_allclose(t.priors(0), [1 / 18 + 0.5, 3 / 18, 5 / 18])
+    t.clear_noise()
+    np.testing.assert_allclose(t.priors(0), [1 / 9, 3 / 9, 5 / 9])
+    with pytest.raises(ValueError, match="not a legal move"):
+        t.advance(c4, 1)
+    t.advance(c4, 2)
+    assert t.root == 1 and t.root_state == c4.from_moves([2]) and len(t) == 2
+    u = mcts.Tree(c4, c4.initial())
+    with pytest.raises(ValueError, match="outside"):
+        u.expand(0, [0, 7], row)
+    with pytest.raises(ValueError, match="no moves"):
+        u.expand(0, [], row)
+    assert not u.is_expanded(0)                    # a refused expansion leaves nothing
+
+
+def test_game_mistakes_are_reported() -> None:
+    class NoMoves:
+        N_ACTIONS, INPUT_SHAPE = 7, (6, 7, 2)
+        initial, play, terminal_value = c4.initial, c4.play, c4.terminal_value
+        encode_many = c4.encode_many
+
+        @staticmethod
+        def legal_moves(s: State) -> List[int]:
+            return c4.legal_moves(s) if s.moves == 0 else []
+
+    with pytest.raises(ValueError, match="no moves"):
+        mcts.search_many(NoMoves, [c4.initial()], CountingModel(), 5)
 
 
 class FakeClient:

@@ -44,44 +44,59 @@ Dir(alpha)`` is mixed into the root priors only, freshly for every search
 
 Trees
 -----
-A :class:`Tree` keeps its nodes in flat per-tree lists indexed by node id
-(state, terminal value, legal actions, and per node small Python lists of
-priors, visit counts, value sums and child ids); no per-edge objects.
-Children are created when first selected.  Moving on with
-:meth:`Tree.advance` re-roots the tree at the child and keeps its subtree
-(the abandoned nodes stay in the lists until the game ends: at most
-``moves * simulations`` nodes, a few MB for Connect Four).
+A :class:`Tree` (the C extension ``shmeval._mcts``) keeps its statistics in
+flat C arrays: per node the first edge, the number of edges, the visit
+count and the terminal value; per edge the action, prior, visit count,
+value sum and child id.  The states stay Python objects in ``tree.state``
+(and terminal values in ``tree.term``), indexed by node id.  A node's edges
+are created when it is expanded, a child node when its edge is first
+selected.  Moving on with :meth:`Tree.advance` re-roots the tree at the
+child and keeps its subtree (the abandoned nodes stay until the game ends:
+at most ``moves * simulations`` nodes, well under 1 MB of arrays for
+Connect Four).  ``tree.edges(node)`` returns a node's statistics as lists.
+
+The walk down the tree, the PUCT arithmetic, expansion and backup run in C
+(:func:`shmeval._mcts.select_leaves` selects one leaf in every tree,
+:func:`shmeval._mcts.expand_backup` expands the evaluated leaves and backs
+their values up); the game's ``play``, ``terminal_value`` and
+``legal_moves`` are called from there, once per new node.  The search makes
+exactly the choices of the pure-Python version it replaced (same visit
+counts and games from the same seed).
 
 Speed
 -----
 ``python -m shmeval.mcts`` measures it: 800 simulations from positions after
 4 random moves, null model (uniform policy, value 0, no shmeval round trip),
-Connect Four, one process on a 2-vCPU AMD EPYC VM shared with other work
-(load average about 2), CPython 3.11, ranges over six runs:
+Connect Four, one process on a 2-vCPU AMD EPYC VM, CPython 3.11, ranges
+over six runs of the C tree and three runs, alternating, of the pure-Python
+tree it replaced:
 
-=========  =================  ======================  ==========
-games      simulations/s      node visits/s [#nv]_    mean batch
-=========  =================  ======================  ==========
-1          35-43 k            121-146 k               1.0
-16         57-73 k            203-260 k               14.9
-=========  =================  ======================  ==========
+=========  ================  =================  ==================  ==========
+games      simulations/s     node visits/s      simulations/s       mean batch
+           (C tree)          [#nv]_ (C tree)    (Python tree)
+=========  ================  =================  ==================  ==========
+1          56-61 k           193-208 k          34-40 k             1.0
+16         234-256 k         829-909 k          63-83 k             14.9
+=========  ================  =================  ==================  ==========
 
 .. [#nv] edges followed on the way down, summed over simulations (mean
    depth about 3.5 with the null model).
 
 With 16 games the per-call costs (encoding, the model call, converting its
-outputs) are shared by the batch, so a simulation costs about 14-17 us
-against 23-28 us alone.  (The batch is a little under 16 because terminal leaves are
-not sent.)
+outputs) are shared by the batch, so a simulation costs about 4 us against
+17 us alone; what remains per simulation is mostly the game's Python
+(``play``, ``terminal_value``, ``legal_moves``, encoding).  (The batch is a
+little under 16 because terminal leaves are not sent.)
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import (Any, Callable, Generic, List, Mapping, NamedTuple, Optional, Protocol,
                     Sequence, Tuple, TypeVar)
 
 import numpy as np
+
+from ._mcts import Tree, expand_backup, select_leaves
 
 S = TypeVar("S")
 
@@ -122,94 +137,6 @@ class Game(Protocol[S]):
         """Encodes ``states`` into ``out[:n]`` (shape ``[m >= n,
         *INPUT_SHAPE]``) and returns ``out[:n]``; allocates when ``out`` is
         ``None``."""
-
-
-class Tree(Generic[S]):
-    """The search tree of one game, nodes in flat lists indexed by node id.
-
-    Per node ``i``: ``state[i]``, ``term[i]`` (terminal value from the view
-    of the player to move, or ``None``), ``expanded[i]``, and once expanded
-    ``actions[i]`` (legal actions), ``prior[i]``, ``n[i]`` (edge visit
-    counts), ``w[i]`` (edge value sums, view of the player to move at
-    ``i``), ``child[i]`` (node ids, -1 = not created yet) -- all lists of
-    the same length -- and ``visits[i] = sum(n[i])``.  ``root`` is the id of
-    the current root.
-    """
-
-    __slots__ = ("state", "term", "expanded", "actions", "prior", "n", "w", "child", "visits",
-                 "root", "_noised", "_clean_prior")
-
-    def __init__(self, game: Game[S], state: S) -> None:
-        self.state: List[S] = []
-        self.term: List[Optional[float]] = []
-        self.expanded: List[bool] = []
-        self.actions: List[Sequence[int]] = []
-        self.prior: List[List[float]] = []
-        self.n: List[List[int]] = []
-        self.w: List[List[float]] = []
-        self.child: List[List[int]] = []
-        self.visits: List[int] = []
-        self._noised = -1                        # node whose priors hold root noise
-        self._clean_prior: List[float] = []
-        self.root = self.add(state, game.terminal_value(state))
-
-    def add(self, state: S, term: Optional[float]) -> int:
-        """Appends an unexpanded node; returns its id."""
-        self.state.append(state)
-        self.term.append(term)
-        self.expanded.append(False)
-        self.actions.append(())
-        self.prior.append([])
-        self.n.append([])
-        self.w.append([])
-        self.child.append([])
-        self.visits.append(0)
-        return len(self.state) - 1
-
-    def __len__(self) -> int:
-        """Number of nodes stored (including abandoned ones)."""
-        return len(self.state)
-
-    @property
-    def root_state(self) -> S:
-        return self.state[self.root]
-
-    def visit_counts(self, n_actions: int) -> np.ndarray:
-        """Root visit counts per action, ``int64 [n_actions]`` (0 for illegal actions)."""
-        out = np.zeros(n_actions, dtype=np.int64)
-        r = self.root
-        for a, k in zip(self.actions[r], self.n[r]):
-            out[a] = k
-        return out
-
-    def root_q(self, n_actions: int) -> np.ndarray:
-        """Root mean values per action from the view of the player to move,
-        ``float64 [n_actions]`` (NaN where unvisited or illegal)."""
-        out = np.full(n_actions, np.nan)
-        r = self.root
-        for a, k, w in zip(self.actions[r], self.n[r], self.w[r]):
-            if k:
-                out[a] = w / k
-        return out
-
-    def advance(self, game: Game[S], action: int) -> None:
-        """Re-roots the tree at the child reached by ``action`` (created if
-        needed), keeping that subtree's statistics."""
-        r = self.root
-        if self.expanded[r]:
-            i = list(self.actions[r]).index(action)
-            ch = self.child[r][i]
-            if ch < 0:
-                s = game.play(self.state[r], action)
-                ch = self.add(s, game.terminal_value(s))
-                self.child[r][i] = ch
-        else:
-            s = game.play(self.state[r], action)
-            ch = self.add(s, game.terminal_value(s))
-        if self._noised == r:
-            self.prior[r] = self._clean_prior
-            self._noised = -1
-        self.root = ch
 
 
 class Sample(NamedTuple):
@@ -280,7 +207,10 @@ class MCTS(Generic[S]):
 
     # -- evaluation ----------------------------------------------------------
 
-    def _evaluate(self, states: Sequence[S]) -> Tuple[List[List[float]], List[float]]:
+    def _evaluate(self, states: Sequence[S]) -> Tuple[np.ndarray, np.ndarray]:
+        """Encodes ``states``, makes one ``evaluate_batch`` call, returns the
+        policy ``float64 [k, n_actions]`` and values ``float64 [k]``
+        (C-contiguous, checked)."""
         k = len(states)
         if len(self._buf) < k:
             self._buf = np.empty((max(k, 2 * len(self._buf)),) + self.input_shape,
@@ -289,96 +219,23 @@ class MCTS(Generic[S]):
         policy, value = self.evaluate_batch(x)
         self.calls += 1
         self.evaluated += k
-        p = np.asarray(policy, dtype=np.float64)
-        v = np.asarray(value, dtype=np.float64).reshape(-1)
+        p = np.ascontiguousarray(policy, dtype=np.float64)
+        v = np.ascontiguousarray(value, dtype=np.float64).reshape(-1)
         if p.shape != (k, self.n_actions) or v.shape != (k,):
             raise ValueError(f"evaluate_batch returned policy {p.shape} and value {v.shape} "
                              f"for {k} states; expected ({k}, {self.n_actions}) and ({k},)")
         if not np.isfinite(v).all():
             raise ValueError(f"evaluate_batch returned non-finite values: {v}")
-        return p.tolist(), v.tolist()
-
-    def _expand(self, t: Tree[S], node: int, row: List[float]) -> None:
-        acts = self.game.legal_moves(t.state[node])
-        ps = [row[a] for a in acts]
-        total = sum(ps)
-        if not (total > 0 and math.isfinite(total)) or min(ps) < 0:
-            if min(ps) < 0 or not math.isfinite(total):
-                raise ValueError(f"policy must hold finite probabilities >= 0 (logits? use "
-                                 f"evaluator_fn(..., logits=True)); got {row}")
-            ps = [1.0] * len(acts)       # all legal moves got 0: uniform
-            total = float(len(acts))
-        m = len(acts)
-        t.actions[node] = acts
-        t.prior[node] = [p / total for p in ps]
-        t.n[node] = [0] * m
-        t.w[node] = [0.0] * m
-        t.child[node] = [-1] * m
-        t.expanded[node] = True
+        return p, v
 
     def _add_noise(self, t: Tree[S], rng: np.random.Generator) -> None:
-        r = t.root
-        if t._noised == r:
-            t.prior[r] = t._clean_prior
-        clean = t.prior[r]
-        if len(clean) > 1 and self.dirichlet_fraction > 0:
-            eta = rng.dirichlet([self.dirichlet_alpha] * len(clean)).tolist()
-            f = self.dirichlet_fraction
-            t._clean_prior = clean
-            t.prior[r] = [(1 - f) * p + f * e for p, e in zip(clean, eta)]
-            t._noised = r
+        t.clear_noise()
+        m = len(t.actions(t.root))
+        if m > 1 and self.dirichlet_fraction > 0:
+            t.add_noise(rng.dirichlet([self.dirichlet_alpha] * m).tolist(),
+                        self.dirichlet_fraction)
 
     # -- search --------------------------------------------------------------
-
-    def _descend(self, t: Tree[S]) -> Tuple[int, List[int], List[int]]:
-        """Selects one leaf: returns it (created if new) and the path as
-        parallel lists of node ids and edge indices."""
-        prior, nn, ww, child, visits, expanded = t.prior, t.n, t.w, t.child, t.visits, t.expanded
-        c, fpu = self.c_puct, self.fpu
-        sqrt = math.sqrt
-        nodes: List[int] = []
-        edges: List[int] = []
-        node = t.root
-        while True:
-            ns = nn[node]
-            ws = ww[node]
-            sq = c * sqrt(visits[node] + 1)
-            best = -math.inf
-            bi = 0
-            i = 0
-            for p in prior[node]:
-                k = ns[i]
-                if k:
-                    u = ws[i] / k + sq * p / (k + 1)
-                else:
-                    u = fpu + sq * p
-                if u > best:
-                    best = u
-                    bi = i
-                i += 1
-            nodes.append(node)
-            edges.append(bi)
-            ch = child[node][bi]
-            if ch < 0:
-                s = self.game.play(t.state[node], t.actions[node][bi])
-                ch = t.add(s, self.game.terminal_value(s))
-                child[node][bi] = ch
-                return ch, nodes, edges
-            if not expanded[ch]:         # terminal, or left unevaluated by an error
-                return ch, nodes, edges
-            node = ch
-
-    @staticmethod
-    def _backup(t: Tree[S], nodes: List[int], edges: List[int], leaf_value: float) -> None:
-        nn, ww, visits = t.n, t.w, t.visits
-        v = -leaf_value
-        for j in range(len(nodes) - 1, -1, -1):
-            node = nodes[j]
-            i = edges[j]
-            nn[node][i] += 1
-            ww[node][i] += v
-            visits[node] += 1
-            v = -v
 
     def search(self, trees: Sequence[Tree[S]], simulations: int,
                rng: Optional[np.random.Generator] = None, *, noise: bool = False) -> np.ndarray:
@@ -398,36 +255,28 @@ class MCTS(Generic[S]):
         for t in trees:
             if t.term[t.root] is not None:
                 raise ValueError("cannot search a finished game")
-        fresh = [t for t in trees if not t.expanded[t.root]]
+        if noise and rng is None:
+            raise ValueError("noise=True needs an rng")
+        game = self.game
+        fresh = [t for t in trees if not t.is_expanded(t.root)]
         if fresh:
-            rows, _ = self._evaluate([t.state[t.root] for t in fresh])
-            for t, row in zip(fresh, rows):
-                self._expand(t, t.root, row)
-        if noise:
-            if rng is None:
-                raise ValueError("noise=True needs an rng")
-            for t in trees:
+            p, _ = self._evaluate([t.root_state for t in fresh])
+            for j, t in enumerate(fresh):
+                t.expand(t.root, game.legal_moves(t.root_state), p[j])
+        for t in trees:
+            if noise:
+                assert rng is not None
                 self._add_noise(t, rng)
-        else:
-            for t in trees:
-                if t._noised == t.root:           # noise from an earlier search
-                    t.prior[t.root] = t._clean_prior
-                    t._noised = -1
-        descend, backup, expand = self._descend, self._backup, self._expand
+            else:
+                t.clear_noise()                   # noise from an earlier search
+        forest = list(trees)
+        play, terminal_value, legal_moves = game.play, game.terminal_value, game.legal_moves
+        c_puct, fpu = self.c_puct, self.fpu
         for _ in range(simulations):
-            pending: List[Tuple[Tree[S], int, List[int], List[int]]] = []
-            for t in trees:
-                leaf, nodes, edges = descend(t)
-                v = t.term[leaf]
-                if v is None:
-                    pending.append((t, leaf, nodes, edges))
-                else:
-                    backup(t, nodes, edges, v)
-            if pending:
-                rows, values = self._evaluate([t.state[leaf] for t, leaf, _, _ in pending])
-                for (t, leaf, nodes, edges), row, v in zip(pending, rows, values):
-                    expand(t, leaf, row)
-                    backup(t, nodes, edges, v)
+            waiting, states = select_leaves(forest, play, terminal_value, c_puct, fpu)
+            if waiting:
+                p, v = self._evaluate(states)
+                expand_backup(waiting, legal_moves, p, v)
         out = np.zeros((len(trees), self.n_actions), dtype=np.int64)
         for j, t in enumerate(trees):
             out[j] = t.visit_counts(self.n_actions)
@@ -586,7 +435,7 @@ def measure_speed(game: Game[Any], n_games: int, simulations: int = 800,
     dt = time.perf_counter() - t0
     sims = n_games * simulations
     # each simulation adds one visit to every edge on its path
-    node_visits = sum(sum(t.visits) for t in trees)
+    node_visits = sum(t.edge_visits() for t in trees)
     return {"games": n_games, "seconds": dt, "simulations_per_s": sims / dt,
             "node_visits_per_s": node_visits / dt, "evaluate_calls": m.calls,
             "mean_batch": m.evaluated / max(1, m.calls)}
