@@ -52,6 +52,14 @@ _BOTTOM = [1 << (_H * c) for c in range(COLS)]
 _TOP = [1 << (_H * c + ROWS - 1) for c in range(COLS)]
 _COLUMN = [((1 << ROWS) - 1) << (_H * c) for c in range(COLS)]
 _CELLS = ROWS * COLS
+_TOP_ALL = sum(_TOP)
+# the playable columns for each combination of full columns (key: their top bits)
+_LEGAL_BY_TOP = {sum(_TOP[c] for c in range(COLS) if full >> c & 1):
+                 tuple(c for c in range(COLS) if not full >> c & 1)
+                 for full in range(1 << COLS)}
+# the bit of each encoded cell: [row from the top, column, plane]
+_CELL_BITS = np.array([[[_H * c + ROWS - 1 - r] for c in range(COLS)] for r in range(ROWS)],
+                      dtype=np.uint64)
 
 
 class State(NamedTuple):
@@ -127,8 +135,7 @@ def legal_moves(s: State) -> List[int]:
     """The playable columns in increasing order; empty once the game is over."""
     if s.last_move_won:
         return []
-    mask = s.mask
-    return [c for c in range(COLS) if not mask & _TOP[c]]
+    return list(_LEGAL_BY_TOP[s.mask & _TOP_ALL])
 
 
 def legal_mask(s: State) -> np.ndarray:
@@ -167,14 +174,6 @@ def from_moves(cols: Iterable[int], start: Optional[State] = None) -> State:
     return s
 
 
-def _bits(boards: np.ndarray) -> np.ndarray:
-    """uint64 bitboards ``(..., k)`` -> uint8 0/1 ``(..., k, 6 rows top first, 7 cols)``."""
-    b = np.ascontiguousarray(boards, dtype="<u8")
-    bits = np.unpackbits(b.view(np.uint8).reshape(b.shape + (8,)), axis=-1, bitorder="little")
-    grid = bits[..., : _H * COLS].reshape(b.shape + (COLS, _H))[..., :ROWS]   # [col, row up]
-    return np.swapaxes(grid, -1, -2)[..., ::-1, :]                            # [row down, col]
-
-
 def encode_many(states: Sequence[State], out: Optional[np.ndarray] = None) -> np.ndarray:
     """Encodes ``states`` into ``out[:n]`` (``out`` of shape ``(m, 6, 7, 2)``,
     ``m >= n``, any float dtype; allocated as float32 when ``None``) and
@@ -184,12 +183,9 @@ def encode_many(states: Sequence[State], out: Optional[np.ndarray] = None) -> np
         out = np.empty((n,) + INPUT_SHAPE, dtype=np.float32)
     elif out.shape[1:] != INPUT_SHAPE or out.shape[0] < n:
         raise ValueError(f"out has shape {out.shape}; expected (>= {n}, 6, 7, 2)")
-    boards = np.empty((n, 2), dtype="<u8")
-    for i, s in enumerate(states):
-        boards[i, 0] = s.cur
-        boards[i, 1] = s.cur ^ s.mask
-    # (n, 2 planes, 6, 7) -> (n, 6, 7, 2 planes)
-    out[:n] = np.moveaxis(_bits(boards), 1, -1)
+    boards = np.array([(s.cur, s.cur ^ s.mask) for s in states], dtype=np.uint64)
+    # (n, 1, 1, 2 planes) >> (6, 7, 1) -> (n, 6, 7, 2): one bit per cell and plane
+    out[:n] = (boards.reshape(n, 1, 1, 2) >> _CELL_BITS) & np.uint64(1)
     return out[:n]
 
 
