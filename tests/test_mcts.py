@@ -356,6 +356,13 @@ def test_tree_inspection_and_errors() -> None:
     with pytest.raises(ValueError, match="no moves"):
         u.expand(0, [], row)
     assert not u.is_expanded(0)                    # a refused expansion leaves nothing
+    # the two steps, called directly: a tree listed twice is refused
+    from shmeval._mcts import expand_backup, select_leaves
+    u.expand(0, c4.legal_moves(u.root_state), row)
+    waiting, states = select_leaves([u, u], c4.play, c4.terminal_value, 1.5, 0.0)
+    assert len(waiting) == 2 and states[0] == states[1]      # the same new leaf
+    with pytest.raises(ValueError, match="twice"):
+        expand_backup(waiting, c4.legal_moves, np.full((2, 7), 1 / 7), np.zeros(2))
 
 
 def test_game_mistakes_are_reported() -> None:

@@ -403,8 +403,8 @@ def expand_backup(list waiting, legal_moves, const double[:, ::1] policy not Non
         raise ValueError(f"{policy.shape[0]} policies and {value.shape[0]} values for {n} leaves")
     for j in range(n):
         t = waiting[j]
-        if t.leaf < 0:
-            raise ValueError("a tree without a leaf awaiting evaluation")
+        if t.leaf < 0 or t.first[t.leaf] >= 0:
+            raise ValueError("a tree without a leaf awaiting evaluation (listed twice?)")
         t._expand(t.leaf, legal_moves(t.state[t.leaf]), &policy[j, 0], policy.shape[1])
         t._backup(value[j])
         t.leaf = -1
