@@ -6,6 +6,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shmeval import mcts
 from shmeval.games import connect4 as c4
@@ -325,6 +327,39 @@ def test_c_tree_matches_a_plain_reference(moves: List[int]) -> None:
     expected = reference_search(root, hashed_model, 300)
     got = mcts.search_many(c4, [root], hashed_model, 300)[0]
     np.testing.assert_array_equal(got, expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(moves=st.lists(st.integers(0, 6), max_size=12), seed=st.integers(0, 2**16),
+       simulations=st.integers(1, 120))
+def test_c_tree_matches_the_reference_anywhere(moves: List[int], seed: int,
+                                               simulations: int) -> None:
+    """Random openings (illegal moves skipped), random position-dependent
+    models: the same visit counts as the plain reference, and the tree's
+    counts add up (every node's visits are the sum of its edges' counts)."""
+    s = c4.initial()
+    for m in moves:
+        if c4.terminal_value(s) is None and m in c4.legal_moves(s):
+            s = c4.play(s, m)
+    if c4.terminal_value(s) is not None:
+        return
+    weights = np.random.default_rng(seed).standard_normal((84, 8))
+
+    def model(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        z = x.reshape(len(x), -1) @ weights
+        return np.exp(z[:, :7] - z[:, :7].max(axis=1, keepdims=True)), np.tanh(z[:, 7])
+
+    m = mcts.MCTS(c4, model)
+    t = m.new_tree(s)
+    got = m.search([t], simulations)[0]
+    np.testing.assert_array_equal(got, reference_search(s, model, simulations))
+    assert got.sum() == simulations
+    for node in range(len(t)):
+        _, _, n, _, child = t.edges(node)
+        for k, ch in zip(n, child):
+            assert (ch >= 0) == (k > 0)            # a child exists once its edge is taken
+            if ch >= 0 and t.is_expanded(ch):
+                assert sum(t.edges(ch)[2]) == k - 1     # its first visit expanded it
 
 
 def test_tree_inspection_and_errors() -> None:
