@@ -1,6 +1,6 @@
-"""Build of the Cython extensions shmeval._ring (the shared-memory ring) and
-shmeval._mcts (the search tree of shmeval.mcts); everything else is in
-pyproject.toml.
+"""Build of the Cython extensions shmeval._ring (the shared-memory ring),
+shmeval._mcts (the search tree of shmeval.mcts), and shmeval.games._connect4
+(Connect Four's moves and encoding); everything else is in pyproject.toml.
 
 SHMEVAL_DEBUG=1 builds with -DSHM_DEBUG: state-machine assertions in ring.h.
 """
@@ -28,9 +28,16 @@ mcts_ext = Extension(
     extra_compile_args=["-O2"] + (["-UNDEBUG", "-g"] if debug else []),
 )
 
+connect4_ext = Extension(
+    "shmeval.games._connect4",
+    sources=["src/shmeval/games/_connect4.pyx"],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    extra_compile_args=["-O2"] + (["-UNDEBUG", "-g"] if debug else []),
+)
+
 setup(
     ext_modules=cythonize(
-        [ext, mcts_ext],
+        [ext, mcts_ext, connect4_ext],
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
     )

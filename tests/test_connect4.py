@@ -138,7 +138,7 @@ def test_draw() -> None:
 
 def test_illegal_moves() -> None:
     s = c4.initial()
-    for bad in (-1, 7, 100):
+    for bad in (-1, 7, 100, 10**30):
         with pytest.raises(ValueError, match="range"):
             c4.play(s, bad)
     with pytest.raises(TypeError):
@@ -150,6 +150,10 @@ def test_illegal_moves() -> None:
     assert c4.legal_moves(s) == [0, 1, 2, 4, 5, 6]
     assert c4.legal_mask(s).tolist() == [True, True, True, False, True, True, True]
     assert c4.play(s, np.int64(2)).moves == 7     # NumPy ints are fine
+    over = c4.from_moves([0, 1, 0, 1, 0, 1, 0])
+    with pytest.raises(ValueError, match="over"):
+        c4.play(over, 2)
+    assert c4.legal_moves(over) == [] and c4.terminal_value(over) == -1.0
 
 
 def test_initial_and_constants() -> None:
@@ -185,6 +189,13 @@ def test_encode_many_into_buffer() -> None:
     with pytest.raises(ValueError):
         c4.encode_many(states, np.empty((3, 6, 7, 2), np.float32))
     assert c4.encode_many([]).shape == (0, 6, 7, 2)
+    # other dtypes and strided buffers take the general path, same values
+    wide = np.zeros((4, 6, 7, 2), np.float64)
+    strided = np.zeros((8, 6, 7, 2), np.float32)[::2]
+    for other in (wide, strided):
+        got = c4.encode_many(states, other)
+        assert got.dtype == other.dtype and np.shares_memory(got, other)
+        np.testing.assert_array_equal(got, buf[:4])
 
 
 def test_mirror() -> None:

@@ -2,7 +2,12 @@
 
 A position is a :class:`State`, an immutable named tuple of two Python ints
 and two small fields, so copying one is free and playing a move builds a new
-one in about a microsecond.
+one in a fraction of a microsecond.
+
+The functions the search calls most (:func:`play`, :func:`terminal_value`,
+:func:`legal_moves`, :func:`encode_many`) are written in Cython
+(``shmeval.games._connect4``, the same bitboard arithmetic); the rest is
+Python.
 
 Bitboard layout
 ---------------
@@ -37,10 +42,16 @@ This module provides the game interface that :mod:`shmeval.mcts` searches
 """
 from __future__ import annotations
 
-import operator
-from typing import Iterable, List, NamedTuple, Optional, Sequence, SupportsIndex
+from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
+
+from . import _connect4 as _c4
+from ._connect4 import encode_many, legal_moves, play, terminal_value
+
+__all__ = ["ROWS", "COLS", "N_ACTIONS", "INPUT_SHAPE", "State", "initial", "play", "legal_moves",
+           "legal_mask", "terminal_value", "is_terminal", "winner", "to_move", "from_moves",
+           "encode", "encode_many", "mirror", "mirror_policy", "mirror_state", "render"]
 
 ROWS = 6
 COLS = 7
@@ -48,18 +59,7 @@ N_ACTIONS = 7
 INPUT_SHAPE = (6, 7, 2)
 
 _H = ROWS + 1                      # bits per column, with the sentinel
-_BOTTOM = [1 << (_H * c) for c in range(COLS)]
-_TOP = [1 << (_H * c + ROWS - 1) for c in range(COLS)]
-_COLUMN = [((1 << ROWS) - 1) << (_H * c) for c in range(COLS)]
 _CELLS = ROWS * COLS
-_TOP_ALL = sum(_TOP)
-# the playable columns for each combination of full columns (key: their top bits)
-_LEGAL_BY_TOP = {sum(_TOP[c] for c in range(COLS) if full >> c & 1):
-                 tuple(c for c in range(COLS) if not full >> c & 1)
-                 for full in range(1 << COLS)}
-# the bit of each encoded cell: [row from the top, column, plane]
-_CELL_BITS = np.array([[[_H * c + ROWS - 1 - r] for c in range(COLS)] for r in range(ROWS)],
-                      dtype=np.uint64)
 
 
 class State(NamedTuple):
@@ -79,41 +79,19 @@ class State(NamedTuple):
 
 _INITIAL = State(0, 0, 0, False)
 
+# play, terminal_value, legal_moves and encode_many run in C (_connect4.pyx);
+# they build and read this module's State
+_c4.bind(State)
+
 
 def initial() -> State:
     """The empty board, first player to move."""
     return _INITIAL
 
 
-def _has_four(b: int) -> bool:
-    """Whether bitboard ``b`` holds four in a row in any direction."""
-    m = b & (b >> 7)               # horizontal
-    if m & (m >> 14):
-        return True
-    m = b & (b >> 6)               # diagonal going down to the right
-    if m & (m >> 12):
-        return True
-    m = b & (b >> 8)               # diagonal going up to the right
-    if m & (m >> 16):
-        return True
-    m = b & (b >> 1)               # vertical
-    return bool(m & (m >> 2))
-
-
 def is_terminal(s: State) -> bool:
     """Whether the game is over (a four was connected or the board is full)."""
     return s.last_move_won or s.moves == _CELLS
-
-
-def terminal_value(s: State) -> Optional[float]:
-    """The result from the view of the player to move: -1.0 lost, 0.0 draw,
-    ``None`` while the game goes on.  (The player to move can never have
-    won: only the player who just moved can complete a four.)"""
-    if s.last_move_won:
-        return -1.0
-    if s.moves == _CELLS:
-        return 0.0
-    return None
 
 
 def winner(s: State) -> Optional[int]:
@@ -131,13 +109,6 @@ def to_move(s: State) -> int:
     return s.moves & 1
 
 
-def legal_moves(s: State) -> List[int]:
-    """The playable columns in increasing order; empty once the game is over."""
-    if s.last_move_won:
-        return []
-    return list(_LEGAL_BY_TOP[s.mask & _TOP_ALL])
-
-
 def legal_mask(s: State) -> np.ndarray:
     """Boolean ``(7,)`` array, True for each playable column (all False once
     the game is over)."""
@@ -146,47 +117,12 @@ def legal_mask(s: State) -> np.ndarray:
     return out
 
 
-def play(s: State, col: SupportsIndex) -> State:
-    """The position after the player to move drops a stone into ``col``.
-
-    Raises ``ValueError`` when ``col`` is not in 0..6, the column is full or
-    the game is already over (``TypeError`` when ``col`` is not an integer;
-    NumPy integers are fine).
-    """
-    c = operator.index(col)
-    if not 0 <= c < COLS:
-        raise ValueError(f"column {c} out of range 0..{COLS - 1}")
-    if s.last_move_won or s.moves == _CELLS:
-        raise ValueError("the game is over")
-    mask = s.mask
-    if mask & _TOP[c]:
-        raise ValueError(f"column {c} is full")
-    new_mask = mask | (mask + _BOTTOM[c])
-    mover = s.cur | (new_mask ^ mask)
-    return State(mover ^ new_mask, new_mask, s.moves + 1, _has_four(mover))
-
-
 def from_moves(cols: Iterable[int], start: Optional[State] = None) -> State:
     """Plays ``cols`` in turn from ``start`` (default: the empty board)."""
     s = _INITIAL if start is None else start
     for c in cols:
         s = play(s, c)
     return s
-
-
-def encode_many(states: Sequence[State], out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Encodes ``states`` into ``out[:n]`` (``out`` of shape ``(m, 6, 7, 2)``,
-    ``m >= n``, any float dtype; allocated as float32 when ``None``) and
-    returns ``out[:n]``.  See the module docstring for the layout."""
-    n = len(states)
-    if out is None:
-        out = np.empty((n,) + INPUT_SHAPE, dtype=np.float32)
-    elif out.shape[1:] != INPUT_SHAPE or out.shape[0] < n:
-        raise ValueError(f"out has shape {out.shape}; expected (>= {n}, 6, 7, 2)")
-    boards = np.array([(s.cur, s.cur ^ s.mask) for s in states], dtype=np.uint64)
-    # (n, 1, 1, 2 planes) >> (6, 7, 1) -> (n, 6, 7, 2): one bit per cell and plane
-    out[:n] = (boards.reshape(n, 1, 1, 2) >> _CELL_BITS) & np.uint64(1)
-    return out[:n]
 
 
 def encode(s: State) -> np.ndarray:
