@@ -101,7 +101,7 @@ class Settings:
     """Everything a run depends on (recorded in the JSON and the .npz)."""
 
     workers: int = 8
-    games_per_worker: int = 8
+    games_per_worker: int = 16
     simulations: int = 32
     seconds: float = 10.0
     warmup: float = 1.0
