@@ -68,26 +68,27 @@ Speed
 ``python -m shmeval.mcts`` measures it: 800 simulations from positions after
 4 random moves, null model (uniform policy, value 0, no shmeval round trip),
 Connect Four, one process on a 2-vCPU AMD EPYC VM, CPython 3.11; three runs
-of this code, and alternating runs of the pure-Python tree it replaced
-(e12cea1) and of the C tree with the earlier Connect Four encoding:
+of this code (the tree in C, Connect Four's moves and encoding in C), and
+alternating runs of the pure-Python tree it replaced (e12cea1):
 
 =========  ==================  ==================  ================  ==========
 games      simulations/s       node visits/s       simulations/s     mean batch
            (this code)         [#nv]_              (Python tree)
 =========  ==================  ==================  ================  ==========
-1          89-90 k             304-310 k           34-40 k           1.0
-16         308-313 k           1.09-1.11 M         63-83 k           14.9
+1          151-153 k           518-522 k           34-40 k           1.0
+16         487-517 k           1.73-1.83 M         63-83 k           14.9
 =========  ==================  ==================  ================  ==========
 
-(The C tree with the earlier encoding: 56-61 k and 234-256 k.)
+(The C tree with Connect Four still in Python: 56-61 k and 234-256 k;
+with its NumPy encoding vectorised, 89-90 k and 308-313 k.)
 
 .. [#nv] edges followed on the way down, summed over simulations (mean
    depth about 3.5 with the null model).
 
 With 16 games the per-call costs (encoding, the model call, converting its
-outputs) are shared by the batch, so a simulation costs about 3.2 us against
-11 us alone; what remains per simulation is mostly the game's Python
-(``play``, ``terminal_value``, ``legal_moves``, encoding).  (The batch is a
+outputs) are shared by the batch, so a simulation costs about 2 us against
+6.6 us alone; what remains is mostly the Python of :meth:`MCTS.search`
+and of the model's call.  (The batch is a
 little under 16 because terminal leaves are not sent.)
 """
 from __future__ import annotations
