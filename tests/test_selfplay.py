@@ -132,7 +132,9 @@ def test_mode_runs_and_reports(runs: Runs, mode: str) -> None:
     assert r["pinned"] == (mode == "queue" and len(os.sched_getaffinity(0)) >= 2)
     st = out["settings"]
     assert (st["workers"], st["games_per_worker"], st["simulations"]) == (WORKERS, GAMES_PER_WORKER, 8)
-    assert st["evaluator_threads"] == 1 and st["modes"] == [mode]
+    assert st["evaluator_threads"] is None and st["modes"] == [mode]
+    # each central mode's TensorFlow threads: its own best by default
+    assert r["evaluator_tf_threads"] == {"shmeval": 1, "queue": 0}.get(mode)
     assert st["freeze"] == (mode != "local-batched")
     assert ("weights in variables" in text) == (mode == "local-batched")
     assert out["machine"]["cpus"] >= 1 and out["machine"]["tensorflow"]

@@ -26,9 +26,11 @@ leaves of all their games together with a Keras residual policy-value net
 All modes use the same seeded initial weights, the same number of games per
 worker and of simulations per move.  The central evaluators (``shmeval`` and
 ``queue``) run TensorFlow with ``evaluator_threads`` intra- and inter-op
-threads (default 1: on a 2-core machine TensorFlow's default of one thread
-per core makes small batches slower and costs twice the CPU, and the other
-core is needed by the workers; see ``bench/tf_throughput.py``).
+threads; by default each gets its best on a 2-core machine: one for
+shmeval (two serving threads run calls on both cores; TensorFlow's pools
+made its calls slower and costlier), TensorFlow's default pools for queue
+(its one evaluator thread otherwise leaves a core to the workers alone;
+with 16 games per worker the default pools gave it 3-5% more).
 
 Moves/s and evals/s are measured over a window that opens ``warmup`` seconds
 after every worker has started playing and lasts ``seconds``.  Finished games
@@ -107,7 +109,7 @@ class Settings:
     warmup: float = 1.0
     repeats: int = 1
     seed: int = 0
-    evaluator_threads: int = 1
+    evaluator_threads: Optional[int] = None
     serving_threads: int = 2
     freeze: bool = True
     max_batch: int = 256
@@ -125,6 +127,16 @@ class Settings:
     sample_reuse: float = 4.0
     learner_threads: int = 1
 
+    def tf_threads(self, mode: str) -> int:
+        """TensorFlow threads of ``mode``'s central evaluator (0: TensorFlow's
+        default): ``evaluator_threads`` when set, else the mode's best on a
+        2-core machine (docs/selfplay.md): 1 for shmeval, whose serving
+        threads run calls on both cores; TensorFlow's default for queue,
+        whose one evaluator thread needs TensorFlow's pool to use both."""
+        if self.evaluator_threads is not None:
+            return self.evaluator_threads
+        return 1 if mode == "shmeval" else 0
+
     def check(self) -> None:
         if self.workers < 1 or self.games_per_worker < 1 or self.simulations < 1:
             raise ValueError("workers, games per worker and simulations must be >= 1")
@@ -132,7 +144,7 @@ class Settings:
             raise ValueError("seconds must be > 0, warmup >= 0 and repeats >= 1")
         if self.train and self.repeats != 1:
             raise ValueError("--train runs once (no --repeats)")
-        if self.evaluator_threads < 0 or self.learner_threads < 0:
+        if (self.evaluator_threads or 0) < 0 or self.learner_threads < 0:
             raise ValueError("thread counts must be >= 0 (0: TensorFlow's default)")
         if not 1 <= self.serving_threads <= 8:
             raise ValueError("serving threads must be from 1 to 8")
@@ -638,7 +650,7 @@ def _queue_server_main(s: Settings, requests: Any, responses: List[Any], counter
     try:
         from .games.connect4_net import build_resnet, import_tensorflow
 
-        tf = import_tensorflow(s.evaluator_threads or None)
+        tf = import_tensorflow(s.tf_threads("queue") or None)
         model = build_resnet(s.net, seed=s.seed, compile=False)
         fn = _net_function(tf, model, None, s.freeze)
         for n in (1, s.workers * s.games_per_worker):
@@ -934,7 +946,7 @@ class ModeRun:
 
             G = s.games_per_worker
             self.ev = shmeval.Evaluator.spawn(
-                functools.partial(_evaluator_factory, s.net, s.seed, s.evaluator_threads,
+                functools.partial(_evaluator_factory, s.net, s.seed, s.tf_threads("shmeval"),
                                   ev_cpus, s.serving_threads, s.freeze),
                 input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS, max_batch=s.max_batch,
                 max_clients=max(64, s.workers + 8), slots_per_client=min(64, max(16, G)),
@@ -1113,6 +1125,8 @@ class ModeRun:
             "moves": d["moves"], "evals": d["evals"], "evaluate_calls": d["calls"],
             "leaves_per_search_step": leaves_per_call,
             "window_s": dt, "startup_s": self.startup_s, "pinned": self.pinned,
+            "evaluator_tf_threads": (s.tf_threads(self.mode)
+                                     if self.mode in ("shmeval", "queue") else None),
             "tensorflow_in_workers": sum(bool(i.get("tensorflow")) for i in self.infos.values()),
             "probe": self.infos.get(0, {}).get("probe"),
             "cpu": {
@@ -1347,7 +1361,8 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         f"shmeval selfplay: Connect Four, {s.workers} workers x {s.games_per_worker} games, "
         f"{s.simulations} simulations/move; net {net.blocks} residual blocks x {net.filters} "
         f"filters; modes {', '.join(modes)}; {s.seconds:g} s each after {s.warmup:g} s warm-up; "
-        f"central evaluator TF threads {s.evaluator_threads or 'default'}; weights "
+        f"central evaluators' TF threads: shmeval {s.tf_threads('shmeval') or 'default'}, "
+        f"queue {s.tf_threads('queue') or 'default'}; weights "
         f"{'folded into the graph' if s.freeze else 'in variables'}"
         + ("; central evaluator pinned to its own CPU" if s.pin else ""))
     if s.train:
@@ -1436,9 +1451,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="initial weights and games (default 0)")
     p.add_argument("--evaluator-threads", type=int, default=d.evaluator_threads,
                    help="TensorFlow intra/inter-op threads of the central evaluators (shmeval "
-                        "and queue; default 1: TensorFlow's default of one per core is slower "
-                        "for small batches on few cores and leaves no core for the workers; "
-                        "0 = TensorFlow's default)")
+                        "and queue; 0 = TensorFlow's default of one per core). Default: each "
+                        "mode's best on a 2-core machine: 1 for shmeval (its serving threads "
+                        "use the cores), TensorFlow's default for queue (its one evaluator "
+                        "thread needs TensorFlow's pool to use both)"),
     p.add_argument("--serving-threads", type=int, default=d.serving_threads,
                    help="shmeval mode: model calls the evaluator runs at once (Evaluator("
                         "serving_threads=...)): while one batch is computed the next is "
