@@ -21,23 +21,16 @@ ext = Extension(
     extra_compile_args=["-std=gnu11", "-O2"] + (["-UNDEBUG", "-g"] if debug else []),
 )
 
-mcts_ext = Extension(
-    "shmeval._mcts",
-    sources=["src/shmeval/_mcts.pyx"],
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    extra_compile_args=["-O2"] + (["-UNDEBUG", "-g"] if debug else []),
-)
 
-connect4_ext = Extension(
-    "shmeval.games._connect4",
-    sources=["src/shmeval/games/_connect4.pyx"],
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    extra_compile_args=["-O2"] + (["-UNDEBUG", "-g"] if debug else []),
-)
+def _plain(name: str) -> Extension:
+    """An extension of one .pyx and no C headers (the search tree, the game)."""
+    return Extension(name, sources=["src/" + name.replace(".", "/") + ".pyx"],
+                     extra_compile_args=["-O2"] + (["-UNDEBUG", "-g"] if debug else []))
+
 
 setup(
     ext_modules=cythonize(
-        [ext, mcts_ext, connect4_ext],
+        [ext, _plain("shmeval._mcts"), _plain("shmeval.games._connect4")],
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
     )

@@ -17,19 +17,19 @@ import numpy as np
 ctypedef long long i64
 
 
-cdef int _grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t item) except -1:
-    """Reallocates ``*p`` to at least ``need`` items of ``item`` bytes."""
-    cdef Py_ssize_t c = cap[0]
-    cdef void *q
-    if need <= c:
-        return 0
-    while c < need:
-        c = 2 * c if c else 16
-    q = PyMem_Realloc(p[0], <size_t>c * item)
+cdef inline Py_ssize_t _capacity(Py_ssize_t cap, Py_ssize_t need) noexcept:
+    """The capacity to grow ``cap`` to for ``need`` items (doubling from 16)."""
+    while cap < need:
+        cap = 2 * cap if cap else 16
+    return cap
+
+
+cdef int _grow(void **p, Py_ssize_t cap, size_t item) except -1:
+    """Reallocates ``*p`` to ``cap`` items of ``item`` bytes."""
+    cdef void *q = PyMem_Realloc(p[0], <size_t>cap * item)
     if q == NULL:
         raise MemoryError()
     p[0] = q
-    cap[0] = c
     return 0
 
 
@@ -51,8 +51,6 @@ cdef class Tree:
         Py_ssize_t *first       # first edge, -1 until expanded
         int *deg                # number of edges
         i64 *visits             # sum of the node's edge visit counts
-        char *isterm
-        double *termv
         # per edge
         Py_ssize_t ne, ecap
         int *act
@@ -61,7 +59,7 @@ cdef class Tree:
         double *w
         Py_ssize_t *child       # -1 until created
         # the path of the leaf awaiting evaluation
-        Py_ssize_t plen, pcap, pcap2
+        Py_ssize_t plen, pcap
         Py_ssize_t *pnode
         int *pedge
         Py_ssize_t leaf
@@ -83,8 +81,6 @@ cdef class Tree:
         PyMem_Free(self.first)
         PyMem_Free(self.deg)
         PyMem_Free(self.visits)
-        PyMem_Free(self.isterm)
-        PyMem_Free(self.termv)
         PyMem_Free(self.act)
         PyMem_Free(self.prior)
         PyMem_Free(self.cnt)
@@ -95,55 +91,48 @@ cdef class Tree:
 
     cdef Py_ssize_t _add(self, object s, object tv) except -1:
         cdef Py_ssize_t i = self.nn, c
-        cdef double v = 0.0
         if tv is not None:
-            v = float(tv)
+            tv = float(tv)
         if i == self.ncap:
-            c = self.ncap
-            _grow(<void **>&self.first, &c, i + 1, sizeof(Py_ssize_t))
-            c = self.ncap
-            _grow(<void **>&self.deg, &c, i + 1, sizeof(int))
-            c = self.ncap
-            _grow(<void **>&self.visits, &c, i + 1, sizeof(i64))
-            c = self.ncap
-            _grow(<void **>&self.isterm, &c, i + 1, sizeof(char))
-            c = self.ncap
-            _grow(<void **>&self.termv, &c, i + 1, sizeof(double))
+            c = _capacity(self.ncap, i + 1)
+            _grow(<void **>&self.first, c, sizeof(Py_ssize_t))
+            _grow(<void **>&self.deg, c, sizeof(int))
+            _grow(<void **>&self.visits, c, sizeof(i64))
             self.ncap = c
         self.state.append(s)
         self.term.append(tv)
         self.first[i] = -1
         self.deg[i] = 0
         self.visits[i] = 0
-        self.isterm[i] = tv is not None
-        self.termv[i] = v
         self.nn = i + 1
         return i
+
+    cdef Py_ssize_t _child(self, Py_ssize_t node, Py_ssize_t e, object play,
+                           object terminal_value) except -1:
+        """Creates the child of ``node`` reached by its edge ``e``."""
+        s = play(self.state[node], self.act[e])
+        self.child[e] = self._add(s, terminal_value(s))
+        return self.child[e]
 
     cdef int _reserve_edges(self, Py_ssize_t m) except -1:
         cdef Py_ssize_t need = self.ne + m, c
         if need <= self.ecap:
             return 0
-        c = self.ecap
-        _grow(<void **>&self.act, &c, need, sizeof(int))
-        c = self.ecap
-        _grow(<void **>&self.prior, &c, need, sizeof(double))
-        c = self.ecap
-        _grow(<void **>&self.cnt, &c, need, sizeof(i64))
-        c = self.ecap
-        _grow(<void **>&self.w, &c, need, sizeof(double))
-        c = self.ecap
-        _grow(<void **>&self.child, &c, need, sizeof(Py_ssize_t))
+        c = _capacity(self.ecap, need)
+        _grow(<void **>&self.act, c, sizeof(int))
+        _grow(<void **>&self.prior, c, sizeof(double))
+        _grow(<void **>&self.cnt, c, sizeof(i64))
+        _grow(<void **>&self.w, c, sizeof(double))
+        _grow(<void **>&self.child, c, sizeof(Py_ssize_t))
         self.ecap = c
         return 0
 
     cdef int _push(self, Py_ssize_t node, int edge) except -1:
         cdef Py_ssize_t c
         if self.plen == self.pcap:
-            c = self.pcap
-            _grow(<void **>&self.pnode, &c, self.plen + 1, sizeof(Py_ssize_t))
-            c = self.pcap
-            _grow(<void **>&self.pedge, &c, self.plen + 1, sizeof(int))
+            c = _capacity(self.pcap, self.plen + 1)
+            _grow(<void **>&self.pnode, c, sizeof(Py_ssize_t))
+            _grow(<void **>&self.pedge, c, sizeof(int))
             self.pcap = c
         self.pnode[self.plen] = node
         self.pedge[self.plen] = edge
@@ -224,10 +213,7 @@ cdef class Tree:
             e = f + bi
             ch = self.child[e]
             if ch < 0:
-                s = play(self.state[node], self.act[e])
-                ch = self._add(s, terminal_value(s))
-                self.child[e] = ch
-                return ch
+                return self._child(node, e, play, terminal_value)
             if self.first[ch] < 0:          # terminal, or left unevaluated by an error
                 return ch
             node = ch
@@ -338,9 +324,7 @@ cdef class Tree:
                 raise ValueError(f"{a} is not a legal move at the root")
             ch = self.child[e]
             if ch < 0:
-                s = game.play(self.state[r], a)
-                ch = self._add(s, game.terminal_value(s))
-                self.child[e] = ch
+                ch = self._child(r, e, game.play, game.terminal_value)
         else:
             s = game.play(self.state[r], a)
             ch = self._add(s, game.terminal_value(s))
@@ -384,8 +368,9 @@ def select_leaves(list trees, play, terminal_value, double c_puct, double fpu):
     for t in trees:
         t.leaf = -1
         leaf = t._descend(play, terminal_value, c_puct, fpu)
-        if t.isterm[leaf]:
-            t._backup(t.termv[leaf])
+        tv = t.term[leaf]
+        if tv is not None:
+            t._backup(tv)
         else:
             t.leaf = leaf
             waiting.append(t)
