@@ -133,4 +133,4 @@ cdef extern from "ring.h" nogil:
 
 cdef extern from "ring.h" nogil:
     int shm_pingpong(void *word, int side, uint64_t rounds, uint64_t *lat,
-                     uint64_t spin_ns, uint64_t timeout_ns)
+                     uint64_t spin_ns, uint64_t timeout_ns, uint64_t *elapsed)

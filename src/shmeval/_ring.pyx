@@ -1386,11 +1386,13 @@ def pingpong(object buf, int side, cnp.ndarray lat, uint64_t spin_ns=0,
     both processes (a shared-memory mapping), its first 4 bytes 0 at the
     start and 4-byte aligned.  lat: a C-contiguous int64 array, one entry
     per round trip; side 0 fills it with each round trip's ns, side 1 only
-    uses its length.  Returns the elapsed ns; raises TimeoutError when the
-    other side stops answering for timeout_ns."""
+    uses its length.  Returns the ns from the first round trip's start to
+    the last one's end (the ticker thread's start and stop outside it);
+    raises TimeoutError when the other side stops answering for
+    timeout_ns."""
     cdef Py_buffer view
     cdef int rc
-    cdef uint64_t t0, rounds
+    cdef uint64_t t0 = 0, rounds
     cdef uint64_t *out = NULL
     if side not in (0, 1):
         raise ValueError("side must be 0 or 1")
@@ -1403,10 +1405,8 @@ def pingpong(object buf, int side, cnp.ndarray lat, uint64_t spin_ns=0,
     try:
         if view.len < 4 or (<size_t>view.buf) % 4:
             raise ValueError("buf must be at least 4 bytes and 4-byte aligned")
-        t0 = shm_now_ns()
         with nogil:
-            rc = shm_pingpong(view.buf, side, rounds, out, spin_ns, timeout_ns)
-        t0 = shm_now_ns() - t0
+            rc = shm_pingpong(view.buf, side, rounds, out, spin_ns, timeout_ns, &t0)
     finally:
         PyBuffer_Release(&view)
     if rc != SHM_OK:

@@ -1322,11 +1322,14 @@ static inline int shm_pp_wait(_Atomic uint32_t *w, uint32_t want,
  * (100 ms, or timeout_ns if shorter) wakes it to check the time, as
  * shmeval's clients sleep (with a timer on every sleep a round trip cost
  * 0.6 us more here, docs/performance.md finding 23).  Side 0 stores each
- * round trip's ns in lat[i] when lat is not NULL.  Returns SHM_OK, or
- * SHM_TIMEOUT when the other side fell silent. */
+ * round trip's ns in lat[i] when lat is not NULL, and in *elapsed (when
+ * not NULL) the ns from the first round trip's start to the last one's end:
+ * starting and stopping the ticker thread stay outside it, since on a busy
+ * machine they can take longer than hundreds of round trips.  Returns
+ * SHM_OK, or SHM_TIMEOUT when the other side fell silent. */
 static inline int shm_pingpong(void *word, int side, uint64_t rounds,
                                uint64_t *lat, uint64_t spin_ns,
-                               uint64_t timeout_ns) {
+                               uint64_t timeout_ns, uint64_t *elapsed) {
     _Atomic uint32_t *w = (_Atomic uint32_t *)word;
     shm_ticker tk;
     const uint64_t period = 100000000ull;
@@ -1334,6 +1337,7 @@ static inline int shm_pingpong(void *word, int side, uint64_t rounds,
                                        timeout_ns < period ? timeout_ns
                                                            : period) == 0;
     int rc = SHM_OK;
+    uint64_t first = shm_now_ns();
     for (uint64_t i = 0; i < rounds && rc == SHM_OK; i++) {
         uint32_t ping = (uint32_t)(2 * i + 1), pong = ping + 1;
         if (side == 0) {
@@ -1351,6 +1355,7 @@ static inline int shm_pingpong(void *word, int side, uint64_t rounds,
             shm_futex_wake(w, 1);
         }
     }
+    if (elapsed) *elapsed = shm_now_ns() - first;
     if (ticked) shm_ticker_stop(&tk);
     return rc;
 }
