@@ -71,7 +71,8 @@ class Runs:
             npz = str(self.tmp / f"{mode}.npz")
             # queue: pinned; local-batched: weights in variables (the
             # probe test then also shows frozen and unfrozen nets agree).
-            extra = {"queue": ["--pin"], "local-batched": ["--no-freeze"]}.get(mode, [])
+            extra = {"shmeval": ["--worker-sched", "batch"], "queue": ["--pin"],
+                     "local-batched": ["--no-freeze"]}.get(mode, [])
             r = _cli(["--mode", mode, *TINY, *extra, "--json", js, "--games", npz])
             assert r.returncode == 0, r.stdout + r.stderr
             with open(js) as f:
@@ -135,6 +136,12 @@ def test_mode_runs_and_reports(runs: Runs, mode: str) -> None:
     assert st["evaluator_threads"] is None and st["modes"] == [mode]
     # each central mode's TensorFlow threads: its own best by default
     assert r["evaluator_tf_threads"] == {"shmeval": 1, "queue": 0}.get(mode)
+    # the workers' scheduling policy, as they reported it: the shmeval run
+    # asks for SCHED_BATCH, the others keep "auto" (batch only when the 2
+    # workers outnumber the CPUs)
+    assert st["worker_sched"] == ("batch" if mode == "shmeval" else "auto")
+    outnumber = WORKERS > len(os.sched_getaffinity(0))
+    assert r["worker_sched"] == ("batch" if mode == "shmeval" or outnumber else "normal")
     assert st["freeze"] == (mode != "local-batched")
     assert ("weights in variables" in text) == (mode == "local-batched")
     assert out["machine"]["cpus"] >= 1 and out["machine"]["tensorflow"]
@@ -413,6 +420,18 @@ def test_cpu_split() -> None:
     else:
         assert ev is not None and workers is not None
         assert len(ev) == 1 and not ev & workers and ev | workers == cpus
+
+
+def test_worker_policy() -> None:
+    # auto: SCHED_BATCH when the workers outnumber the CPUs
+    assert selfplay.Settings(workers=8).worker_policy(cpus=2) == "batch"
+    assert selfplay.Settings(workers=8).worker_policy(cpus=8) == "normal"
+    assert selfplay.Settings(workers=2).worker_policy(cpus=2) == "normal"
+    for forced in ("normal", "batch"):
+        s = selfplay.Settings(workers=8, worker_sched=forced)
+        assert {s.worker_policy(cpus=c) for c in (2, 8)} == {forced}
+    with pytest.raises(ValueError, match="worker_sched"):
+        selfplay.Settings(worker_sched="fifo").check()
 
 
 def test_repeats_are_summarised_by_medians() -> None:

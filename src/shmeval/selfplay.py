@@ -73,6 +73,7 @@ from . import mcts
 from .display import Display
 from .jsonout import json_default
 from .procstat import cpu_model, cpu_s, machine_busy_s, rss_mb
+from .sched import use_batch_scheduling
 from .games import connect4
 from .games.connect4_net import NetConfig
 
@@ -111,6 +112,7 @@ class Settings:
     seed: int = 0
     evaluator_threads: Optional[int] = None
     serving_threads: int = 2
+    worker_sched: str = "auto"
     freeze: bool = True
     max_batch: int = 256
     pin: bool = False
@@ -137,6 +139,20 @@ class Settings:
             return self.evaluator_threads
         return 1 if mode == "shmeval" else 0
 
+    def worker_policy(self, cpus: Optional[int] = None) -> str:
+        """Scheduling policy of every mode's workers, "batch" (``SCHED_BATCH``,
+        :func:`shmeval.use_batch_scheduling`) or "normal": ``worker_sched``
+        when set, else ("auto") batch when the workers outnumber the CPUs
+        (``cpus``, default: those this process may use).  Measured on a
+        2-core machine with 8 workers, batch raised every mode a little: a
+        woken worker no longer preempts the running evaluator or model
+        (docs/selfplay.md)."""
+        if self.worker_sched != "auto":
+            return self.worker_sched
+        if cpus is None:
+            cpus = len(os.sched_getaffinity(0))
+        return "batch" if self.workers > cpus else "normal"
+
     def check(self) -> None:
         if self.workers < 1 or self.games_per_worker < 1 or self.simulations < 1:
             raise ValueError("workers, games per worker and simulations must be >= 1")
@@ -148,10 +164,20 @@ class Settings:
             raise ValueError("thread counts must be >= 0 (0: TensorFlow's default)")
         if not 1 <= self.serving_threads <= 8:
             raise ValueError("serving threads must be from 1 to 8")
+        if self.worker_sched not in ("auto", "normal", "batch"):
+            raise ValueError(f"worker_sched must be auto, normal or batch, "
+                             f"got {self.worker_sched!r}")
         if self.push_every <= 0 or self.batch_size < 1 or self.buffer_size < self.batch_size:
             raise ValueError("need push_every > 0, batch_size >= 1, buffer_size >= batch_size")
         if self.sample_reuse <= 0:
             raise ValueError("sample_reuse must be > 0")
+
+
+def _one(values: set[Any]) -> Any:
+    """The one value of a set, None when empty, "mixed" when several."""
+    if len(values) > 1:
+        return "mixed"
+    return next(iter(values), None)
 
 
 class WorkerError(RuntimeError):
@@ -557,15 +583,21 @@ def _worker_main(mode: str, wid: int, s: Settings, counters_raw: Any, flags_raw:
     stop flag is set.  Sends ("ready" | "done" | "error", worker id, info)
     and ("game", worker id, moves, policies) on ``out_q``."""
     _child_setup()
+    # Decided before pinning, on the CPUs the run was given.
+    policy = s.worker_policy()
     _pin(cpus)
     t0 = time.monotonic()
     code = 0
     try:
+        if policy == "batch":
+            use_batch_scheduling()
         inner = _open(mode, wid, s, link)
         probe = _probe_states()
         p, v = inner(probe)
         info: Dict[str, Any] = {"pid": os.getpid(), "tensorflow": "tensorflow" in sys.modules,
-                                "startup_s": time.monotonic() - t0}
+                                "startup_s": time.monotonic() - t0,
+                                "sched": ("batch" if os.sched_getscheduler(0) == os.SCHED_BATCH
+                                          else "normal")}
         if wid == 0:
             info["probe"] = {"policy": np.asarray(p, np.float64).round(6).tolist(),
                              "value": np.asarray(v, np.float64).reshape(-1).round(6).tolist()}
@@ -1128,6 +1160,8 @@ class ModeRun:
             "evaluator_tf_threads": (s.tf_threads(self.mode)
                                      if self.mode in ("shmeval", "queue") else None),
             "tensorflow_in_workers": sum(bool(i.get("tensorflow")) for i in self.infos.values()),
+            # As the workers reported it: one policy, or "mixed".
+            "worker_sched": _one({i.get("sched") for i in self.infos.values()}),
             "probe": self.infos.get(0, {}).get("probe"),
             "cpu": {
                 "workers_cores": d["cpu_workers"] / dt,
@@ -1362,7 +1396,9 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         f"{s.simulations} simulations/move; net {net.blocks} residual blocks x {net.filters} "
         f"filters; modes {', '.join(modes)}; {s.seconds:g} s each after {s.warmup:g} s warm-up; "
         f"central evaluators' TF threads: shmeval {s.tf_threads('shmeval') or 'default'}, "
-        f"queue {s.tf_threads('queue') or 'default'}; weights "
+        f"queue {s.tf_threads('queue') or 'default'}; workers "
+        f"{'under SCHED_BATCH' if s.worker_policy() == 'batch' else 'scheduled normally'}"
+        f"; weights "
         f"{'folded into the graph' if s.freeze else 'in variables'}"
         + ("; central evaluator pinned to its own CPU" if s.pin else ""))
     if s.train:
@@ -1459,6 +1495,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shmeval mode: model calls the evaluator runs at once (Evaluator("
                         "serving_threads=...)): while one batch is computed the next is "
                         f"gathered and computed on another core (default {d.serving_threads})")
+    p.add_argument("--worker-sched", choices=("auto", "normal", "batch"), default=d.worker_sched,
+                   help="scheduling policy of every mode's workers: batch puts them under "
+                        "SCHED_BATCH (shmeval.use_batch_scheduling: a woken worker does not "
+                        "preempt the running evaluator or model), normal leaves the default. "
+                        "Default auto: batch when the workers outnumber the CPUs")
     p.add_argument("--no-freeze", action="store_true",
                    help="every mode: run the net with its weights in variables instead of "
                         "folded into the graph as constants (TFModel(freeze=True) and the "
@@ -1500,7 +1541,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     simulations=args.simulations, seconds=args.seconds, warmup=args.warmup,
                     repeats=args.repeats,
                     seed=args.seed, evaluator_threads=args.evaluator_threads,
-                    serving_threads=args.serving_threads, freeze=not args.no_freeze,
+                    serving_threads=args.serving_threads, worker_sched=args.worker_sched,
+                    freeze=not args.no_freeze,
                     max_batch=args.max_batch, pin=args.pin, net=net, train=args.train,
                     push_every=args.push_every, batch_size=args.batch_size,
                     buffer_size=args.buffer_size, sample_reuse=args.sample_reuse)
