@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmeval import mcts
+from shmeval._mcts import Tree
 from shmeval.games import connect4 as c4
 from shmeval.games.connect4 import State
 
@@ -186,14 +187,14 @@ def check_record(rec: mcts.GameRecord[State]) -> None:
     assert rec.final_state == s and c4.is_terminal(s)
     w = c4.winner(s)
     assert w is not None
-    for st, sample, mv in zip(states, rec.samples, rec.moves):
-        np.testing.assert_array_equal(sample.state, c4.encode(st))
+    for state, sample, mv in zip(states, rec.samples, rec.moves):
+        np.testing.assert_array_equal(sample.state, c4.encode(state))
         assert sample.policy.shape == (7,)
         assert sample.policy.sum() == pytest.approx(1.0)
-        assert (sample.policy[~c4.legal_mask(st)] == 0).all()
+        assert (sample.policy[~c4.legal_mask(state)] == 0).all()
         assert sample.policy[mv] > 0
         # outcome from the view of the player to move in the sample's state
-        assert sample.outcome == (w if c4.to_move(st) == 0 else -w)
+        assert sample.outcome == (w if c4.to_move(state) == 0 else -w)
     if w != 0:     # the player who made the last move won
         assert rec.samples[-1].outcome == 1.0 and rec.samples[-2].outcome == -1.0
 
@@ -338,9 +339,9 @@ def test_c_tree_matches_the_reference_anywhere(moves: List[int], seed: int,
     models: the same visit counts as the plain reference, and the tree's
     counts add up (every node's visits are the sum of its edges' counts)."""
     s = c4.initial()
-    for m in moves:
-        if c4.terminal_value(s) is None and m in c4.legal_moves(s):
-            s = c4.play(s, m)
+    for mv in moves:
+        if c4.terminal_value(s) is None and mv in c4.legal_moves(s):
+            s = c4.play(s, mv)
     if c4.terminal_value(s) is not None:
         return
     weights = np.random.default_rng(seed).standard_normal((84, 8))
@@ -363,7 +364,7 @@ def test_c_tree_matches_the_reference_anywhere(moves: List[int], seed: int,
 
 
 def test_tree_inspection_and_errors() -> None:
-    t = mcts.Tree(c4, c4.initial())
+    t = Tree(c4, c4.initial())
     assert len(t) == 1 and t.root == 0 and not t.is_expanded(0)
     assert t.edges(0) == ([], [], [], [], []) and t.visit_counts(7).sum() == 0
     row = np.arange(1, 8, dtype=np.float64)
@@ -385,7 +386,7 @@ def test_tree_inspection_and_errors() -> None:
         t.advance(c4, 1)
     t.advance(c4, 2)
     assert t.root == 1 and t.root_state == c4.from_moves([2]) and len(t) == 2
-    u = mcts.Tree(c4, c4.initial())
+    u = Tree(c4, c4.initial())
     with pytest.raises(ValueError, match="outside"):
         u.expand(0, [0, 7], row)
     with pytest.raises(ValueError, match="no moves"):

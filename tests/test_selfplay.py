@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import pytest

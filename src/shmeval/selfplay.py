@@ -53,7 +53,6 @@ import functools
 import importlib.metadata
 import importlib.util
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -65,7 +64,7 @@ import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
