@@ -451,6 +451,22 @@ def test_repeats_are_summarised_by_medians() -> None:
     assert "[100-300]" in selfplay.format_table({"shmeval": {**r, "tensorflow_in_workers": 0}}, 8)
 
 
+def test_round_ratios_pair_the_runs_of_each_round() -> None:
+    def run(moves: float) -> Dict[str, Any]:
+        return {"moves_per_s": moves}
+
+    runs = {"shmeval": [run(300), run(200), run(240)], "queue": [run(200), run(200), run(160)],
+            "local": [run(30), run(40), run(0)]}
+    r = selfplay.round_ratios(runs)
+    assert r["shmeval/queue moves_per_s"] == [1.5, 1.0, 1.5]
+    assert r["shmeval/local moves_per_s"] == [10.0, 5.0, None]   # no division by zero
+    assert set(r) == {"shmeval/queue moves_per_s", "shmeval/local moves_per_s"}
+    # one round, a missing round, no shmeval: nothing to pair
+    assert selfplay.round_ratios({"shmeval": [run(1)], "queue": [run(1)]}) == {}
+    assert selfplay.round_ratios({"shmeval": [run(1), run(2)], "queue": [run(1)]}) == {}
+    assert selfplay.round_ratios({"queue": [run(1), run(2)], "local": [run(1), run(2)]}) == {}
+
+
 def test_argument_errors_fail_before_starting_anything() -> None:
     from shmeval import cli
 

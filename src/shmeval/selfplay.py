@@ -1310,6 +1310,24 @@ def _ratios(results: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
     return out
 
 
+def round_ratios(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, List[Optional[float]]]:
+    """With --repeats: shmeval's moves/s over each other mode's, round by
+    round (a round runs the modes one after the other, within a minute or
+    two): the paired figures, which show how much of a ratio is the
+    machine's window.  None where the other mode made no move; empty with
+    fewer than two rounds."""
+    out: Dict[str, List[Optional[float]]] = {}
+    shm = runs.get("shmeval", [])
+    for other in ("local", "queue", "local-batched"):
+        o = runs.get(other, [])
+        if len(shm) < 2 or len(o) != len(shm):
+            continue
+        out[f"shmeval/{other} moves_per_s"] = [
+            a["moves_per_s"] / b["moves_per_s"] if b["moves_per_s"] else None
+            for a, b in zip(shm, o)]
+    return out
+
+
 #: Figures a mode's summary takes as the median over its runs (--repeats).
 MEDIAN_FIELDS = ("moves_per_s", "evals_per_s", "mean_batch", "worker_rss_mb", "evaluator_rss_mb",
                  "games", "startup_s")
@@ -1432,6 +1450,11 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
     ratios = _ratios(results)
     if ratios:
         display.line("ratios: " + "; ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    paired = round_ratios(runs)
+    if paired:
+        display.line("round by round: " + "; ".join(
+            f"{k} " + " ".join("-" if v is None else f"{v:.2f}x" for v in vs)
+            for k, vs in paired.items()))
     for mode, r in results.items():
         if "train" in r:
             t = r["train"]
@@ -1445,7 +1468,7 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
                          f"{r['tensorflow_in_workers']} of {s.workers}")
     out: Dict[str, Any] = {
         "settings": {**asdict(s), "modes": list(modes)}, "machine": machine,
-        "modes": results, "ratios": ratios, "wall_s": wall,
+        "modes": results, "ratios": ratios, "round_ratios": paired, "wall_s": wall,
         "games_received": len(store), "loaded_samples": len(loaded) if loaded is not None else 0}
     if games_path:
         meta = {"settings": out["settings"], "machine": machine}
