@@ -100,21 +100,22 @@ def main() -> None:
     # functions an update replaces are freed).
     weights = model.get_weights()
     times = []
-    rss = [_rss_mb()]
+    rss = [_rss_now()]
     for i in range(max(3, args.updates)):
         t0 = time.perf_counter()
         model.set_weights(weights)
         times.append(time.perf_counter() - t0)
         if args.updates and (i + 1) % 50 == 0:
-            rss.append(_rss_mb())
+            rss.append(_rss_now())
     print("set_weights: " + ", ".join(f"{t * 1e3:.1f}" for t in times[:3]) + " ms")
     if args.updates:
         print(f"RSS over {len(times)} updates, every 50: " + ", ".join(map(str, rss)) + " MB")
 
 
-def _rss_mb() -> int:
-    with open("/proc/self/status") as f:
-        return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
+def _rss_now() -> int:
+    from shmeval.procstat import rss_mb
+
+    return int(rss_mb(os.getpid()) or 0)
 
 
 def per_call(fn: Callable[[Any], Any], x: Any, n: int = 0) -> tuple[float, float]:

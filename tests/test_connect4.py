@@ -196,6 +196,8 @@ def test_encode_many_into_buffer() -> None:
         got = c4.encode_many(states, other)
         assert got.dtype == other.dtype and np.shares_memory(got, other)
         np.testing.assert_array_equal(got, buf[:4])
+    # a strided buffer whose first row alone is contiguous takes the fast path
+    np.testing.assert_array_equal(c4.encode_many(states[:1], strided), buf[:1])
 
 
 def test_mirror() -> None:

@@ -1392,7 +1392,7 @@ def pingpong(object buf, int side, cnp.ndarray lat, uint64_t spin_ns=0,
     timeout_ns."""
     cdef Py_buffer view
     cdef int rc
-    cdef uint64_t t0 = 0, rounds
+    cdef uint64_t elapsed = 0, rounds
     cdef uint64_t *out = NULL
     if side not in (0, 1):
         raise ValueError("side must be 0 or 1")
@@ -1406,9 +1406,9 @@ def pingpong(object buf, int side, cnp.ndarray lat, uint64_t spin_ns=0,
         if view.len < 4 or (<size_t>view.buf) % 4:
             raise ValueError("buf must be at least 4 bytes and 4-byte aligned")
         with nogil:
-            rc = shm_pingpong(view.buf, side, rounds, out, spin_ns, timeout_ns, &t0)
+            rc = shm_pingpong(view.buf, side, rounds, out, spin_ns, timeout_ns, &elapsed)
     finally:
         PyBuffer_Release(&view)
     if rc != SHM_OK:
         raise TimeoutError("the other side of the ping-pong stopped answering")
-    return t0
+    return elapsed

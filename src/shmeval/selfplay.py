@@ -1293,12 +1293,16 @@ class ModeRun:
 # --------------------------------------------------------------------------- the command
 
 
+#: The modes the summary compares shmeval with, in this order.
+COMPARED = ("local", "queue", "local-batched")
+
+
 def _ratios(results: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
     out: Dict[str, float] = {}
     shm = results.get("shmeval")
     if shm is None:
         return out
-    for other in ("local", "queue", "local-batched"):
+    for other in COMPARED:
         o = results.get(other)
         if o is None:
             continue
@@ -1318,7 +1322,7 @@ def round_ratios(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, List[Option
     fewer than two rounds."""
     out: Dict[str, List[Optional[float]]] = {}
     shm = runs.get("shmeval", [])
-    for other in ("local", "queue", "local-batched"):
+    for other in COMPARED:
         o = runs.get(other, [])
         if len(shm) < 2 or len(o) != len(shm):
             continue
@@ -1512,7 +1516,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and queue; 0 = TensorFlow's default of one per core). Default: each "
                         "mode's best on a 2-core machine: 1 for shmeval (its serving threads "
                         "use the cores), TensorFlow's default for queue (its one evaluator "
-                        "thread needs TensorFlow's pool to use both)"),
+                        "thread needs TensorFlow's pool to use both)")
     p.add_argument("--serving-threads", type=int, default=d.serving_threads,
                    help="shmeval mode: model calls the evaluator runs at once (Evaluator("
                         "serving_threads=...)): while one batch is computed the next is "

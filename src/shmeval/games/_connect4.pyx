@@ -115,12 +115,13 @@ def encode_many(states, out=None):
         out = np.empty((n, ROWS, COLS, 2), dtype=np.float32)
     elif out.shape[1:] != (ROWS, COLS, 2) or out.shape[0] < n:
         raise ValueError(f"out has shape {out.shape}; expected (>= {n}, {ROWS}, {COLS}, 2)")
-    if out.dtype != np.float32 or not out[:n].flags.c_contiguous:
-        out[:n] = encode_many(states)
-        return out[:n]
-    o = out
+    rows = out[:n]
+    if rows.dtype != np.float32 or not rows.flags.c_contiguous:
+        rows[...] = encode_many(states)
+        return rows
+    o = rows
     for i in range(n):
         s = states[i]
         cur = s[0]
         _encode_into(o, i, cur, cur ^ <u64>s[1])
-    return out[:n]
+    return rows
