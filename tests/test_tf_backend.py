@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -440,6 +441,76 @@ def test_frozen_function_wants_one_tensor(tf: Any, backend: Any) -> None:
         tf.TensorSpec([None], tf.float32), tf.TensorSpec([None], tf.float32))
     with pytest.raises(ValueError, match="one tensor"):
         backend.frozen_function(fn)
+    with pytest.raises(ValueError, match="one tensor"):
+        backend.FrozenGraph(fn)
+
+
+def test_frozen_graph(tf: Any, backend: Any) -> None:
+    """FrozenGraph answers as the model does at any batch size, in the
+    model's structure, from several threads at once; it keeps the weights
+    it was built with and reads no variable."""
+    m = pv_net(15, "dict")
+    concrete = tf.function(lambda x: m(x, training=False)).get_concrete_function(
+        tf.TensorSpec((None, *INPUT_SHAPE), tf.float32))
+    fg = backend.FrozenGraph(concrete)
+    assert not reads_variables(fg)
+    ref = keras_reference(m)
+    for n in (1, 5, 64):
+        x = random_states(n, n)
+        out = fg(x)
+        assert sorted(out) == sorted(OUTPUTS)
+        for k in OUTPUTS:
+            assert isinstance(out[k], np.ndarray)
+            np.testing.assert_allclose(out[k].reshape(n, -1), ref(x)[k].reshape(n, -1),
+                                       rtol=1e-5, atol=1e-5)
+        flat = fg.run_flat(x)
+        for a, b in zip(flat, tf.nest.flatten(out)):
+            np.testing.assert_array_equal(a, b)
+
+    errors: list[BaseException] = []
+
+    def hammer(seed: int) -> None:
+        try:
+            for i in range(30):
+                x = random_states(1 + (seed + i) % 9, seed * 100 + i)
+                got, want = fg(x), ref(x)
+                for k in OUTPUTS:
+                    np.testing.assert_allclose(got[k].reshape(len(x), -1),
+                                               want[k].reshape(len(x), -1),
+                                               rtol=1e-5, atol=1e-5)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[0]
+
+    x = random_states(4, 1)
+    before = fg(x)
+    m.set_weights([w * 0.5 for w in m.get_weights()])
+    after = fg(x)
+    for k in OUTPUTS:
+        np.testing.assert_array_equal(before[k], after[k])
+    fg.close()
+
+
+def test_frozen_graph_output_owns_its_memory(tf: Any, backend: Any) -> None:
+    """An output that is the input reshaped does not alias the caller's
+    array: refilling the batch buffer (as the evaluator does) leaves an
+    earlier answer alone."""
+    concrete = tf.function(lambda x: {"flat": tf.reshape(x, [-1, 84]), "same": x}
+                           ).get_concrete_function(tf.TensorSpec((None, *INPUT_SHAPE),
+                                                                 tf.float32))
+    fg = backend.FrozenGraph(concrete)
+    x = random_states(3, 2)
+    keep = x.copy()
+    out = fg(x)
+    x[...] = -7.0
+    np.testing.assert_array_equal(out["same"], keep)
+    np.testing.assert_array_equal(out["flat"], keep.reshape(3, 84))
 
 
 def assert_weights_equal(a: list[np.ndarray], b: list[np.ndarray]) -> None:

@@ -191,6 +191,28 @@ def _plain(out: Any) -> Any:
     return out
 
 
+def _freeze(concrete: Any, what: str) -> tuple[Any, str, list[str], Any]:
+    """The graph of ``concrete`` (a concrete function of one tensor) with the
+    values its variables hold now as constants: (graph_def, the input's
+    tensor name, the outputs' tensor names, the output structure)."""
+    # The converter lives in TensorFlow's framework package (what
+    # tf.compat.v1.graph_util's converter is for TF1 graphs); what it returns
+    # is run with public API only.
+    from tensorflow.python.framework.convert_to_constants import (
+        convert_variables_to_constants_v2)
+
+    args = concrete.structured_input_signature[0]
+    if len(args) != 1 or concrete.structured_input_signature[1]:
+        raise ValueError(f"{what}: the concrete function must take one tensor")
+    converted = convert_variables_to_constants_v2(concrete)
+    feeds = [t.name for t in converted.inputs]
+    if len(feeds) != 1:
+        raise ValueError(f"{what}: the frozen graph still takes {len(feeds)} inputs "
+                         f"({feeds}); only the state should be left")
+    return (converted.graph.as_graph_def(), feeds[0], [t.name for t in converted.outputs],
+            concrete.structured_outputs)
+
+
 def frozen_function(concrete: Any, jit_compile: bool = False) -> Any:
     """``concrete`` (a concrete function of one tensor) with the values its
     variables hold now folded into its graph as constants: a new concrete
@@ -201,28 +223,13 @@ def frozen_function(concrete: Any, jit_compile: bool = False) -> Any:
     bias) and drops the variable reads, which lowers the fixed cost of a
     call; for the self-play net 17-27% at batches 1-16, nothing by 64
     (docs/performance.md, finding 27).  Later changes to the variables do
-    not reach the frozen function: freeze again after them."""
-    # The converter lives in TensorFlow's framework package (what
-    # tf.compat.v1.graph_util's converter is for TF1 graphs); the graph it
-    # returns is imported into a new tf.function with public API only.
-    from tensorflow.python.framework.convert_to_constants import (
-        convert_variables_to_constants_v2)
-
-    args = concrete.structured_input_signature[0]
-    if len(args) != 1 or concrete.structured_input_signature[1]:
-        raise ValueError("frozen_function: the concrete function must take one tensor")
-    converted = convert_variables_to_constants_v2(concrete)
-    graph_def = converted.graph.as_graph_def()
-    feeds = [t.name for t in converted.inputs]
-    if len(feeds) != 1:
-        raise ValueError(f"frozen_function: the frozen graph still takes {len(feeds)} inputs "
-                         f"({feeds}); only the state should be left")
-    fetches = [t.name for t in converted.outputs]
-    structure = concrete.structured_outputs
+    not reach the frozen function: freeze again after them.  Without XLA,
+    :class:`FrozenGraph` runs the same graph for less per call."""
+    graph_def, feed, fetches, structure = _freeze(concrete, "frozen_function")
     # The import maps the placeholder's uses to the new input but still
     # imports the placeholder, which XLA cannot compile: make it an unused
     # scalar constant.
-    feed_op = feeds[0].rsplit(":", 1)[0]
+    feed_op = feed.rsplit(":", 1)[0]
     for node in graph_def.node:
         if node.name == feed_op and node.op == "Placeholder":
             dtype = node.attr["dtype"].type
@@ -233,11 +240,58 @@ def frozen_function(concrete: Any, jit_compile: bool = False) -> Any:
                 tf.make_tensor_proto(np.zeros((), tf.dtypes.as_dtype(dtype).as_numpy_dtype)))
 
     def run(x: Any) -> Any:
-        flat = tf.graph_util.import_graph_def(graph_def, input_map={feeds[0]: x},
+        flat = tf.graph_util.import_graph_def(graph_def, input_map={feed: x},
                                               return_elements=fetches, name="frozen")
         return tf.nest.pack_sequence_as(structure, flat)
 
-    return tf.function(run, jit_compile=jit_compile).get_concrete_function(args[0])
+    return tf.function(run, jit_compile=jit_compile).get_concrete_function(
+        concrete.structured_input_signature[0][0])
+
+
+class FrozenGraph:
+    """``concrete`` (a concrete function of one tensor) with the values its
+    variables hold now folded in as constants, run by a TensorFlow session
+    in the calling thread.
+
+    ``fg(x)`` takes an ndarray (anything ``np.asarray`` takes) and returns
+    the concrete function's output structure with ndarrays in place of
+    tensors; ``fg.run_flat(x)`` returns the outputs as a flat list (in
+    ``tf.nest.flatten`` order).  The input is copied, and no output shares
+    memory with it.  Any batch size the concrete function accepts is served
+    by the same graph, without tracing again.
+
+    Why: an eager call of a ``tf.function`` hands the graph to TensorFlow's
+    inter-op thread pool and waits to be woken, under several layers of
+    Python; a session configured with ``inter_op_parallelism_threads=-1``
+    runs the graph in the caller's thread.  For the self-play demo's net
+    (one intra-op thread) a call costs 225 µs at batch 1 and 1.16 ms at
+    batch 33, against 0.40 and 1.35 ms for :func:`frozen_function`
+    (docs/performance.md, finding 30).  The ops' own parallelism is
+    TensorFlow's process-wide intra-op pool (see :func:`configure`).  Calls
+    from several threads at once are safe and run in parallel.  Later
+    changes to the variables do not reach the graph: freeze again after
+    them."""
+
+    def __init__(self, concrete: Any) -> None:
+        graph_def, feed, fetches, self.structure = _freeze(concrete, "FrozenGraph")
+        self.input_spec = concrete.structured_input_signature[0][0]
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=-1,
+                                          allow_soft_placement=True)
+        config.gpu_options.allow_growth = True
+        self.session = tf.compat.v1.Session(graph=self.graph, config=config)
+        self.run_flat: Callable[[Any], list[np.ndarray]] = self.session.make_callable(
+            [self.graph.get_tensor_by_name(name) for name in fetches],
+            [self.graph.get_tensor_by_name(feed)])
+
+    def __call__(self, x: Any) -> Any:
+        return tf.nest.pack_sequence_as(self.structure, self.run_flat(x))
+
+    def close(self) -> None:
+        """Frees the session (also done when the object is collected)."""
+        self.session.close()
 
 
 def _pow2(max_batch: int) -> tuple[int, ...]:
@@ -262,7 +316,8 @@ class TFModel:
     to :func:`configure` before the model is loaded.  ``device``: where the
     model runs (default ``/GPU:0`` if there is a GPU, else ``/CPU:0``).
     ``freeze``: serve the traced functions with the weights folded in as
-    constants (:func:`frozen_function`): cheaper calls, but every
+    constants, run in the calling thread by a session (:class:`FrozenGraph`;
+    with ``jit_compile``, :func:`frozen_function`): cheaper calls, but every
     ``set_weights`` / ``load_weights`` folds again and runs each batch size
     once before it returns (while the evaluator serves nothing): about
     0.1 s per traced batch size for the self-play demo's net, 1 s with nine
@@ -285,6 +340,9 @@ class TFModel:
                 raise ValueError(f"TFModel buckets must be positive ints, got {buckets!r}")
         self.jit_compile = bool(jit_compile)
         self.freeze = bool(freeze)
+        # Served by FrozenGraph objects (ndarrays in and out), not concrete
+        # functions (tensors).
+        self._sessions = self.freeze and not self.jit_compile
         self.device = device or ("/GPU:0" if tf.config.list_physical_devices("GPU")
                                  else "/CPU:0")
         self.model = _load(model_or_path)
@@ -305,6 +363,7 @@ class TFModel:
         names = getattr(self.model, "output_names", None) if self.keras else None
         self._model_names: tuple[str, ...] = tuple(map(str, names or ()))
         self.spec: Optional[Spec] = None
+        self._names: tuple[str, ...] = ()  # the spec's outputs, in order
         self.trace_count = 0
         self.warmup_s = 0.0
         # The traced functions are for inputs [rows, *_row_shape] of _dtype.
@@ -313,7 +372,8 @@ class TFModel:
         self._native = True
         self._function: Any = None     # tf.function over _body
         # What serves, per batch size (None: any size): _body's concrete
-        # function, or with freeze its frozen_function.
+        # function; with freeze its FrozenGraph (with jit_compile too, its
+        # frozen_function).
         self._general: Any = None
         self._by_rows: dict[int, Any] = {}
         self._traced: dict[Optional[int], Any] = {}  # _body's concrete functions
@@ -365,7 +425,7 @@ class TFModel:
 
     def _frozen(self, fn: Any) -> Any:
         try:
-            return frozen_function(fn, self.jit_compile)
+            return FrozenGraph(fn) if self._sessions else frozen_function(fn, self.jit_compile)
         except Exception as e:
             # e.g. a model that assigns a variable while it runs
             raise ModelError(f"TFModel(freeze=True) could not fold the model's weights into "
@@ -383,7 +443,8 @@ class TFModel:
         assert self._row_shape is not None and self._dtype is not None
         for n, fn in [*by_rows.items(), (1, general)]:
             if fn is not None:
-                fn(tf.constant(np.zeros((n, *self._row_shape), self._dtype.newbyteorder("="))))
+                zeros = np.zeros((n, *self._row_shape), self._dtype.newbyteorder("="))
+                fn(zeros if self._sessions else tf.constant(zeros))
         self._by_rows, self._general = by_rows, general
 
     # -- the evaluator's protocol ---------------------------------------------
@@ -402,6 +463,7 @@ class TFModel:
             raise ModelError(f"TFModel buckets {sizes}: the largest must be >= max_batch "
                              f"({spec.max_batch})")
         self.spec = spec
+        self._names = tuple(o.name for o in spec.outputs)
         self._build(spec.input_shape, spec.input_dtype)
         if sizes is not None:
             self._by_rows = {n: self._concrete(n) for n in sizes}
@@ -449,6 +511,11 @@ class TFModel:
             fn = self._general
             if fn is None:
                 fn = self._general = self._concrete(None)
+        if self._sessions:
+            # FrozenGraph copies the batch too (finding 30).
+            if self.spec is None:
+                return fn(batch)
+            return dict(zip(self._names, fn.run_flat(batch)))
         # Calling style: the concrete function, with a tf.constant copy of the
         # batch (it copies: nothing aliases the evaluator's reused buffer).  The
         # fastest of the ways compared by `bench/tf_model_cost.py --styles`
