@@ -7,10 +7,13 @@ process (no IPC) and prints wall and CPU time per call and per state, e.g.
     python bench/tf_model_cost.py --filters 32 --threads 1
     python bench/tf_model_cost.py --filters 32 --threads 0   # TF's default pools
     python bench/tf_model_cost.py --styles --batches 1,32    # calling styles
+    python bench/tf_model_cost.py --floor --batches 1,32     # a trivial graph's call
     python bench/tf_model_cost.py --net selfplay --jit       # compiled with XLA
     python bench/tf_model_cost.py --net selfplay --freeze    # weights folded in (finding 27)
     python bench/tf_model_cost.py --concurrent 2 --inter-threads 2 --batches 32
                                   # two threads calling at once (serving_threads)
+    python bench/tf_model_cost.py --net selfplay --freeze --concurrent 2 --batches 1,32
+                                  # the same, FrozenGraph against frozen_function
 
 TensorFlow's thread pools are process-wide and fixed at initialisation, so
 compare thread counts in separate runs.
@@ -55,6 +58,9 @@ def main() -> None:
                          "every 50")
     ap.add_argument("--styles", action="store_true",
                     help="compare ways of calling the model instead (try --batches 1,32)")
+    ap.add_argument("--floor", action="store_true",
+                    help="the cost of calling a trivial graph (x * 2) instead: eagerly, and "
+                         "through a session with an inter-op pool or in the caller's thread")
     args = ap.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -84,10 +90,28 @@ def main() -> None:
     print(f"net {args.net}: {shape}, TF threads {args.threads or 'default'}, inter-op {inter or 'default'}"
           + (", XLA" if args.jit else "") + (", frozen" if args.freeze else ""))
     if args.concurrent:
-        concurrent_calls(model, [int(x) for x in args.batches.split(",")], args.concurrent)
+        batches = [int(x) for x in args.batches.split(",")]
+        if args.freeze and not args.jit:
+            # TFModel(freeze=True) runs FrozenGraphs (finding 30); the same
+            # graph called eagerly is what it ran before (finding 27).
+            import tensorflow as tf
+
+            from shmeval.backends.tensorflow import frozen_function
+
+            print("TFModel(freeze=True): FrozenGraph, a session in the caller's thread")
+            concurrent_calls(model, batches, args.concurrent)
+            eager = frozen_function(model._traced[None])
+            print("frozen_function, called eagerly")
+            concurrent_calls(lambda x: [t.numpy() for t in eager(tf.constant(x))], batches,
+                             args.concurrent)
+        else:
+            concurrent_calls(model, batches, args.concurrent)
         return
     if args.styles:
         calling_styles(model, [int(x) for x in args.batches.split(",")])
+        return
+    if args.floor:
+        call_floor([int(x) for x in args.batches.split(",")])
         return
     print(f"{'batch':>6} {'wall us':>9} {'cpu us':>9} {'us/state':>9}")
     for b in (int(x) for x in args.batches.split(",")):
@@ -177,29 +201,64 @@ def calling_styles(model: Any, batches: list[int]) -> None:
         "eager model(x)": lambda x: numpy(keras_model(x, training=False)),
     }
     # The weights folded into the graph as constants: TFModel(freeze=True)
-    # (frozen_function, docs/performance.md finding 27), and the converted
-    # function called as it comes (its public call) and through its private
-    # flat-call entry point, the two ways finding 13 tried first.
+    # (a FrozenGraph, finding 30), frozen_function called eagerly (what
+    # TFModel(freeze=True) served with before, finding 27), the FrozenGraph
+    # itself, and the converted function called as it comes (its public
+    # call) and through its private flat-call entry point, the two ways
+    # finding 13 tried first.
     from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
 
-    from shmeval.backends.tensorflow import TFModel
+    from shmeval.backends.tensorflow import FrozenGraph, TFModel, frozen_function
 
     frozen_model = TFModel(keras_model, freeze=True)
     frozen_model.prepare(model.spec, None)
     styles["TFModel(freeze=True)"] = frozen_model
+    eager_frozen = frozen_function(concrete)
+    styles["frozen_function(tf.constant)"] = lambda x: numpy(eager_frozen(tf.constant(x)))
+    styles["FrozenGraph(ndarray)"] = FrozenGraph(concrete)
     converted = convert_variables_to_constants_v2(concrete)
     styles["converted function(tf.constant)"] = lambda x: numpy(converted(tf.constant(x)))
     flat = getattr(converted, "_inference_function", None)
     if flat is not None:
         styles["converted, private flat call"] = lambda x: numpy(flat.call_flat(tf.constant(x)))
-    print(f"{'calling style':<40}" + "".join(f"{'batch ' + str(b):>12}" for b in batches)
-          + "   (wall us per call)")
+    print(f"{'calling style':<40}" + "".join(f"{'batch ' + str(b):>14}" for b in batches)
+          + "   (wall / CPU us per call)")
     for name, call in styles.items():
         cells = []
         for b in batches:
             x = np.random.default_rng(0).random((b, 6, 7, 2), np.float32)
-            cells.append(f"{per_call(call, x, 300)[0] * 1e6:>12.0f}")
+            wall, cpu = per_call(call, x, 300)
+            cells.append(f"{wall * 1e6:>8.0f} /{cpu * 1e6:>5.0f}")
         print(f"{name:<40}" + "".join(cells))
+
+def call_floor(batches: list[int]) -> None:
+    """What TensorFlow costs per call before the model: a graph of one
+    multiplication, called the ways finding 30 compares."""
+    import tensorflow as tf
+
+    spec = tf.TensorSpec((None, 6, 7, 2), tf.float32)
+    concrete = tf.function(lambda t: t * 2.0).get_concrete_function(spec)
+    styles: dict[str, Callable[[Any], Any]] = {
+        "concrete function(tf.constant)": lambda x: concrete(tf.constant(x)).numpy()}
+    for label, inter in (("session, inter-op pool of 1", 1),
+                         ("session, caller's thread (-1)", -1)):
+        graph = tf.Graph()
+        with graph.as_default():
+            feed = tf.compat.v1.placeholder(tf.float32, spec.shape)
+            out = feed * 2.0
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter)
+        styles[label] = tf.compat.v1.Session(graph=graph, config=config).make_callable(
+            out, [feed])
+    print(f"{'x * 2, called as':<40}" + "".join(f"{'batch ' + str(b):>14}" for b in batches)
+          + "   (wall / CPU us per call)")
+    for name, call in styles.items():
+        cells = []
+        for b in batches:
+            x = np.random.default_rng(0).random((b, 6, 7, 2), np.float32)
+            wall, cpu = per_call(call, x, 2000)
+            cells.append(f"{wall * 1e6:>8.0f} /{cpu * 1e6:>5.0f}")
+        print(f"{name:<40}" + "".join(cells))
+
 
 if __name__ == "__main__":
     main()

@@ -509,16 +509,23 @@ def _evaluator_factory(net: NetConfig, seed: int, threads: int,
 EvaluateBatch = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]
 
 
-def _net_function(tf: Any, model: Any, rows: Optional[int], freeze: bool) -> Any:
-    """The queue and local modes' net: the Keras model's concrete function
-    for batches of ``rows`` (None: any), with ``freeze`` its weights folded
-    in as constants, as TFModel(freeze=True) serves it in the shmeval mode."""
+def _net_function(tf: Any, model: Any, rows: Optional[int], freeze: bool
+                  ) -> Callable[[np.ndarray], Dict[str, np.ndarray]]:
+    """The queue and local modes' net, ndarrays in and out: the Keras
+    model's concrete function for batches of ``rows`` (None: any); with
+    ``freeze`` its weights folded in and run in the caller's thread by a
+    FrozenGraph, as TFModel(freeze=True) serves it in the shmeval mode."""
     fn = tf.function(lambda x: model(x, training=False)).get_concrete_function(
         tf.TensorSpec((rows,) + connect4.INPUT_SHAPE, tf.float32))
     if freeze:
-        from .backends.tensorflow import frozen_function
-        fn = frozen_function(fn)
-    return fn
+        from .backends.tensorflow import FrozenGraph
+        return FrozenGraph(fn)
+    constant = tf.constant
+
+    def run(x: np.ndarray) -> Dict[str, np.ndarray]:
+        return {k: t.numpy() for k, t in fn(constant(x)).items()}
+
+    return run
 
 
 def _open_local(s: Settings, batched: bool) -> EvaluateBatch:
@@ -530,13 +537,12 @@ def _open_local(s: Settings, batched: bool) -> EvaluateBatch:
     model = build_resnet(s.net, seed=s.seed, compile=False)
     rows = None if batched else 1
     fn = _net_function(tf, model, rows, s.freeze)
-    constant = tf.constant
     n_actions = connect4.N_ACTIONS
 
     if batched:
         def evaluate_batch(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-            out = fn(constant(x))
-            return out["policy"].numpy(), out["value"].numpy().reshape(len(x))
+            out = fn(x)
+            return out["policy"], out["value"].reshape(len(x))
         return evaluate_batch
 
     def evaluate_one_by_one(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -544,9 +550,9 @@ def _open_local(s: Settings, batched: bool) -> EvaluateBatch:
         policy = np.empty((n, n_actions), np.float32)
         value = np.empty(n, np.float32)
         for i in range(n):
-            out = fn(constant(x[i:i + 1]))
-            policy[i] = out["policy"].numpy()[0]
-            value[i] = out["value"].numpy()[0, 0]
+            out = fn(x[i:i + 1])
+            policy[i] = out["policy"][0]
+            value[i] = out["value"][0, 0]
         return policy, value
 
     return evaluate_one_by_one
@@ -685,13 +691,12 @@ def _queue_server_main(s: Settings, requests: Any, responses: List[Any], counter
         model = build_resnet(s.net, seed=s.seed, compile=False)
         fn = _net_function(tf, model, None, s.freeze)
         for n in (1, s.workers * s.games_per_worker):
-            fn(tf.constant(np.zeros((n,) + connect4.INPUT_SHAPE, np.float32)))
+            fn(np.zeros((n,) + connect4.INPUT_SHAPE, np.float32))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         os._exit(1)
     conn.send(("ready", os.getpid()))
     counters = np.frombuffer(counters_raw, dtype=np.int64)
-    constant = tf.constant
     get, get_nowait = requests.get, requests.get_nowait
     shape = (-1,) + connect4.INPUT_SHAPE
     width = connect4.N_ACTIONS + 1
@@ -716,10 +721,10 @@ def _queue_server_main(s: Settings, requests: Any, responses: List[Any], counter
         t0 = time.perf_counter_ns()
         batch = np.frombuffer(b"".join(b for _, b in items), dtype=np.float32).reshape(shape)
         t1 = time.perf_counter_ns()
-        out = fn(constant(batch))
+        out = fn(batch)
         packed = np.empty((len(batch), width), np.float32)
-        packed[:, :-1] = out["policy"].numpy()
-        packed[:, -1] = out["value"].numpy().reshape(-1)
+        packed[:, :-1] = out["policy"]
+        packed[:, -1] = out["value"].reshape(-1)
         t2 = time.perf_counter_ns()
         off = 0
         for wid, b in items:
