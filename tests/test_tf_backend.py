@@ -497,6 +497,37 @@ def test_frozen_graph(tf: Any, backend: Any) -> None:
     fg.close()
 
 
+def test_bfloat16(tf: Any, backend: Any) -> None:
+    """TFModel(freeze=True, bfloat16=True) serves answers within bfloat16's
+    precision of the model's; on a CPU with native bfloat16 the rewrite is
+    on (the answers are not float32's).  Without freeze, or with XLA, it is
+    refused."""
+    from shmeval.procstat import cpu_bfloat16
+
+    m = pv_net(16, "dict")
+    ref = keras_reference(m)
+    spec = Spec.build(INPUT_SHAPE, F32, OUTPUTS, 64, 1, 1)
+    f32 = backend.TFModel(m, freeze=True)
+    b16 = backend.TFModel(m, freeze=True, bfloat16=True)
+    assert b16._general is None
+    f32.prepare(spec, None)
+    b16.prepare(spec, None)
+    assert b16._general.bfloat16 and not f32._general.bfloat16
+    x = random_states(64, 4)
+    got, exact, want = b16(x), f32(x), ref(x)
+    moved = 0.0
+    for k in OUTPUTS:
+        np.testing.assert_allclose(exact[k], want[k], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[k], want[k], rtol=0, atol=3e-2)
+        moved = max(moved, float(np.abs(got[k] - exact[k]).max()))
+    if cpu_bfloat16():
+        assert moved > 0, "bfloat16=True computed exactly float32's answers"
+    with pytest.raises(ValueError, match="bfloat16"):
+        backend.TFModel(m, bfloat16=True)
+    with pytest.raises(ValueError, match="bfloat16"):
+        backend.TFModel(m, freeze=True, jit_compile=True, bfloat16=True)
+
+
 def test_frozen_graph_output_owns_its_memory(tf: Any, backend: Any) -> None:
     """An output that is the input reshaped does not alias the caller's
     array: refilling the batch buffer (as the evaluator does) leaves an

@@ -43,6 +43,24 @@ def cpu_model() -> Optional[str]:
     return None
 
 
+def cpu_flags() -> frozenset[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty if unread)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_bfloat16() -> bool:
+    """Whether the CPU computes in bfloat16 natively (AVX512_BF16 or AMX),
+    which is when oneDNN's bfloat16 convolutions beat float32 ones."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
 def machine_busy_s() -> float:
     """CPU seconds all cores spent busy so far (not idle, not iowait)."""
     try:
