@@ -10,6 +10,7 @@ process (no IPC) and prints wall and CPU time per call and per state, e.g.
     python bench/tf_model_cost.py --floor --batches 1,32     # a trivial graph's call
     python bench/tf_model_cost.py --net selfplay --jit       # compiled with XLA
     python bench/tf_model_cost.py --net selfplay --freeze    # weights folded in (finding 27)
+    python bench/tf_model_cost.py --net selfplay --freeze --bfloat16   # in bfloat16 (finding 31)
     python bench/tf_model_cost.py --concurrent 2 --inter-threads 2 --batches 32
                                   # two threads calling at once (serving_threads)
     python bench/tf_model_cost.py --net selfplay --freeze --concurrent 2 --batches 1,32
@@ -49,6 +50,9 @@ def main() -> None:
                          "to powers of two)")
     ap.add_argument("--freeze", action="store_true",
                     help="TFModel(freeze=True): the weights folded into the graph as constants")
+    ap.add_argument("--bfloat16", action="store_true",
+                    help="with --freeze: TFModel(bfloat16=True), the convolutions in bfloat16 "
+                         "(finding 31)")
     ap.add_argument("--buckets", default="",
                     help="TFModel(buckets=...): batch sizes to pad to, e.g. 1,2,4,...,256 "
                          "(each is traced, and with --freeze folded again at every weight "
@@ -78,17 +82,18 @@ def main() -> None:
         from shmeval.games.connect4_net import build_resnet
 
         model = TFModel(build_resnet(compile=False), jit_compile=args.jit, freeze=args.freeze,
-                        buckets=buckets)
+                        buckets=buckets, bfloat16=args.bfloat16)
     else:
         cfg = tb.NetConfig(filters=args.filters, layers=args.layers)
         model = TFModel(tb.build_keras_model(cfg, tb.make_weights(cfg)), jit_compile=args.jit,
-                        freeze=args.freeze, buckets=buckets)
+                        freeze=args.freeze, buckets=buckets, bfloat16=args.bfloat16)
     model.prepare(Spec.build((6, 7, 2), "float32",
                              {"policy": ((7,), "float32"), "value": ((), "float32")},
                              256, 8, 8), None)
     shape = "residual (2 x 32)" if args.net == "selfplay" else f"{args.filters} filters x {args.layers}"
     print(f"net {args.net}: {shape}, TF threads {args.threads or 'default'}, inter-op {inter or 'default'}"
-          + (", XLA" if args.jit else "") + (", frozen" if args.freeze else ""))
+          + (", XLA" if args.jit else "") + (", frozen" if args.freeze else "")
+          + (", bfloat16" if args.bfloat16 else ""))
     if args.concurrent:
         batches = [int(x) for x in args.batches.split(",")]
         if args.freeze and not args.jit:

@@ -42,7 +42,7 @@ GAMES_PER_WORKER = 2
 TINY = ["--workers", str(WORKERS), "--games-per-worker", str(GAMES_PER_WORKER),
         "--simulations", "8", "--seconds", "2", "--warmup", "0.5"]
 REQUIRED = ("moves_per_s", "evals_per_s", "mean_batch", "worker_rss_mb", "games", "startup_s",
-            "tensorflow_in_workers", "probe", "cpu")
+            "tensorflow_in_workers", "probe", "cpu", "precision")
 
 
 def _env() -> Dict[str, str]:
@@ -69,9 +69,12 @@ class Runs:
         if mode not in self.done:
             js = str(self.tmp / f"{mode}.json")
             npz = str(self.tmp / f"{mode}.npz")
-            # queue: pinned; local-batched: weights in variables (the
-            # probe test then also shows frozen and unfrozen nets agree).
-            extra = {"shmeval": ["--worker-sched", "batch"], "queue": ["--pin"],
+            # queue: pinned, float32 (shmeval and local: the default
+            # precision, bfloat16 for shmeval on CPUs with native bfloat16);
+            # local-batched: weights in variables (the probe test then
+            # also shows frozen and unfrozen nets agree).
+            extra = {"shmeval": ["--worker-sched", "batch"],
+                     "queue": ["--pin", "--precision", "float32"],
                      "local-batched": ["--no-freeze"]}.get(mode, [])
             r = _cli(["--mode", mode, *TINY, *extra, "--json", js, "--games", npz])
             assert r.returncode == 0, r.stdout + r.stderr
@@ -157,12 +160,17 @@ def test_mode_runs_and_reports(runs: Runs, mode: str) -> None:
 def test_every_mode_serves_the_same_initial_weights(runs: Runs) -> None:
     probes = {m: runs.get(m)[0]["modes"][m]["probe"]
               for m in ("shmeval", "queue", "local", "local-batched")}
-    ref = probes["shmeval"]
+    precision = {m: runs.get(m)[0]["modes"][m]["precision"] for m in probes}
+    assert precision["queue"] == precision["local-batched"] == precision["local"] == "float32"
+    assert precision["shmeval"] == ("bfloat16" if procstat.cpu_bfloat16() else "float32")
+    ref = probes["queue"]
     assert len(ref["value"]) == len(ref["policy"]) == 5
     assert np.ptp(np.array(ref["policy"])) > 1e-3   # not a trivial net
     for m, p in probes.items():
-        np.testing.assert_allclose(p["policy"], ref["policy"], atol=1e-4, err_msg=m)
-        np.testing.assert_allclose(p["value"], ref["value"], atol=1e-4, err_msg=m)
+        # float32 nets agree to 1e-4; a bfloat16 one moves by about 1e-4-1e-3
+        atol = 1e-4 if precision[m] == "float32" else 2e-3
+        np.testing.assert_allclose(p["policy"], ref["policy"], atol=atol, err_msg=m)
+        np.testing.assert_allclose(p["value"], ref["value"], atol=atol, err_msg=m)
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
@@ -432,6 +440,27 @@ def test_worker_policy() -> None:
         assert {s.worker_policy(cpus=c) for c in (2, 8)} == {forced}
     with pytest.raises(ValueError, match="worker_sched"):
         selfplay.Settings(worker_sched="fifo").check()
+
+
+def test_net_precision(monkeypatch: Any) -> None:
+    # auto: bfloat16 for a frozen net called with batches on a CPU with
+    # native bfloat16; local's one-row calls stay float32
+    batched = ("shmeval", "queue", "local-batched")
+    for native in (True, False):
+        monkeypatch.setattr(selfplay, "cpu_bfloat16", lambda native=native: native)
+        for mode in batched:
+            assert selfplay.Settings().net_precision(mode) == (
+                "bfloat16" if native else "float32")
+            assert selfplay.Settings(freeze=False).net_precision(mode) == "float32"
+        assert selfplay.Settings().net_precision("local") == "float32"
+        for forced in ("float32", "bfloat16"):
+            s = selfplay.Settings(precision=forced)
+            assert {s.net_precision(m) for m in (*batched, "local")} == {forced}
+    with pytest.raises(ValueError, match="precision"):
+        selfplay.Settings(precision="float16").check()
+    with pytest.raises(ValueError, match="no-freeze"):
+        selfplay.Settings(precision="bfloat16", freeze=False).check()
+    selfplay.Settings(precision="float32", freeze=False).check()
 
 
 def test_repeats_are_summarised_by_medians() -> None:
