@@ -410,6 +410,13 @@ def test_frozen_standalone_and_jit(tf: Any, backend: Any) -> None:
         serve_and_compare(ev, keras_reference(m2), tuple(OUTPUTS), sizes=(1, 3, 9, 16, 20))
     assert sorted(tm._by_rows) == [4, 16]
     assert not any(reads_variables(f) for f in tm._by_rows.values())
+    # buckets without XLA: one FrozenGraph per bucket
+    tm = backend.TFModel(m2, freeze=True, buckets=[4, 16])
+    with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=16,
+                           max_clients=4, slots_per_client=16) as ev:
+        serve_and_compare(ev, keras_reference(m2), tuple(OUTPUTS), sizes=(1, 3, 9, 16, 20))
+    assert sorted(tm._by_rows) == [4, 16]
+    assert all(isinstance(f, backend.FrozenGraph) for f in tm._by_rows.values())
 
 
 def test_freeze_refuses_a_model_that_assigns_while_it_runs(tf: Any, backend: Any) -> None:

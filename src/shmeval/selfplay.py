@@ -158,7 +158,7 @@ class Settings:
         ``precision`` when set, else ("auto") each mode's faster one:
         bfloat16 when the net is frozen, the CPU computes in bfloat16
         natively (:func:`shmeval.procstat.cpu_bfloat16`) and the mode calls
-        the net with batches (about 20-30% less per row from 16 rows on);
+        the net with batches (19-33% less per row from 16 rows on);
         float32 for ``local``, whose calls of one row cost about 8% more in
         bfloat16 (docs/performance.md, finding 31)."""
         if self.precision != "auto":
@@ -1562,7 +1562,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "finding 27)")
     p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default=d.precision,
                    help="what every mode's frozen net computes in: bfloat16 lets TensorFlow's "
-                        "oneDNN rewrite run the convolutions in bfloat16 (20-30%% less per "
+                        "oneDNN rewrite run the convolutions in bfloat16 (19-33%% less per "
                         "row from 16 rows on, on CPUs with native bfloat16; outputs move by "
                         "about 1e-3). Default auto: bfloat16 on such CPUs (avx512_bf16 or "
                         "amx_bf16) for every mode but local, whose one-row calls are faster "

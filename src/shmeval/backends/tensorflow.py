@@ -276,13 +276,12 @@ class FrozenGraph:
     oneDNN can in bfloat16 (TensorFlow's ``auto_mixed_precision_onednn_
     bfloat16`` rewrite: convolutions and matrix products in bfloat16, casts
     around them, float32 in and out).  On a CPU with native bfloat16
-    (:func:`shmeval.procstat.cpu_bfloat16`) the self-play net costs 20-33%
+    (:func:`shmeval.procstat.cpu_bfloat16`) the self-play net costs 19-33%
     less per row from 16 rows on, and 8% more at one row; its outputs move
     by up to about 1e-3 (docs/performance.md, finding 31)."""
 
     def __init__(self, concrete: Any, bfloat16: bool = False) -> None:
         graph_def, feed, fetches, self.structure = _freeze(concrete, "FrozenGraph")
-        self.input_spec = concrete.structured_input_signature[0][0]
         self.graph = tf.Graph()
         with self.graph.as_default():
             tf.graph_util.import_graph_def(graph_def, name="")
