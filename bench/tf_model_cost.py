@@ -226,15 +226,22 @@ def calling_styles(model: Any, batches: list[int]) -> None:
     flat = getattr(converted, "_inference_function", None)
     if flat is not None:
         styles["converted, private flat call"] = lambda x: numpy(flat.call_flat(tf.constant(x)))
-    print(f"{'calling style':<40}" + "".join(f"{'batch ' + str(b):>14}" for b in batches)
+    print_styles("calling style", styles, batches, 300)
+
+
+def print_styles(title: str, styles: dict[str, Callable[[Any], Any]], batches: list[int],
+                 calls: int) -> None:
+    """A table of wall / CPU µs per call, a row per style, a column per batch."""
+    print(f"{title:<40}" + "".join(f"{'batch ' + str(b):>14}" for b in batches)
           + "   (wall / CPU us per call)")
     for name, call in styles.items():
         cells = []
         for b in batches:
             x = np.random.default_rng(0).random((b, 6, 7, 2), np.float32)
-            wall, cpu = per_call(call, x, 300)
+            wall, cpu = per_call(call, x, calls)
             cells.append(f"{wall * 1e6:>8.0f} /{cpu * 1e6:>5.0f}")
         print(f"{name:<40}" + "".join(cells))
+
 
 def call_floor(batches: list[int]) -> None:
     """What TensorFlow costs per call before the model: a graph of one
@@ -254,15 +261,7 @@ def call_floor(batches: list[int]) -> None:
         config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter)
         styles[label] = tf.compat.v1.Session(graph=graph, config=config).make_callable(
             out, [feed])
-    print(f"{'x * 2, called as':<40}" + "".join(f"{'batch ' + str(b):>14}" for b in batches)
-          + "   (wall / CPU us per call)")
-    for name, call in styles.items():
-        cells = []
-        for b in batches:
-            x = np.random.default_rng(0).random((b, 6, 7, 2), np.float32)
-            wall, cpu = per_call(call, x, 2000)
-            cells.append(f"{wall * 1e6:>8.0f} /{cpu * 1e6:>5.0f}")
-        print(f"{name:<40}" + "".join(cells))
+    print_styles("x * 2, called as", styles, batches, 2000)
 
 
 if __name__ == "__main__":
