@@ -103,11 +103,16 @@ def main() -> None:
 
             from shmeval.backends.tensorflow import frozen_function
 
-            print("TFModel(freeze=True): FrozenGraph, a session in the caller's thread")
+            print("TFModel(freeze=True): FrozenGraph, a session in the caller's thread"
+                  + (", bfloat16" if args.bfloat16 else ""))
             concurrent_calls(model, batches, args.concurrent)
-            eager = frozen_function(model._traced[None])
-            print("frozen_function, called eagerly")
-            concurrent_calls(lambda x: [t.numpy() for t in eager(tf.constant(x))], batches,
+            keras_model = model.model
+            eager = frozen_function(tf.function(
+                lambda t: keras_model(t, training=False)).get_concrete_function(
+                    tf.TensorSpec((None, 6, 7, 2), tf.float32)))
+            print("frozen_function, called eagerly (float32)")
+            concurrent_calls(lambda x: [t.numpy() for t in tf.nest.flatten(eager(tf.constant(x)))],
+                             batches,
                              args.concurrent)
         else:
             concurrent_calls(model, batches, args.concurrent)

@@ -162,7 +162,8 @@ def test_every_mode_serves_the_same_initial_weights(runs: Runs) -> None:
               for m in ("shmeval", "queue", "local", "local-batched")}
     precision = {m: runs.get(m)[0]["modes"][m]["precision"] for m in probes}
     assert precision["queue"] == precision["local-batched"] == precision["local"] == "float32"
-    assert precision["shmeval"] == ("bfloat16" if procstat.cpu_bfloat16() else "float32")
+    native = procstat.cpu_bfloat16() and not procstat.gpu_visible()
+    assert precision["shmeval"] == ("bfloat16" if native else "float32")
     ref = probes["queue"]
     assert len(ref["value"]) == len(ref["policy"]) == 5
     assert np.ptp(np.array(ref["policy"])) > 1e-3   # not a trivial net
@@ -446,6 +447,7 @@ def test_net_precision(monkeypatch: Any) -> None:
     # auto: bfloat16 for a frozen net called with batches on a CPU with
     # native bfloat16; local's one-row calls stay float32
     batched = ("shmeval", "queue", "local-batched")
+    monkeypatch.setattr(selfplay, "gpu_visible", lambda: False)
     for native in (True, False):
         monkeypatch.setattr(selfplay, "cpu_bfloat16", lambda native=native: native)
         for mode in batched:
@@ -461,6 +463,15 @@ def test_net_precision(monkeypatch: Any) -> None:
     with pytest.raises(ValueError, match="no-freeze"):
         selfplay.Settings(precision="bfloat16", freeze=False).check()
     selfplay.Settings(precision="float32", freeze=False).check()
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not procstat.gpu_visible()
+    # a visible GPU runs the net: auto stays float32, bfloat16 is refused
+    monkeypatch.setattr(selfplay, "cpu_bfloat16", lambda: True)
+    monkeypatch.setattr(selfplay, "gpu_visible", lambda: True)
+    assert selfplay.Settings().net_precision("shmeval") == "float32"
+    with pytest.raises(ValueError, match="GPU"):
+        selfplay.Settings(precision="bfloat16").check()
 
 
 def test_repeats_are_summarised_by_medians() -> None:

@@ -493,6 +493,7 @@ def test_frozen_graph(tf: Any, backend: Any) -> None:
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads), "a caller hung"
     assert not errors, errors[0]
 
     x = random_states(4, 1)
@@ -520,6 +521,9 @@ def test_bfloat16(tf: Any, backend: Any) -> None:
     f32.prepare(spec, None)
     b16.prepare(spec, None)
     assert b16._general.bfloat16 and not f32._general.bfloat16
+    rewrite = [fm._general.config.graph_options.rewrite_options.auto_mixed_precision_onednn_bfloat16
+               for fm in (f32, b16)]
+    assert rewrite == [0, 1]  # RewriterConfig DEFAULT (off for this rewrite), ON
     x = random_states(64, 4)
     got, exact, want = b16(x), f32(x), ref(x)
     moved = 0.0
@@ -533,6 +537,8 @@ def test_bfloat16(tf: Any, backend: Any) -> None:
         backend.TFModel(m, bfloat16=True)
     with pytest.raises(ValueError, match="bfloat16"):
         backend.TFModel(m, freeze=True, jit_compile=True, bfloat16=True)
+    with pytest.raises(ValueError, match="GPU"):
+        backend.TFModel(m, freeze=True, bfloat16=True, device="/GPU:0")
 
 
 def test_frozen_graph_output_owns_its_memory(tf: Any, backend: Any) -> None:

@@ -61,6 +61,19 @@ def cpu_bfloat16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def gpu_visible() -> bool:
+    """Whether TensorFlow would find an NVIDIA GPU here: the driver lists
+    one (/proc/driver/nvidia/gpus) and ``CUDA_VISIBLE_DEVICES`` does not
+    hide them all.  Read without importing TensorFlow."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return False
+    try:
+        return bool(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return False
+
+
 def machine_busy_s() -> float:
     """CPU seconds all cores spent busy so far (not idle, not iowait)."""
     try:

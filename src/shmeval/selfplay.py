@@ -17,9 +17,9 @@ leaves of all their games together with a Keras residual policy-value net
     same traced net once on the concatenation and sends each worker its rows
     back on the worker's own queue (a ``multiprocessing.SimpleQueue``).
 ``local``
-    every worker builds its own copy of the net (same weights) and calls a
-    pre-traced concrete function of it one state at a time (``tf.constant``
-    input, one TensorFlow thread per worker).
+    every worker builds its own copy of the net (same weights) and calls it
+    one state at a time (a ``FrozenGraph`` of it, or with ``--no-freeze`` a
+    pre-traced concrete function; one TensorFlow thread per worker).
 ``local-batched``
     as ``local``, but the worker evaluates its whole leaf batch in one call.
 
@@ -71,7 +71,7 @@ import numpy as np
 from . import mcts
 from .display import Display
 from .jsonout import json_default
-from .procstat import cpu_bfloat16, cpu_model, cpu_s, machine_busy_s, rss_mb
+from .procstat import cpu_bfloat16, cpu_model, cpu_s, gpu_visible, machine_busy_s, rss_mb
 from .sched import use_batch_scheduling
 from .games import connect4
 from .games.connect4_net import NetConfig
@@ -156,15 +156,18 @@ class Settings:
     def net_precision(self, mode: str) -> str:
         """What ``mode``'s net computes in, "bfloat16" or "float32":
         ``precision`` when set, else ("auto") each mode's faster one:
-        bfloat16 when the net is frozen, the CPU computes in bfloat16
+        bfloat16 when the net is frozen, runs on the CPU (no GPU visible:
+        :func:`shmeval.procstat.gpu_visible`), the CPU computes in bfloat16
         natively (:func:`shmeval.procstat.cpu_bfloat16`) and the mode calls
         the net with batches (19-33% less per row from 16 rows on);
-        float32 for ``local``, whose calls of one row cost about 8% more in
+        float32 for ``local``, whose calls of one row cost about 9% more in
         bfloat16 (docs/performance.md, finding 31)."""
         if self.precision != "auto":
             return self.precision
         batched = mode != "local"
-        return "bfloat16" if self.freeze and batched and cpu_bfloat16() else "float32"
+        on_cpu = not gpu_visible()
+        return ("bfloat16" if self.freeze and batched and on_cpu and cpu_bfloat16()
+                else "float32")
 
     def check(self) -> None:
         if self.workers < 1 or self.games_per_worker < 1 or self.simulations < 1:
@@ -185,6 +188,9 @@ class Settings:
                              f"got {self.precision!r}")
         if self.precision == "bfloat16" and not self.freeze:
             raise ValueError("bfloat16 needs the frozen net (drop --no-freeze)")
+        if self.precision == "bfloat16" and gpu_visible():
+            raise ValueError("bfloat16 is a rewrite for the CPU, and the net would run on "
+                             "this machine's GPU")
         if self.push_every <= 0 or self.batch_size < 1 or self.buffer_size < self.batch_size:
             raise ValueError("need push_every > 0, batch_size >= 1, buffer_size >= batch_size")
         if self.sample_reuse <= 0:
@@ -1557,16 +1563,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Default auto: batch when the workers outnumber the CPUs")
     p.add_argument("--no-freeze", action="store_true",
                    help="every mode: run the net with its weights in variables instead of "
-                        "folded into the graph as constants (TFModel(freeze=True) and the "
-                        "same for the queue and local modes: cheaper calls; docs/performance.md "
-                        "finding 27)")
+                        "folded into the graph as constants and run in the calling thread "
+                        "(TFModel(freeze=True), a FrozenGraph in the queue and local modes: "
+                        "cheaper calls; docs/performance.md findings 27 and 30)")
     p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default=d.precision,
                    help="what every mode's frozen net computes in: bfloat16 lets TensorFlow's "
                         "oneDNN rewrite run the convolutions in bfloat16 (19-33%% less per "
                         "row from 16 rows on, on CPUs with native bfloat16; outputs move by "
-                        "about 1e-3). Default auto: bfloat16 on such CPUs (avx512_bf16 or "
-                        "amx_bf16) for every mode but local, whose one-row calls are faster "
-                        "in float32")
+                        "about 1e-3; CPU only). Default auto: bfloat16 on such CPUs "
+                        "(avx512_bf16 or amx_bf16) when no GPU is visible, for every mode but "
+                        "local, whose one-row calls are faster in float32")
     p.add_argument("--pin", action="store_true",
                    help="give the central evaluator (shmeval, queue) a CPU of its own and "
                         "keep the workers on the others (needs 2+ CPUs; local modes are not "

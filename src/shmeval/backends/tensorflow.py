@@ -21,7 +21,7 @@ What it does for the evaluator:
   ``{name: ndarray}`` with exactly the declared dtypes and shapes;
 * ``set_weights`` / ``load_weights`` swap the weights in place (variables are
   assigned, nothing is retraced; with ``freeze=True`` the weights are folded
-  into new functions instead, see :func:`frozen_function`).
+  into new graphs instead, see :class:`FrozenGraph`).
 """
 from __future__ import annotations
 
@@ -253,32 +253,35 @@ class FrozenGraph:
     variables hold now folded in as constants, run by a TensorFlow session
     in the calling thread.
 
-    ``fg(x)`` takes an ndarray (anything ``np.asarray`` takes) and returns
+    ``fg(x)`` takes an ndarray of the function's input dtype and returns
     the concrete function's output structure with ndarrays in place of
     tensors; ``fg.run_flat(x)`` returns the outputs as a flat list (in
-    ``tf.nest.flatten`` order).  The input is copied, and no output shares
-    memory with it.  Any batch size the concrete function accepts is served
-    by the same graph, without tracing again.
+    ``tf.nest.flatten`` order).  No output shares memory with the input, so
+    the caller may refill it after the call.  Any batch size the concrete
+    function accepts is served by the same graph, without tracing again.
 
     Why: an eager call of a ``tf.function`` hands the graph to TensorFlow's
     inter-op thread pool and waits to be woken, under several layers of
     Python; a session configured with ``inter_op_parallelism_threads=-1``
     runs the graph in the caller's thread.  For the self-play demo's net
-    (one intra-op thread) a call costs 225 µs at batch 1 and 1.16 ms at
+    (one intra-op thread) a call costs 231 µs at batch 1 and 1.25 ms at
     batch 33, against 0.40 and 1.35 ms for :func:`frozen_function`
     (docs/performance.md, finding 30).  The ops' own parallelism is
     TensorFlow's process-wide intra-op pool (see :func:`configure`).  Calls
     from several threads at once are safe and run in parallel.  Later
     changes to the variables do not reach the graph: freeze again after
-    them.
+    them.  The session's GPU memory grows as needed; the process-wide
+    settings of :func:`configure` apply where TensorFlow set up the GPU
+    before (``TFModel`` does that first).
 
     ``bfloat16=True`` lets the session's graph optimiser compute what
     oneDNN can in bfloat16 (TensorFlow's ``auto_mixed_precision_onednn_
     bfloat16`` rewrite: convolutions and matrix products in bfloat16, casts
     around them, float32 in and out).  On a CPU with native bfloat16
     (:func:`shmeval.procstat.cpu_bfloat16`) the self-play net costs 19-33%
-    less per row from 16 rows on, and 8% more at one row; its outputs move
-    by up to about 1e-3 (docs/performance.md, finding 31)."""
+    less per row from 16 rows on, and about 9% more at one row; its outputs
+    move by up to about 1e-3 (docs/performance.md, finding 31).  The rewrite
+    is for the CPU: ops placed on a GPU stay as they are."""
 
     def __init__(self, concrete: Any, bfloat16: bool = False) -> None:
         graph_def, feed, fetches, self.structure = _freeze(concrete, "FrozenGraph")
@@ -294,6 +297,7 @@ class FrozenGraph:
 
             config.graph_options.rewrite_options.auto_mixed_precision_onednn_bfloat16 = (
                 rewriter_config_pb2.RewriterConfig.ON)
+        self.config = config
         self.session = tf.compat.v1.Session(graph=self.graph, config=config)
         self.run_flat: Callable[[Any], list[np.ndarray]] = self.session.make_callable(
             [self.graph.get_tensor_by_name(name) for name in fetches],
@@ -337,7 +341,7 @@ class TFModel:
     buckets, more for bigger nets.  ``bfloat16``: with ``freeze`` (and no
     ``jit_compile``), compute in bfloat16 what oneDNN can (see
     :class:`FrozenGraph`), for CPUs with native bfloat16; the outputs move
-    by about 1e-3.
+    by about 1e-3.  On a GPU it is refused (the rewrite is the CPU's).
 
     After ``prepare``: ``trace_count`` (times the model was traced; constant
     while serving) and ``warmup_s`` (seconds ``prepare`` took).
@@ -365,6 +369,10 @@ class TFModel:
         self._sessions = self.freeze and not self.jit_compile
         self.device = device or ("/GPU:0" if tf.config.list_physical_devices("GPU")
                                  else "/CPU:0")
+        if self.bfloat16 and "GPU" in self.device.upper():
+            raise ValueError(f"TFModel(bfloat16=True) rewrites the graph for the CPU; this "
+                             f"model runs on {self.device} (pass device='/CPU:0' or drop "
+                             "bfloat16)")
         self.model = _load(model_or_path)
         self.keras = _is_keras(self.model)
         self.signature: Any = None  # a SavedModel's serving_default
@@ -534,7 +542,7 @@ class TFModel:
             if fn is None:
                 fn = self._general = self._concrete(None)
         if self._sessions:
-            # FrozenGraph copies the batch too (finding 30).
+            # No output of a FrozenGraph aliases the batch (finding 30).
             if self.spec is None:
                 return fn(batch)
             return dict(zip(self._names, fn.run_flat(batch)))
@@ -636,4 +644,4 @@ class TFModel:
                              "a Keras model")
 
 
-__all__ = ["TFModel", "configure", "frozen_function"]
+__all__ = ["FrozenGraph", "TFModel", "configure", "frozen_function"]
