@@ -106,10 +106,7 @@ def main() -> None:
             print("TFModel(freeze=True): FrozenGraph, a session in the caller's thread"
                   + (", bfloat16" if args.bfloat16 else ""))
             concurrent_calls(model, batches, args.concurrent)
-            keras_model = model.model
-            eager = frozen_function(tf.function(
-                lambda t: keras_model(t, training=False)).get_concrete_function(
-                    tf.TensorSpec((None, 6, 7, 2), tf.float32)))
+            eager = frozen_function(_keras_function(model.model).get_concrete_function())
             print("frozen_function, called eagerly (float32)")
             concurrent_calls(lambda x: [t.numpy() for t in tf.nest.flatten(eager(tf.constant(x)))],
                              batches,
@@ -123,11 +120,22 @@ def main() -> None:
     if args.floor:
         call_floor([int(x) for x in args.batches.split(",")])
         return
-    print(f"{'batch':>6} {'wall us':>9} {'cpu us':>9} {'us/state':>9}")
+    # With --bfloat16: how far the answers move from the float32 graph's.
+    exact = None
+    if args.bfloat16:
+        exact = TFModel(model.model, freeze=True)
+        exact.prepare(model.spec, None)
+    print(f"{'batch':>6} {'wall us':>9} {'cpu us':>9} {'us/state':>9}"
+          + ("   max |bfloat16 - float32| policy, value" if exact else ""))
     for b in (int(x) for x in args.batches.split(",")):
         x = np.random.default_rng(0).random((b, 6, 7, 2), np.float32)
         wall, cpu = per_call(model, x)
-        print(f"{b:>6} {wall * 1e6:>9.0f} {cpu * 1e6:>9.0f} {wall / b * 1e6:>9.1f}")
+        moved = ""
+        if exact is not None:
+            got, want = model(x), exact(x)
+            moved = "".join(f"{float(np.abs(got[k] - want[k]).max()):>10.1e}"
+                            for k in ("policy", "value"))
+        print(f"{b:>6} {wall * 1e6:>9.0f} {cpu * 1e6:>9.0f} {wall / b * 1e6:>9.1f}   {moved}")
     # A weight update: assigning the variables, and with --freeze folding
     # them into new functions and running each once.
     # With --updates N, also the process's RSS across them (whether the
@@ -193,14 +201,21 @@ def concurrent_calls(model: Any, batches: list[int], n_threads: int, seconds: fl
         print(f"{b:>6} {one:>17,.0f} {many:>18,.0f} {many / one:>5.2f}x")
 
 
+def _keras_function(keras_model: Any) -> Any:
+    """The Keras model as a tf.function of batches of any size."""
+    import tensorflow as tf
+
+    spec = tf.TensorSpec((None, 6, 7, 2), tf.float32)
+    return tf.function(lambda t: keras_model(t, training=False), input_signature=[spec])
+
+
 def calling_styles(model: Any, batches: list[int]) -> None:
     """The ways of calling the same Keras model that docs/performance.md
     compares (outputs converted to NumPy in each)."""
     import tensorflow as tf
 
     keras_model = model.model
-    spec = tf.TensorSpec((None, 6, 7, 2), tf.float32)
-    fn = tf.function(lambda t: keras_model(t, training=False), input_signature=[spec])
+    fn = _keras_function(keras_model)
     concrete = fn.get_concrete_function()
     numpy = lambda out: tf.nest.map_structure(lambda t: np.asarray(t), out)  # noqa: E731
     styles = {

@@ -443,7 +443,7 @@ def test_worker_policy() -> None:
         selfplay.Settings(worker_sched="fifo").check()
 
 
-def test_net_precision(monkeypatch: Any) -> None:
+def test_net_precision(monkeypatch: Any, tmp_path: Any) -> None:
     # auto: bfloat16 for a frozen net called with batches on a CPU with
     # native bfloat16; local's one-row calls stay float32
     batched = ("shmeval", "queue", "local-batched")
@@ -463,9 +463,15 @@ def test_net_precision(monkeypatch: Any) -> None:
     with pytest.raises(ValueError, match="no-freeze"):
         selfplay.Settings(precision="bfloat16", freeze=False).check()
     selfplay.Settings(precision="float32", freeze=False).check()
-    for hidden in ("", "-1"):
+    # the driver's GPU list, as CUDA_VISIBLE_DEVICES leaves it
+    gpus = tmp_path / "gpus"
+    assert not procstat.gpu_visible(str(gpus))             # no driver
+    (gpus / "0000:00:04.0").mkdir(parents=True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert procstat.gpu_visible(str(gpus))
+    for hidden, seen in (("", False), ("-1", False), ("0", True)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
-        assert not procstat.gpu_visible()
+        assert procstat.gpu_visible(str(gpus)) == seen
     # a visible GPU runs the net: auto stays float32, bfloat16 is refused
     monkeypatch.setattr(selfplay, "cpu_bfloat16", lambda: True)
     monkeypatch.setattr(selfplay, "gpu_visible", lambda: True)

@@ -46,8 +46,9 @@ Trees
 -----
 A :class:`Tree` (the C extension ``shmeval._mcts``) keeps its statistics in
 flat C arrays: per node the first edge, the number of edges and the visit
-count; per edge the action, prior, visit count, value sum and child id.  The states stay Python objects in ``tree.state``
-(and terminal values in ``tree.term``), indexed by node id.  A node's edges
+count; per edge the action, prior, visit count, value sum and child id.
+The states stay Python objects in ``tree.state`` (and terminal values in
+``tree.term``), indexed by node id.  A node's edges
 are created when it is expanded, a child node when its edge is first
 selected.  Moving on with :meth:`Tree.advance` re-roots the tree at the
 child and keeps its subtree (the abandoned nodes stay until the game ends:

@@ -31,28 +31,26 @@ def cpu_s(pid: int) -> float:
         return float("nan")
 
 
-def cpu_model() -> Optional[str]:
-    """The CPU's model name from /proc/cpuinfo (None if it does not say)."""
+def _cpuinfo(key: str) -> Optional[str]:
+    """The value of the first ``key`` line of /proc/cpuinfo (None if none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return None
 
 
+def cpu_model() -> Optional[str]:
+    """The CPU's model name from /proc/cpuinfo (None if it does not say)."""
+    return _cpuinfo("model name")
+
+
 def cpu_flags() -> frozenset[str]:
     """The first CPU's feature flags from /proc/cpuinfo (empty if unread)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset((_cpuinfo("flags") or "").split())
 
 
 def cpu_bfloat16() -> bool:
@@ -61,15 +59,15 @@ def cpu_bfloat16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def gpu_visible() -> bool:
+def gpu_visible(driver_gpus: str = "/proc/driver/nvidia/gpus") -> bool:
     """Whether TensorFlow would find an NVIDIA GPU here: the driver lists
-    one (/proc/driver/nvidia/gpus) and ``CUDA_VISIBLE_DEVICES`` does not
-    hide them all.  Read without importing TensorFlow."""
+    one (in ``driver_gpus``) and ``CUDA_VISIBLE_DEVICES`` does not hide them
+    all.  Read without importing TensorFlow."""
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     if hidden is not None and hidden.strip() in ("", "-1"):
         return False
     try:
-        return bool(os.listdir("/proc/driver/nvidia/gpus"))
+        return bool(os.listdir(driver_gpus))
     except OSError:
         return False
 
