@@ -166,3 +166,97 @@ def test_workers_run_under_the_chosen_policy(sched: str, policy: int) -> None:
     """--worker-sched reaches every worker of the trial (checked on every call)."""
     method = WrappingMethod(lambda cs: [PolicyCheckingClient(c, policy) for c in cs])
     run_trial(method, "shmeval", 2, SPEC, dataclasses.replace(CONFIG, worker_sched=sched))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["shmeval", "queue"])
+def test_python_loop_serves_each_worker(name: str) -> None:
+    """--loop python: the same trial with the timed loop in bytecode."""
+    trial = run_trial(METHODS[name](), name, WORKERS, SPEC, dataclasses.replace(CONFIG, loop="python"))
+    assert min(trial["worker_counts"]) > 0
+    assert trial["round_trips"] == sum(trial["worker_counts"])
+
+
+class Recorder:
+    """A callable that returns a fresh object per call, and notes whether the
+    previous one was still alive while it ran (the caller held it)."""
+
+    def __init__(self, sleep_ns: int = 0) -> None:
+        self.calls = 0
+        self.previous: Any = None
+        self.previous_alive: list[bool] = []
+        self.sleep_ns = sleep_ns
+
+    def __call__(self, arg: int) -> Any:
+        import time
+        import weakref
+
+        if self.previous is not None:
+            self.previous_alive.append(self.previous() is not None)
+        if self.sleep_ns:
+            end = time.perf_counter_ns() + self.sleep_ns
+            while time.perf_counter_ns() < end:
+                pass
+        self.calls += 1
+        out = Box(arg, self.calls)
+        self.previous = weakref.ref(out)
+        return out
+
+
+@dataclasses.dataclass
+class Box:
+    arg: int
+    call: int
+
+
+def test_timed_calls_counts_times_and_holds_results() -> None:
+    import time
+
+    from shmeval._ring import timed_calls
+
+    fn = Recorder(sleep_ns=200_000)
+    lat = np.zeros(5, np.int64)
+    count, out = timed_calls(fn, 7, time.perf_counter_ns() + 20_000_000, lat)
+    # Every call but the last ended inside the window; the last is returned.
+    assert count == fn.calls - 1 and count > len(lat)
+    assert out == Box(7, fn.calls)
+    # Each latency is one call's (at least its busy wait), none left unset.
+    assert (lat >= 200_000).all() and (lat < 20_000_000).all()
+    # As in `out = fn(arg)`: each result lives until the next call returns.
+    assert fn.previous_alive and all(fn.previous_alive)
+
+
+def test_timed_calls_passes_on_errors_and_signals() -> None:
+    import signal
+    import time
+
+    from shmeval._ring import timed_calls
+
+    lat = np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match="int64"):
+        timed_calls(abs, 1, 0, np.zeros(4, np.int32))
+
+    def failing(arg: int) -> None:
+        raise KeyError(arg)
+
+    with pytest.raises(KeyError):
+        timed_calls(failing, 3, time.perf_counter_ns() + 10**9, lat)
+
+    class Alarm(Exception):
+        pass
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Alarm
+
+    # abs runs no bytecode: only the loop's own signal check can stop it
+    # before its 30 s window ends.
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        t0 = time.monotonic()
+        with pytest.raises(Alarm):
+            timed_calls(abs, -1, time.perf_counter_ns() + 30 * 10**9, lat)
+        assert time.monotonic() - t0 < 20
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

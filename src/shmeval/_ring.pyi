@@ -1,7 +1,10 @@
 """Type stubs of the Cython extension shmeval._ring (thin wrappers of ring.h)."""
-from typing import Sequence, Any, Callable, Optional, Union
+from typing import Sequence, Any, Callable, Optional, TypeVar, Union
 
 import numpy as np
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 LAYOUT_VERSION: int
 SPEC_MAX: int
@@ -30,6 +33,7 @@ def set_timer_slack_ns(ns: int) -> bool: ...
 def all_finite(a: np.ndarray, rows: int) -> Optional[bool]: ...
 def pingpong(buf: Any, side: int, lat: np.ndarray, spin_ns: int = ...,
              timeout_ns: int = ...) -> int: ...
+def timed_calls(fn: Callable[[_T], _R], arg: _T, t_end: int, lat: np.ndarray) -> tuple[int, _R]: ...
 
 class Segment:
     name: str

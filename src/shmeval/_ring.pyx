@@ -20,6 +20,7 @@ from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThr
                                 PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK)
 from posix.unistd cimport usleep
 from cpython.buffer cimport PyBUF_WRITABLE, PyObject_GetBuffer, PyBuffer_Release
+from cpython.exc cimport PyErr_CheckSignals
 
 
 cdef extern from "Python.h":
@@ -1412,3 +1413,36 @@ def pingpong(object buf, int side, cnp.ndarray lat, uint64_t spin_ns=0,
     if rc != SHM_OK:
         raise TimeoutError("the other side of the ping-pong stopped answering")
     return elapsed
+
+
+def timed_calls(object fn, object arg, int64_t t_end, cnp.ndarray lat):
+    """The benchmark's timed loop, in C: calls ``fn(arg)`` until the
+    monotonic clock (``time.perf_counter_ns``'s, CLOCK_MONOTONIC) passes
+    t_end, storing each call's ns in lat while it has room.  Returns
+    ``(calls, last result)``: the calls that ended inside the window, and
+    what the last call returned.  As in ``out = fn(arg)`` in a Python loop,
+    each result is held until the next call returns.  The reference it is
+    compared with (``pingpong``) times itself in C too; the same loop
+    written in Python cost about 1 us of CPU per call with 16 workers on 2
+    cores (docs/performance.md, finding 32).  Checks for signals on every
+    call, as the interpreter would between bytecodes."""
+    cdef int64_t before, after
+    cdef int64_t *out
+    cdef Py_ssize_t count = 0, cap
+    cdef object result = None
+    if cnp.PyArray_TYPE(lat) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(lat) or not cnp.PyArray_ISWRITEABLE(lat):
+        raise ValueError("lat must be a writable C-contiguous int64 array")
+    out = <int64_t *>cnp.PyArray_DATA(lat)
+    cap = cnp.PyArray_SIZE(lat)
+    before = <int64_t>shm_now_ns()
+    while True:
+        result = fn(arg)
+        after = <int64_t>shm_now_ns()
+        if after > t_end:  # count only calls that ended inside the window
+            break
+        if count < cap:
+            out[count] = after - before
+        count += 1
+        before = after
+        PyErr_CheckSignals()  # raises what a signal handler raised
+    return count, result

@@ -125,6 +125,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-sched", choices=("normal", "batch"), default="normal",
                    help="scheduling policy of every method's workers: normal (the default policy) or "
                    "batch (SCHED_BATCH, what shmeval.use_batch_scheduling sets) (default normal)")
+    p.add_argument("--loop", choices=("c", "python"), default="c",
+                   help="the workers' timed loop around each call: c (shmeval._ring.timed_calls) or python "
+                   "(the same loop in bytecode, which adds its own CPU to every method's round trip) "
+                   "(default c)")
     p.add_argument("--no-reference", action="store_true", help="skip the machine's reference figures")
     p.add_argument("--no-batch-path", action="store_true", help="skip the evaluator's batch-path table")
     p.add_argument("--reference-seconds", type=_positive(float),
@@ -159,7 +163,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats or (1 if quick else FULL_REPEATS),
         "trial": asdict(TrialConfig(seconds=args.seconds or (QUICK_SECONDS if quick else FULL_SECONDS),
                                     warmup=args.warmup, samples=args.samples, max_batch=args.max_batch,
-                                    worker_sched=args.worker_sched)),
+                                    worker_sched=args.worker_sched, loop=args.loop)),
         "reference": None if args.no_reference else args.reference_seconds or sections["reference"],
         "batch_path": None if args.no_batch_path else args.batch_path_seconds or sections["batch_path"],
         "cdf_grid": list(CDF_GRID),
@@ -232,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"methods {','.join(config['methods'])}; workers {','.join(map(str, config['workers']))}; "
           f"states {', '.join(s.describe() for s in specs)}; {trial_config.seconds:g} s windows; "
           f"{config['repeats']} repetition(s); max_batch {trial_config.max_batch}; "
-          f"workers' scheduling policy {trial_config.worker_sched}", flush=True)
+          f"workers' scheduling policy {trial_config.worker_sched}; {trial_config.loop} loop", flush=True)
     for m in config["skipped_methods"]:
         print(f"note: {m} skipped: its package is not installed (pip install 'shmeval[bench]')", file=sys.stderr)
 

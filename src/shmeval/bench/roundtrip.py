@@ -35,6 +35,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, TypeAlias
 
 import numpy as np
 
+from shmeval._ring import timed_calls
+
 # Latencies a worker can record in one window.  8 MiB of int64 per worker, but
 # np.empty only commits the pages actually written.
 LATENCY_CAP = 1 << 20
@@ -192,6 +194,9 @@ class TrialConfig:
     # Every method's workers run under this policy: "normal" (the default
     # policy) or "batch" (SCHED_BATCH, what shmeval.use_batch_scheduling sets).
     worker_sched: str = "normal"
+    # The workers' timed loop: "c" (shmeval._ring.timed_calls, the default)
+    # or "python" (the same loop in bytecode, as before finding 32).
+    loop: str = "c"
 
 
 def check_reply(out: Mapping[str, Any], worker_id: int, spec: StateSpec) -> None:
@@ -200,6 +205,29 @@ def check_reply(out: Mapping[str, Any], worker_id: int, spec: StateSpec) -> None
     policy, value = np.asarray(out["policy"]), np.asarray(out["value"])
     if policy.shape != (spec.policy_size,) or value.shape != () or value != worker_id:
         raise RuntimeError(f"worker {worker_id}: bad reply: policy shape {policy.shape}, value {value!r}")
+
+
+def _python_loop(evaluate: Callable[[np.ndarray], Mapping[str, Any]], state: np.ndarray, t_end: int,
+                 latencies: np.ndarray) -> tuple[int, Mapping[str, Any]]:
+    """``timed_calls`` written in Python (``--loop python``)."""
+    # Locals keep attribute lookups out of the timed loop, and a memoryview's
+    # item store is cheaper than an ndarray's.
+    clock = time.perf_counter_ns
+    record = latencies.data  # a memoryview of it
+    cap = len(latencies)
+    count = 0
+    before = clock()
+    while True:
+        out = evaluate(state)
+        after = clock()
+        if after > t_end:  # count only round trips completed inside the window
+            break
+        if count < cap:
+            record[count] = after - before
+        count += 1
+        before = after
+    record.release()
+    return count, out
 
 
 def worker_main(client: Client, worker_id: int, spec: StateSpec, config: TrialConfig, setup_timeout: float,
@@ -223,24 +251,13 @@ def worker_main(client: Client, worker_id: int, spec: StateSpec, config: TrialCo
         t_start = start_ns.value
         t_end = t_start + int(config.seconds * 1e9)
         time.sleep(max(0.0, (t_start - time.perf_counter_ns()) / 1e9))
-        # Locals keep attribute lookups out of the timed loop, and a
-        # memoryview's item store is cheaper than an ndarray's (the loop's
-        # own cost is part of every method's round trip).
-        evaluate = client.evaluate
-        clock = time.perf_counter_ns
-        record = latencies.data  # a memoryview of it
-        count = 0
-        before = clock()
-        while True:
-            out = evaluate(state)
-            after = clock()
-            if after > t_end:  # count only round trips completed inside the window
-                break
-            if count < LATENCY_CAP:
-                record[count] = after - before
-            count += 1
-            before = after
-        record.release()
+        if config.loop == "c":
+            # The loop in C: what the window measures is the method's call,
+            # not the interpreter running the loop around it, which cost
+            # about 1 us of CPU per call at 16 workers (finding 32).
+            count, out = timed_calls(client.evaluate, state, t_end, latencies)
+        else:
+            count, out = _python_loop(client.evaluate, state, t_end, latencies)
         check_reply(out, worker_id, spec)  # once more, off the clock
     except Exception:
         results.send((worker_id, "error", traceback.format_exc()))
