@@ -81,6 +81,9 @@ class Segment:
     def stat_put(self, name: str, v: int) -> None: ...
     def stat_inc(self, name: str, v: int) -> None: ...
 
+class ClientBase:
+    _port: Optional["ClientPort"]
+
 class ClientPort:
     c: int
     free: list[int]

@@ -918,6 +918,15 @@ cdef inline bint _answered(object r, bint versioned):
     return type(r) is dict
 
 
+cdef class ClientBase:
+    """The base of ``shmeval.Client``: its process's port in a C field, which
+    ``client_evaluate`` reads without an attribute lookup.  As an attribute
+    of a Python instance it was a dict lookup on every call, about 2% of the
+    machine's CPU with 16 workers on 2 cores (docs/performance.md,
+    finding 32)."""
+    cdef public object _port
+
+
 @cython.binding(True)
 def client_evaluate(self, object state, bint return_version=False):
     """Evaluates one state; returns ``{name: array of the output's shape}``,
@@ -928,7 +937,7 @@ def client_evaluate(self, object state, bint return_version=False):
     (``Client.evaluate``: written here so that the common case -- the
     process's port exists and ``ClientPort`` answers -- runs no Python
     frame; anything else goes to ``Client._evaluate_slow``.)"""
-    port = self._port
+    port = (<ClientBase?>self)._port
     cdef object r = None
     if port is not None:
         r = (<ClientPort?>port)._evaluate(state, return_version)
@@ -941,7 +950,7 @@ def client_evaluate(self, object state, bint return_version=False):
 def client_evaluate_many(self, object states, bint return_version=False):
     """``Client.evaluate_many``: the common case in ClientPort (no Python
     frame); anything else goes to ``Client._evaluate_many_slow``."""
-    port = self._port
+    port = (<ClientBase?>self)._port
     cdef object r = None
     if port is not None:
         r = (<ClientPort?>port)._evaluate_many(states, return_version)

@@ -35,7 +35,7 @@ def _ncpu() -> int:
         return os.cpu_count() or 1
 
 
-class Client:
+class Client(_ring.ClientBase):
     """A handle on an evaluator: ``evaluate``, ``evaluate_many``, ``stats``.
 
     Obtained by pickling an :class:`~shmeval.Evaluator` into a child process,
