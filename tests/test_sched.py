@@ -1,5 +1,5 @@
-"""shmeval.use_batch_scheduling, and the evaluator's spin rule
-(docs/performance.md, finding 21)."""
+"""shmeval.use_batch_scheduling, and the spin rule of the evaluator and
+the clients (docs/performance.md, findings 21 and 33)."""
 from __future__ import annotations
 
 import pytest
@@ -28,9 +28,17 @@ def test_batch_scheduling_in_a_fresh_process() -> None:
     assert out.stdout.split() == ["True"] * 4, out.stderr
 
 
-@pytest.mark.parametrize("n_attached, ncpu, spins", [
-    (1, 2, True), (2, 2, True), (3, 2, False), (16, 2, False), (64, 2, False), (8, 16, True),
+@pytest.mark.parametrize("n_attached, ncpu, kind", [
+    (0, 2, "spin"), (1, 2, "spin"), (2, 2, "yield"), (3, 2, None), (16, 2, None), (64, 2, None),
+    (7, 8, "spin"), (8, 8, "yield"), (9, 8, None),
 ])
-def test_evaluator_spins_only_while_clients_fit_on_its_cpus(n_attached: int, ncpu: int,
-                                                          spins: bool) -> None:
-    assert _ring.evaluator_spin(50_000, n_attached, ncpu) == (50_000 if spins else 0)
+def test_spin_rule(n_attached: int, ncpu: int, kind: str | None) -> None:
+    """A plain spin while every process (the clients and the evaluator) has
+    a CPU, a yielding one when they are one more than the CPUs, none beyond
+    (docs/performance.md, findings 21 and 33); the evaluator and each
+    client follow the same rule, and a budget of 0 stays 0."""
+    expect = {"spin": 50_000, "yield": 50_000 | _ring.SPIN_YIELD, None: 0}[kind]
+    assert _ring.evaluator_spin(50_000, n_attached, ncpu) == expect
+    assert _ring.spin_policy(50_000, n_attached + 1, ncpu) == expect
+    assert _ring.evaluator_spin(0, n_attached, ncpu) == 0
+    assert _ring.spin_policy(0, n_attached + 1, ncpu) == 0

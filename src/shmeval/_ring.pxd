@@ -3,6 +3,8 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 
 cdef extern from "ring.h" nogil:
+    uint64_t SHM_SPIN_YIELD
+
     ctypedef struct shm_params:
         uint64_t in_bytes
         uint64_t out_bytes

@@ -165,6 +165,30 @@ def now_ns():
     return shm_now_ns()
 
 
+cdef inline uint64_t _spin_policy(uint64_t spin_ns, uint32_t processes,
+                                 uint32_t ncpu) noexcept nogil:
+    """How a waiter (a client, or the evaluator) spins before it sleeps,
+    given the processes on the segment (the attached clients and the
+    evaluator) and the CPUs they may use:
+
+    * as many CPUs as processes: spin (``spin_ns``), since each has a core;
+    * one process more than CPUs (as many clients as CPUs): spin, but give
+      the CPU away between looks (``SHM_SPIN_YIELD``: ``sched_yield()``
+      instead of ``pause``), so a waiter takes a CPU only while no other
+      process wants it.  With 2 clients on 2 CPUs this took 2 workers from
+      ~100 k to 340-420 k round trips/s; sleeping instead, a CPU went idle
+      and every answer paid the wake-up of a halted CPU (finding 33);
+    * more: no spin.  Even a yielding spin then loses: its waiters crowd the
+      run queues, the slowest worker fell to a fifth of the mean and p99.9
+      to milliseconds at 3-16 workers (finding 33); and a plain spin holds
+      a CPU that the process it waits for needs (finding 21)."""
+    if spin_ns == 0 or processes > ncpu + 1:
+        return 0
+    if processes <= ncpu:
+        return spin_ns
+    return spin_ns | SHM_SPIN_YIELD
+
+
 cdef class Segment:
     """One mapping of a shared segment in this process.
 
@@ -477,10 +501,11 @@ cdef class Segment:
         return self._wait(c, k, spin_ns, timeout_ns, ncpu)
 
     cdef inline uint64_t _spin(self, uint64_t spin_ns, uint32_t ncpu) noexcept nogil:
-        """The client spin budget: none when the attached processes plus the
-        evaluator outnumber the CPUs (spinning would steal the CPU of the
-        process we wait for)."""
-        return spin_ns if shm_n_attached(&self.seg) + 1 <= ncpu else 0
+        """The client spin budget (_spin_policy): none when the attached
+        clients outnumber the CPUs (spinning would steal the CPU of the
+        process we wait for), a yielding spin when the evaluator is the one
+        process more than CPUs."""
+        return _spin_policy(spin_ns, shm_n_attached(&self.seg) + 1, ncpu)
 
     cdef int _wait(self, uint32_t c, uint32_t k, uint64_t spin_ns, uint64_t timeout_ns,
                    uint32_t ncpu):
@@ -918,6 +943,13 @@ cdef inline bint _answered(object r, bint versioned):
     return type(r) is dict
 
 
+import os as _os
+cdef bint _YIELD_SPIN = _os.environ.get("SHMEVAL_YIELD_SPIN", "0") != "0"
+cdef uint64_t _YIELD_CAP_NS = int(_os.environ.get("SHMEVAL_YIELD_CAP_US", "100")) * 1000
+cdef bint _YIELD_EV = _os.environ.get("SHMEVAL_YIELD_EV") == "1"
+cdef bint _YIELD_SPIN_ALL = _os.environ.get("SHMEVAL_YIELD_SPIN") == "2"
+
+
 cdef class ClientBase:
     """The base of ``shmeval.Client``: its process's port in a C field, which
     ``client_evaluate`` reads without an attribute lookup.  As an attribute
@@ -967,16 +999,27 @@ def only_python_thread():
 
 cdef inline uint64_t _evaluator_spin(uint64_t spin_ns, uint32_t n_attached,
                                     uint32_t ncpu) noexcept nogil:
-    """The evaluator's spin budget: none once the client processes outnumber
-    its CPUs, when a spinning evaluator holds a CPU that the clients it
-    waits for need (docs/performance.md, finding 21).  Up to one client per
-    CPU it spins: with 2 clients on 2 CPUs that doubled round trips/s."""
-    return spin_ns if n_attached <= ncpu else 0
+    """The evaluator's spin budget (_spin_policy): none once the client
+    processes outnumber its CPUs, when a spinning evaluator holds a CPU that
+    the clients it waits for need (docs/performance.md, finding 21); a
+    yielding spin with as many clients as CPUs (finding 33).  Spinning at
+    all with 2 clients on 2 CPUs doubled round trips/s."""
+    return _spin_policy(spin_ns, n_attached + 1, ncpu)
 
 
 def evaluator_spin(uint64_t spin_ns, uint32_t n_attached, uint32_t ncpu):
     """_evaluator_spin, for tests."""
     return _evaluator_spin(spin_ns, n_attached, ncpu)
+
+
+#: The flag of a yielding spin in a spin budget (ring.h's SHM_SPIN_YIELD).
+SPIN_YIELD = SHM_SPIN_YIELD
+
+
+def spin_policy(uint64_t spin_ns, uint32_t processes, uint32_t ncpu):
+    """_spin_policy (a client's spin: processes = attached clients + 1),
+    for tests."""
+    return _spin_policy(spin_ns, processes, ncpu)
 
 
 cdef bint _rows_ok(object x, Py_ssize_t rows, uint64_t row_bytes):

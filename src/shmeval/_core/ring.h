@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -408,6 +409,16 @@ static inline void shm_copy(char *dst, const char *src, size_t n) {
     memcpy(dst, src, n);
 }
 
+/* A spin budget with this bit set gives the CPU away between looks
+ * (sched_yield() instead of pause): the waiter spins only while no other
+ * task wants its CPU.  _ring.pyx's _spin_policy sets it when the clients
+ * and the evaluator are one process more than the CPUs
+ * (docs/performance.md, finding 33).  The bit is not part of the budget. */
+#define SHM_SPIN_YIELD (1ull << 63)
+#ifndef shm_sched_yield /* ring_test.c counts the calls */
+#define shm_sched_yield() sched_yield()
+#endif
+
 /* No timeout or deadline: a futex wait without a timer. */
 #define SHM_NO_DEADLINE UINT64_MAX
 
@@ -766,6 +777,8 @@ static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
                        : 0;
     /* The clock is read only where needed: for a spin, and for the
      * deadline of a timed sleep (one clock read fewer per wait). */
+    int yield = (spin_ns & SHM_SPIN_YIELD) != 0;
+    spin_ns &= ~SHM_SPIN_YIELD;
     uint64_t start = spin_ns ? shm_now_ns() : 0;
     int started = spin_ns != 0;
     uint32_t cur;
@@ -776,6 +789,11 @@ static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
             cur = atomic_load_explicit(w, memory_order_acquire);
             if (shm_state_is_final(shm_word_state(cur)))
                 return (int)shm_word_state(cur);
+            if (yield) { /* a syscall per look: the clock each time too */
+                if (shm_now_ns() - start >= spin_ns) break;
+                shm_sched_yield();
+                continue;
+            }
             if ((i & 63) == 63 && shm_now_ns() - start >= spin_ns) break;
             shm_cpu_relax();
         }
@@ -932,6 +950,8 @@ static inline int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
     shm_header *h = shm_hdr(s);
     uint64_t start = shm_now_ns(), first = 0;
     uint32_t n = 0;
+    int yield = (spin_ns & SHM_SPIN_YIELD) != 0;
+    spin_ns &= ~SHM_SPIN_YIELD;
     for (;;) {
         /* MO: acquire; pairs with the seq_cst (hence release) fetch_add in
          * shm_notify_evaluator. */
@@ -970,11 +990,14 @@ static inline int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
                 changed = 1;
                 break;
             }
-            if ((i & 63) == 63) {
+            if (yield || (i & 63) == 63) {
                 now = shm_now_ns();
                 if (now >= spin_end || now >= deadline) break;
             }
-            shm_cpu_relax();
+            if (yield)
+                shm_sched_yield();
+            else
+                shm_cpu_relax();
         }
         if (changed) continue;
         now = shm_now_ns();

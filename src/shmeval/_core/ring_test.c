@@ -11,7 +11,7 @@
  *       src/shmeval/_core/ring_test.c -o ring_test
  *   ring_test            run every test
  *   ring_test NAME...    run only the named tests (layout attach state
- *                        reclaim concurrency close max_wait)
+ *                        reclaim concurrency close max_wait ... yield)
  *
  * ring.h is included as <ring.h> and found through -I, so the same test can
  * be built against another copy of the header (-I /tmp/broken).
@@ -100,6 +100,15 @@ static int test_clock_gettime(clockid_t clk, struct timespec *ts) {
     return (clock_gettime)(clk, ts);
 }
 #define clock_gettime(clk, ts) test_clock_gettime((clk), (ts))
+
+/* Every sched_yield() of ring.h's yielding spins, counted (test_yield). */
+#include <sched.h>
+static _Atomic unsigned long g_yields;
+static int test_sched_yield(void) {
+    atomic_fetch_add(&g_yields, 1);
+    return sched_yield();
+}
+#define shm_sched_yield() test_sched_yield()
 
 /* Angle brackets on purpose: ring.h is found through -I (the build passes
  * -I src/shmeval/_core), so a build can point at another copy of the
@@ -2645,6 +2654,107 @@ static void test_ticker(void) {
     seg_free(&ts);
 }
 
+/* Yielding spins (SHM_SPIN_YIELD): a client's wait and the evaluator's
+ * collect look between sched_yield() calls while the budget lasts, then
+ * sleep as before; the bit is a flag, not part of the budget (taken as a
+ * budget it would spin for centuries: the waiter below never sleeps and
+ * collect overruns its CPU bound). */
+typedef struct {
+    shm_seg *s;
+    uint32_t c;
+    uint64_t spin_ns;
+    int rc;
+    _Atomic int returned;
+} spin_arg;
+
+static void *spin_waiter(void *arg) {
+    spin_arg *a = arg;
+    a->rc = shm_slot_wait(a->s, a->c, 0, a->spin_ns, 10000 * MS);
+    atomic_store(&a->returned, 1);
+    return NULL;
+}
+
+static void answer_all(shm_seg *s, uint32_t n) {
+    char batch[4 * 336], res[4 * 32] = {0};
+    shm_taken taken[4];
+    uint32_t cursor = 0;
+    CHECK_EQ(shm_collect(s, batch, taken, 4, &cursor, 0, 0, 100 * MS), (int)n);
+    CHECK_EQU(shm_complete(s, taken, n, res, 1), n);
+}
+
+static void test_yield(void) {
+    start_test("yield", 60);
+    const shm_params P = mkparams(336, 32, 4, 1, 4);
+    test_seg ts;
+    shm_seg *s = serving_seg(&ts, &P);
+    register_clients(s, P.max_clients, 32000);
+    /* answered within the budget: a plain spin never yields, a yielding
+     * one does, and both return the answer */
+    for (int yield = 0; yield < 2; yield++) {
+        spin_arg a = {s, 0, (500 * MS) | (yield ? SHM_SPIN_YIELD : 0), 0, 0};
+        pthread_t tid;
+        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+        shm_slot_publish(s, 0, 0);
+        unsigned long y0 = atomic_load(&g_yields);
+        CHECK_EQ(pthread_create(&tid, NULL, spin_waiter, &a), 0);
+        sleep_ns(5 * MS);
+        answer_all(s, 1);
+        CHECK_EQ(pthread_join(tid, NULL), 0);
+        CHECK_EQ(a.rc, SLOT_DONE);
+        CHECK_MSG(!(word_of(s, 0, 0) & SLOT_WAITER),
+                  "a %s spin of 500 ms slept before its answer at 5 ms",
+                  yield ? "yielding" : "plain");
+        unsigned long yields = atomic_load(&g_yields) - y0;
+        if (yield)
+            CHECK_MSG(yields > 0, "a yielding spin of 5 ms never yielded");
+        else
+            CHECK_MSG(yields == 0, "a plain spin yielded %lu times", yields);
+        CHECK_EQ(shm_slot_release(s, 0, 0), SHM_OK);
+    }
+    /* not answered within a 10 ms budget: the waiter goes to sleep (it
+     * announces WAITER) and its answer still wakes it */
+    {
+        spin_arg a = {s, 1, (10 * MS) | SHM_SPIN_YIELD, 0, 0};
+        pthread_t tid;
+        CHECK_EQ(shm_slot_begin(s, 1, 0), SHM_OK);
+        shm_slot_publish(s, 1, 0);
+        CHECK_EQ(pthread_create(&tid, NULL, spin_waiter, &a), 0);
+        uint64_t t0 = shm_now_ns();
+        while (!(word_of(s, 1, 0) & SLOT_WAITER)) {
+            CHECK_MSG(shm_now_ns() - t0 < PROMPT_NS,
+                      "a yielding spin of 10 ms was still spinning after %.1f s",
+                      secs(PROMPT_NS));
+            sleep_ns(1 * MS);
+        }
+        CHECK(!atomic_load(&a.returned));
+        answer_all(s, 1);
+        t0 = shm_now_ns();
+        while (!atomic_load(&a.returned))
+            CHECK_MSG(shm_now_ns() - t0 < PROMPT_NS, "the answer did not wake it");
+        CHECK_EQ(pthread_join(tid, NULL), 0);
+        CHECK_EQ(a.rc, SLOT_DONE);
+        CHECK_EQ(shm_slot_release(s, 1, 0), SHM_OK);
+    }
+    /* the evaluator: a yielding spin of 10 ms, then a sleep until its
+     * 300 ms timeout; it yields, and uses far less CPU than 300 ms */
+    {
+        char batch[4 * 336];
+        shm_taken taken[4];
+        uint32_t cursor = 0;
+        unsigned long y0 = atomic_load(&g_yields);
+        uint64_t c0 = thread_cpu_ns();
+        CHECK_EQ(shm_collect(s, batch, taken, 4, &cursor,
+                             (10 * MS) | SHM_SPIN_YIELD, 0, 300 * MS), 0);
+        uint64_t cpu = thread_cpu_ns() - c0;
+        CHECK_MSG(atomic_load(&g_yields) > y0, "collect never yielded");
+        CHECK_MSG(cpu < 150 * MS, "collect used %.1f ms of CPU in 300 ms",
+                  (double)cpu / 1e6);
+    }
+    printf("  yield: yielding spins yield, answer, and sleep after their "
+           "budget\n");
+    seg_free(&ts);
+}
+
 /* shm_copy: every byte of [dst, dst + n) copied, nothing outside it
  * touched, for sources and destinations at every kind of offset within a
  * cache line (the line-load path handles a head, whole 128-byte blocks and
@@ -2701,6 +2811,7 @@ static const test_case k_tests[] = {
     {"max_wait", test_max_wait}, {"control", test_control},
     {"scribbled", test_scribbled}, {"doorbell", test_doorbell},
     {"ticker", test_ticker},   {"copy", test_copy},
+    {"yield", test_yield},
 };
 
 int main(int argc, char **argv) {
