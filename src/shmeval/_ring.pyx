@@ -943,13 +943,6 @@ cdef inline bint _answered(object r, bint versioned):
     return type(r) is dict
 
 
-import os as _os
-cdef bint _YIELD_SPIN = _os.environ.get("SHMEVAL_YIELD_SPIN", "0") != "0"
-cdef uint64_t _YIELD_CAP_NS = int(_os.environ.get("SHMEVAL_YIELD_CAP_US", "100")) * 1000
-cdef bint _YIELD_EV = _os.environ.get("SHMEVAL_YIELD_EV") == "1"
-cdef bint _YIELD_SPIN_ALL = _os.environ.get("SHMEVAL_YIELD_SPIN") == "2"
-
-
 cdef class ClientBase:
     """The base of ``shmeval.Client``: its process's port in a C field, which
     ``client_evaluate`` reads without an attribute lookup.  As an attribute
