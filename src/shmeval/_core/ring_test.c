@@ -2436,6 +2436,7 @@ typedef struct {
     uint64_t ret_ns, cpu_ns; /* when it returned; its CPU time in the wait */
     shm_ticker *ticker;      /* NULL: a timed wait */
     _Atomic int returned;
+    uint64_t spin_ns;        /* the wait's spin budget (0 unless set) */
 } bell_arg;
 
 static uint64_t thread_cpu_ns(void) {
@@ -2444,11 +2445,12 @@ static uint64_t thread_cpu_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Waits for slot 0 of client c. */
+/* Waits for slot 0 of client c (after a spin of spin_ns, if set). */
 static void *bell_sleeper(void *arg) {
     bell_arg *a = arg;
     uint64_t c0 = thread_cpu_ns();
-    a->rc = shm_slot_wait_ticked(a->s, a->c, 0, 0, a->timeout_ns, a->ticker);
+    a->rc = shm_slot_wait_ticked(a->s, a->c, 0, a->spin_ns, a->timeout_ns,
+                                 a->ticker);
     a->ret_ns = shm_now_ns();
     a->cpu_ns = thread_cpu_ns() - c0;
     atomic_store(&a->returned, 1);
@@ -2477,7 +2479,7 @@ static void test_doorbell(void) {
         bell_arg ba[NB];
         pthread_t tid[NB];
         for (int i = 0; i < NB; i++) {
-            ba[i] = (bell_arg){s, order[i], 10000 * MS, 0, 0, 0, NULL, 0};
+            ba[i] = (bell_arg){s, order[i], 10000 * MS, 0, 0, 0, NULL, 0, 0};
             CHECK_EQ(shm_slot_begin(s, order[i], 0), SHM_OK);
             shm_slot_publish(s, order[i], 0);
             CHECK_EQ(pthread_create(&tid[i], NULL, bell_sleeper, &ba[i]), 0);
@@ -2531,7 +2533,7 @@ static void test_doorbell(void) {
     {
         CHECK_EQ(shm_slot_begin(s, 3, 0), SHM_OK);
         shm_slot_publish(s, 3, 0);
-        bell_arg ea = {s, 3, UINT64_MAX, 0, 0, 0, NULL, 0};
+        bell_arg ea = {s, 3, UINT64_MAX, 0, 0, 0, NULL, 0, 0};
         pthread_t tid;
         CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &ea), 0);
         while (!(word_of(s, 3, 0) & SLOT_WAITER)) sleep_ns(200 * US);
@@ -2599,7 +2601,7 @@ static void test_ticker(void) {
      * scheduling slack), though its timeout is 10 s; it slept meanwhile. */
     for (int round = 0; round < 3; round++)
         for (int i = 0; i < 2; i++) {
-            bell_arg a = {s, cs[i], 10000 * MS, 0, 0, 0, &tk[i], 0};
+            bell_arg a = {s, cs[i], 10000 * MS, 0, 0, 0, &tk[i], 0, 0};
             pthread_t tid;
             uint32_t tick0 = atomic_load(&tk[i].tick);
             uint64_t t0 = shm_now_ns();
@@ -2616,7 +2618,7 @@ static void test_ticker(void) {
     shm_ticker slow;
     CHECK_EQ(shm_ticker_start(&slow, s, 2, 3600000 * MS), 0);
     {
-        bell_arg a = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0};
+        bell_arg a = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0, 0};
         pthread_t tid;
         publish_and_sleep(&a, &tid);
         char batch[3 * 336], res[3 * 32] = {0};
@@ -2637,14 +2639,14 @@ static void test_ticker(void) {
     /* Stopping: a waiter asleep on the slow ticker returns when it stops,
      * and one that chose it afterwards returns at once. */
     {
-        bell_arg a = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0};
+        bell_arg a = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0, 0};
         pthread_t tid;
         publish_and_sleep(&a, &tid);
         CHECK(!atomic_load(&a.returned));
         shm_ticker_stop(&slow);
         join_within(tid, &a, PROMPT_NS, "ticked wait, ticker stopped");
         CHECK_EQ(a.rc, SHM_TIMEOUT);
-        bell_arg b = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0};
+        bell_arg b = {s, 2, UINT64_MAX, 0, 0, 0, &slow, 0, 0};
         bell_sleeper(&b);
         CHECK_EQ(b.rc, SHM_TIMEOUT);
     }
@@ -2659,21 +2661,6 @@ static void test_ticker(void) {
  * sleep as before; the bit is a flag, not part of the budget (taken as a
  * budget it would spin for centuries: the waiter below never sleeps and
  * collect overruns its CPU bound). */
-typedef struct {
-    shm_seg *s;
-    uint32_t c;
-    uint64_t spin_ns;
-    int rc;
-    _Atomic int returned;
-} spin_arg;
-
-static void *spin_waiter(void *arg) {
-    spin_arg *a = arg;
-    a->rc = shm_slot_wait(a->s, a->c, 0, a->spin_ns, 10000 * MS);
-    atomic_store(&a->returned, 1);
-    return NULL;
-}
-
 static void answer_all(shm_seg *s, uint32_t n) {
     char batch[4 * 336], res[4 * 32] = {0};
     shm_taken taken[4];
@@ -2688,37 +2675,43 @@ static void test_yield(void) {
     test_seg ts;
     shm_seg *s = serving_seg(&ts, &P);
     register_clients(s, P.max_clients, 32000);
-    /* answered within the budget: a plain spin never yields, a yielding
-     * one does, and both return the answer */
+    /* answered within the budget: a yielding spin yields, a plain one
+     * never does, and both return the answer without sleeping */
     for (int yield = 0; yield < 2; yield++) {
-        spin_arg a = {s, 0, (500 * MS) | (yield ? SHM_SPIN_YIELD : 0), 0, 0};
+        bell_arg a = {s, 0, 10000 * MS, 0, 0, 0, NULL, 0,
+                      (500 * MS) | (yield ? SHM_SPIN_YIELD : 0)};
         pthread_t tid;
         CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
         shm_slot_publish(s, 0, 0);
         unsigned long y0 = atomic_load(&g_yields);
-        CHECK_EQ(pthread_create(&tid, NULL, spin_waiter, &a), 0);
-        sleep_ns(5 * MS);
+        CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
+        uint64_t t0 = shm_now_ns();
+        if (yield) /* answer once it is spinning, however late it starts */
+            while (atomic_load(&g_yields) == y0)
+                CHECK_MSG(shm_now_ns() - t0 < PROMPT_NS,
+                          "a yielding spin of 500 ms never yielded");
+        else
+            sleep_ns(5 * MS);
         answer_all(s, 1);
         CHECK_EQ(pthread_join(tid, NULL), 0);
         CHECK_EQ(a.rc, SLOT_DONE);
         CHECK_MSG(!(word_of(s, 0, 0) & SLOT_WAITER),
-                  "a %s spin of 500 ms slept before its answer at 5 ms",
+                  "a %s spin of 500 ms slept before its answer",
                   yield ? "yielding" : "plain");
         unsigned long yields = atomic_load(&g_yields) - y0;
-        if (yield)
-            CHECK_MSG(yields > 0, "a yielding spin of 5 ms never yielded");
-        else
+        if (!yield)
             CHECK_MSG(yields == 0, "a plain spin yielded %lu times", yields);
         CHECK_EQ(shm_slot_release(s, 0, 0), SHM_OK);
     }
     /* not answered within a 10 ms budget: the waiter goes to sleep (it
      * announces WAITER) and its answer still wakes it */
     {
-        spin_arg a = {s, 1, (10 * MS) | SHM_SPIN_YIELD, 0, 0};
+        bell_arg a = {s, 1, 10000 * MS, 0, 0, 0, NULL, 0,
+                      (10 * MS) | SHM_SPIN_YIELD};
         pthread_t tid;
         CHECK_EQ(shm_slot_begin(s, 1, 0), SHM_OK);
         shm_slot_publish(s, 1, 0);
-        CHECK_EQ(pthread_create(&tid, NULL, spin_waiter, &a), 0);
+        CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
         uint64_t t0 = shm_now_ns();
         while (!(word_of(s, 1, 0) & SLOT_WAITER)) {
             CHECK_MSG(shm_now_ns() - t0 < PROMPT_NS,
