@@ -434,12 +434,13 @@ class Evaluator(Client):
         most requests one process has in flight (``evaluate_many`` sends
         larger batches in rounds).
     spin_us:
-        client spin budget before sleeping, used only while the attached
-        processes and the evaluator fit on the CPU cores.
+        client spin budget before sleeping: a plain spin while the attached
+        processes and the evaluator fit on the CPU cores, a spin that yields
+        the CPU between looks when they are one more than the cores, none
+        beyond (docs/protocol.md, *Waiting*).
     evaluator_spin_us:
         how long the idle evaluator spins before it sleeps on its doorbell,
-        used only while the attached client processes do not outnumber its
-        CPU cores.
+        by the same rule.
     serving_threads:
         1 (default): one model call at a time.  N > 1: N threads take turns
         collecting batches and run up to N model calls at once, which pays
