@@ -331,6 +331,15 @@ def test_negative_client_spin_does_not_leak() -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["spin_us", "evaluator_spin_us"])
+def test_spin_budgets_have_a_ceiling(name: str) -> None:
+    """A second at most: a budget in ns beyond 2**63 would set ring.h's
+    yielding-spin flag and spin for whatever bits are left."""
+    _ctor_error(ValueError, (name, "1e+06"), **{name: 1e13})
+    _ctor_error(ValueError, (name,), **{name: float("nan")})
+
+
+@pytest.mark.timeout(30)
 def test_negative_client_spin_does_not_leak_spawn() -> None:
     from helpers import fake_factory
     err, left = leaked_by(lambda: shmeval.Evaluator.spawn(

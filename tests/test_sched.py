@@ -42,3 +42,29 @@ def test_spin_rule(n_attached: int, ncpu: int, kind: str | None) -> None:
     assert _ring.spin_policy(50_000, n_attached + 1, ncpu) == expect
     assert _ring.evaluator_spin(0, n_attached, ncpu) == 0
     assert _ring.spin_policy(0, n_attached + 1, ncpu) == 0
+
+
+@pytest.mark.timeout(30)
+def test_client_waits_use_the_rule() -> None:
+    """The budget a client's wait uses (Segment._spin) follows the rule
+    with the clients registered on the segment right now, plus the
+    evaluator."""
+    import os
+
+    from helpers import INPUT_SHAPE, OUTPUTS
+
+    from shmeval import segment
+    from shmeval.spec import Spec
+
+    spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 4, 1)
+    seg, name = segment.create(spec)
+    try:
+        seen = []
+        for _ in range(4):
+            seen.append(seg.client_spin(50_000, 2))
+            seg.register(os.getpid(), 0)
+        # 0 and 1 clients: every process has a CPU; 2: one too many; 3: more
+        assert seen == [50_000, 50_000, 50_000 | _ring.SPIN_YIELD, 0]
+        assert seg.client_spin(0, 2) == 0
+    finally:
+        segment.unlink(name)

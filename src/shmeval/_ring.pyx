@@ -179,8 +179,8 @@ cdef inline uint64_t _spin_policy(uint64_t spin_ns, uint32_t processes,
       ~100 k to 340-420 k round trips/s; sleeping instead, a CPU went idle
       and every answer paid the wake-up of a halted CPU (finding 33);
     * more: no spin.  Even a yielding spin then loses: its waiters crowd the
-      run queues, the slowest worker fell to a fifth of the mean and p99.9
-      to milliseconds at 3-16 workers (finding 33); and a plain spin holds
+      run queues, the slowest worker fell to 0.14-0.66 of the mean and
+      p99.9 to 0.5-4 ms at 3-16 workers (finding 33); and a plain spin holds
       a CPU that the process it waits for needs (finding 21)."""
     if spin_ns == 0 or processes > ncpu + 1:
         return 0
@@ -494,11 +494,16 @@ cdef class Segment:
 
     def wait(self, uint32_t c, uint32_t k, uint64_t spin_ns, uint64_t timeout_ns,
              uint32_t ncpu):
-        """Waits for slot (c, k) to finish.  Spins only while the attached
-        clients plus the evaluator fit on the cores.  Returns DONE, FAILED,
+        """Waits for slot (c, k) to finish, spinning first as _spin_policy
+        says (plain while the attached clients plus the evaluator fit on the
+        cores, yielding when they are one more).  Returns DONE, FAILED,
         TIMEOUT or CLOSED."""
         self._slot(c, k)
         return self._wait(c, k, spin_ns, timeout_ns, ncpu)
+
+    def client_spin(self, uint64_t spin_ns, uint32_t ncpu):
+        """_spin, the budget a client's wait uses now, for tests."""
+        return self._spin(spin_ns, ncpu)
 
     cdef inline uint64_t _spin(self, uint64_t spin_ns, uint32_t ncpu) noexcept nogil:
         """The client spin budget (_spin_policy): none when the attached
@@ -1425,7 +1430,7 @@ cdef class Server:
         shm_record_batch(&self.seg.seg, n, rows, model_ns, failed)
 
 
-def pingpong(object buf, int side, cnp.ndarray lat, uint64_t spin_ns=0,
+def pingpong(object buf, int side, cnp.ndarray lat not None, uint64_t spin_ns=0,
              uint64_t timeout_ns=10_000_000_000):
     """One side of a futex ping-pong between two processes (benchmark
     reference; see shm_pingpong in ring.h).  buf: a writable buffer shared by
@@ -1442,6 +1447,8 @@ def pingpong(object buf, int side, cnp.ndarray lat, uint64_t spin_ns=0,
     cdef uint64_t *out = NULL
     if side not in (0, 1):
         raise ValueError("side must be 0 or 1")
+    if spin_ns & SHM_SPIN_YIELD:
+        raise ValueError("spin_ns is too large")
     if cnp.PyArray_TYPE(lat) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(lat) or not cnp.PyArray_ISWRITEABLE(lat):
         raise ValueError("lat must be a writable C-contiguous int64 array")
     rounds = <uint64_t>cnp.PyArray_SIZE(lat)
@@ -1460,7 +1467,7 @@ def pingpong(object buf, int side, cnp.ndarray lat, uint64_t spin_ns=0,
     return elapsed
 
 
-def timed_calls(object fn, object arg, int64_t t_end, cnp.ndarray lat):
+def timed_calls(object fn, object arg, int64_t t_end, cnp.ndarray lat not None):
     """The benchmark's timed loop, in C: calls ``fn(arg)`` until the
     monotonic clock (``time.perf_counter_ns``'s, CLOCK_MONOTONIC) passes
     t_end, storing each call's ns in lat while it has room.  Returns

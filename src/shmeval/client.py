@@ -24,8 +24,12 @@ Outputs = Dict[str, np.ndarray]
 
 #: How long one blocking wait lasts before the evaluator's liveness is checked.
 WAIT_TIMEOUT_NS = 100_000_000
-#: Default client spin budget (µs) while the attached processes fit on the cores.
+#: Default client spin budget (µs): a plain spin while the attached processes
+#: and the evaluator fit on the cores, a yielding one when they are one more.
 DEFAULT_SPIN_US = 100.0
+#: The largest spin budget (µs) either side accepts: a second.  (A budget
+#: in ns must also leave ring.h's SHM_SPIN_YIELD bit clear.)
+MAX_SPIN_US = 1_000_000.0
 
 
 def _ncpu() -> int:
@@ -48,8 +52,8 @@ class Client(_ring.ClientBase):
         self._address = address
         self._spec = spec
         self._spin_us = DEFAULT_SPIN_US if spin_us is None else float(spin_us)
-        if self._spin_us < 0:
-            raise ValueError(f"spin_us must be >= 0, got {spin_us}")
+        if not 0 <= self._spin_us <= MAX_SPIN_US:
+            raise ValueError(f"spin_us must be from 0 to {MAX_SPIN_US:g}, got {spin_us}")
         self._seg: Optional[_ring.Segment] = _segment
         self._pid = -1           # process that owns the registration below
         self._c = -1             # client-table index in this process

@@ -755,7 +755,8 @@ static inline void shm_ticker_stop(shm_ticker *t) {
 }
 
 /* Waits until slot (c, k) is DONE or FAILED.  Spins for at most spin_ns
- * (callers pass 0 when processes outnumber cores), then sleeps on its
+ * (callers pass 0 when processes outnumber cores by more than one, and set
+ * SHM_SPIN_YIELD when by exactly one), then sleeps on its
  * client's doorbell (shm_done_word, its own bit).  Without a ticker (t ==
  * NULL) it waits for at most timeout_ns in all, with a timer on each sleep;
  * with one (t running for client c of this process) it sleeps without a

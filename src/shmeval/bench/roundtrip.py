@@ -198,6 +198,12 @@ class TrialConfig:
     # or "python" (the same loop in bytecode, as before finding 32).
     loop: str = "c"
 
+    def __post_init__(self) -> None:
+        if self.loop not in ("c", "python"):
+            raise ValueError(f"loop must be 'c' or 'python', got {self.loop!r}")
+        if self.worker_sched not in ("normal", "batch"):
+            raise ValueError(f"worker_sched must be 'normal' or 'batch', got {self.worker_sched!r}")
+
 
 def check_reply(out: Mapping[str, Any], worker_id: int, spec: StateSpec) -> None:
     """The routing check: the null model echoes the state's first element,
@@ -216,17 +222,19 @@ def _python_loop(evaluate: Callable[[np.ndarray], Mapping[str, Any]], state: np.
     record = latencies.data  # a memoryview of it
     cap = len(latencies)
     count = 0
-    before = clock()
-    while True:
-        out = evaluate(state)
-        after = clock()
-        if after > t_end:  # count only round trips completed inside the window
-            break
-        if count < cap:
-            record[count] = after - before
-        count += 1
-        before = after
-    record.release()
+    try:
+        before = clock()
+        while True:
+            out = evaluate(state)
+            after = clock()
+            if after > t_end:  # count only round trips completed inside the window
+                break
+            if count < cap:
+                record[count] = after - before
+            count += 1
+            before = after
+    finally:
+        record.release()
     return count, out
 
 
