@@ -1430,6 +1430,14 @@ cdef class Server:
         shm_record_batch(&self.seg.seg, n, rows, model_ns, failed)
 
 
+cdef _check_lat(cnp.ndarray lat):
+    """The latency record of pingpong and timed_calls: a writable
+    C-contiguous int64 array."""
+    if cnp.PyArray_TYPE(lat) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(lat) or \
+            not cnp.PyArray_ISWRITEABLE(lat):
+        raise ValueError("lat must be a writable C-contiguous int64 array")
+
+
 def pingpong(object buf, int side, cnp.ndarray lat not None, uint64_t spin_ns=0,
              uint64_t timeout_ns=10_000_000_000):
     """One side of a futex ping-pong between two processes (benchmark
@@ -1449,8 +1457,7 @@ def pingpong(object buf, int side, cnp.ndarray lat not None, uint64_t spin_ns=0,
         raise ValueError("side must be 0 or 1")
     if spin_ns & SHM_SPIN_YIELD:
         raise ValueError("spin_ns is too large")
-    if cnp.PyArray_TYPE(lat) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(lat) or not cnp.PyArray_ISWRITEABLE(lat):
-        raise ValueError("lat must be a writable C-contiguous int64 array")
+    _check_lat(lat)
     rounds = <uint64_t>cnp.PyArray_SIZE(lat)
     if side == 0:
         out = <uint64_t *>cnp.PyArray_DATA(lat)
@@ -1482,8 +1489,7 @@ def timed_calls(object fn, object arg, int64_t t_end, cnp.ndarray lat not None):
     cdef int64_t *out
     cdef Py_ssize_t count = 0, cap
     cdef object result = None
-    if cnp.PyArray_TYPE(lat) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(lat) or not cnp.PyArray_ISWRITEABLE(lat):
-        raise ValueError("lat must be a writable C-contiguous int64 array")
+    _check_lat(lat)
     out = <int64_t *>cnp.PyArray_DATA(lat)
     cap = cnp.PyArray_SIZE(lat)
     before = <int64_t>shm_now_ns()

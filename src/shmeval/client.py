@@ -32,6 +32,15 @@ DEFAULT_SPIN_US = 100.0
 MAX_SPIN_US = 1_000_000.0
 
 
+def check_spin_us(name: str, value: float) -> float:
+    """A spin budget in µs (``spin_us``, ``evaluator_spin_us``) as a float
+    from 0 to MAX_SPIN_US; ValueError otherwise (NaN included)."""
+    us = float(value)
+    if not 0 <= us <= MAX_SPIN_US:
+        raise ValueError(f"{name} must be from 0 to {MAX_SPIN_US:g}, got {value}")
+    return us
+
+
 def _ncpu() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -51,9 +60,7 @@ class Client(_ring.ClientBase):
                  _segment: Optional["_ring.Segment"] = None) -> None:
         self._address = address
         self._spec = spec
-        self._spin_us = DEFAULT_SPIN_US if spin_us is None else float(spin_us)
-        if not 0 <= self._spin_us <= MAX_SPIN_US:
-            raise ValueError(f"spin_us must be from 0 to {MAX_SPIN_US:g}, got {spin_us}")
+        self._spin_us = DEFAULT_SPIN_US if spin_us is None else check_spin_us("spin_us", spin_us)
         self._seg: Optional[_ring.Segment] = _segment
         self._pid = -1           # process that owns the registration below
         self._c = -1             # client-table index in this process

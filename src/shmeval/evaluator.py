@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from . import _ring, segment
-from .client import MAX_SPIN_US, Client
+from .client import Client, check_spin_us
 from .errors import EvaluatorDied, ModelError, ShmevalError
 from .spec import OutputsLike, ShapeLike, Spec
 
@@ -57,11 +57,9 @@ class BatchPolicy:
     @classmethod
     def make(cls, max_batch: int, max_wait_us: float = 0.0, buckets: Buckets = None,
              spin_us: float = 50.0, threads: int = 1) -> "BatchPolicy":
-        if max_wait_us < 0 or spin_us < 0:
-            raise ValueError(f"max_wait_us and evaluator_spin_us must be >= 0, "
-                             f"got {max_wait_us} and {spin_us}")
-        if not spin_us <= MAX_SPIN_US:
-            raise ValueError(f"evaluator_spin_us must be at most {MAX_SPIN_US:g}, got {spin_us}")
+        if max_wait_us < 0:
+            raise ValueError(f"max_wait_us must be >= 0, got {max_wait_us}")
+        check_spin_us("evaluator_spin_us", spin_us)
         if type(threads) is not int or not 1 <= threads <= MAX_SERVING_THREADS:
             raise ValueError(f"serving_threads must be an int from 1 to {MAX_SERVING_THREADS}, "
                              f"got {threads!r}")
@@ -370,8 +368,8 @@ def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, m
                evaluator_spin_us: float, spin_us: Optional[float],
                serving_threads: int = 1) -> tuple[Spec, BatchPolicy]:
     # Every argument is checked before the segment is created.
-    if spin_us is not None and not 0 <= spin_us <= MAX_SPIN_US:
-        raise ValueError(f"spin_us must be from 0 to {MAX_SPIN_US:g}, got {spin_us}")
+    if spin_us is not None:
+        check_spin_us("spin_us", spin_us)
     spec = Spec.build(input_shape, input_dtype, outputs, max_batch, max_clients,
                       slots_per_client)
     policy = BatchPolicy.make(spec.max_batch, max_wait_us, buckets, evaluator_spin_us,
