@@ -1,11 +1,35 @@
-"""Shared fixtures: the /dev/shm leak guard."""
+"""Shared fixtures (the /dev/shm leak guard) and the markers by subject.
+
+Every test gets the marker of its folder (core, stress, c, tensorflow,
+selfplay, bench).  Folders whose tests take seconds each are also marked
+``slow`` as a whole; in core, single tests that take seconds carry
+``@pytest.mark.slow`` themselves.  ``pytest -m "not slow"`` checks a core
+change in under a minute; plain ``pytest`` runs everything.
+"""
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+HERE = Path(__file__).resolve().parent
+SUBJECTS = ("core", "stress", "c", "tensorflow", "selfplay", "bench")
+SLOW_SUBJECTS = {"stress", "c", "tensorflow", "selfplay", "bench"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            subject = Path(str(item.fspath)).resolve().relative_to(HERE).parts[0]
+        except ValueError:
+            continue
+        if subject in SUBJECTS:
+            item.add_marker(getattr(pytest.mark, subject))
+        if subject in SLOW_SUBJECTS:
+            item.add_marker(pytest.mark.slow)
 
 SHM_DIR = "/dev/shm"
 

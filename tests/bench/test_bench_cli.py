@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_TIMEOUT = 240
 METHODS = ["queue", "pipe", "faster_fifo", "locksem", "shmeval", "shm_thread"]
 WORKERS = [1, 2]

@@ -240,6 +240,7 @@ def test_random_shapes(fsv: Served, data: st.DataObject, many: bool, dtype: str)
 
 # ================================================================ dtypes and values
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @hyp(500)
 @given(data=st.data(), many=st.booleans(), n=st.integers(0, 3))

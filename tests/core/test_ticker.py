@@ -9,7 +9,7 @@ without a timer (ring.h shm_ticker, docs/performance.md finding 23).
   same.
 
 That a waiter on a killed evaluator wakes through the ticker (it has no
-timer) is tests/test_reliability.py::test_killed_evaluator_wakes_every_waiter.
+timer) is tests/stress/test_reliability.py::test_killed_evaluator_wakes_every_waiter.
 """
 from __future__ import annotations
 

@@ -84,7 +84,9 @@ def forkserver_ctx() -> Any:
     ctx.set_forkserver_preload(["numpy", "shmeval", "helpers", "reliability_children"])
     here = os.path.dirname(os.path.abspath(__file__))
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = here + (os.pathsep + old if old else "")
+    # reliability_children lives here, helpers one folder up.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [here, os.path.dirname(here)] + ([old] if old else []))
     try:
         forkserver.ensure_running()
     finally:

@@ -221,6 +221,7 @@ def swap_worker(ev: Any, worker: int, stop: Any, q: Any) -> None:
     q.put((worker, sent, bad, backwards, sorted(seen), first_bad))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["thread", "spawn", "serving_threads"])
 def test_hot_swap_under_load(mode: str) -> None:

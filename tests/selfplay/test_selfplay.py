@@ -35,7 +35,7 @@ import pytest
 from shmeval import procstat, selfplay
 from shmeval.games import connect4 as c4
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_TIMEOUT = 180
 WORKERS = 2
 GAMES_PER_WORKER = 2

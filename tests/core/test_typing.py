@@ -5,9 +5,10 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mypy_clean() -> None:
     r = subprocess.run([sys.executable, "-m", "mypy", "--config-file",

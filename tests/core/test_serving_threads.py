@@ -25,7 +25,7 @@ import pytest
 import shmeval
 from shmeval import _ring, segment
 from helpers import INPUT_SHAPE, OUTPUTS, fake_model, make_state
-from test_conservation import KW, run_workers
+from conservation import KW, run_workers
 
 
 class OverlapModel:
@@ -53,6 +53,7 @@ class OverlapModel:
                 self.active -= 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["overlapping", "contended"])
 def test_conservation(case: str) -> None:

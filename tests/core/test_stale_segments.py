@@ -300,6 +300,7 @@ def corrupt_regions_child(max_examples: int) -> dict[str, Any]:
     return stats
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_random_bytes_over_header_regions_never_crash_attach() -> None:
     stats = run_forked(corrupt_regions_child, 1000)
