@@ -1,6 +1,7 @@
 """Build of the Cython extensions shmeval._ring (the shared-memory ring),
-shmeval._mcts (the search tree of shmeval.mcts), and shmeval.games._connect4
-(Connect Four's moves and encoding); everything else is in pyproject.toml.
+shmeval._mcts (the search tree of shmeval.mcts), shmeval.games._connect4
+(Connect Four's moves and encoding) and shmeval.bench._timing (the benchmark
+suite's timing in C); everything else is in pyproject.toml.
 
 SHMEVAL_DEBUG=1 builds with -DSHM_DEBUG: state-machine assertions in ring.h.
 """
@@ -21,6 +22,17 @@ ext = Extension(
     extra_compile_args=["-std=gnu11", "-O2"] + (["-UNDEBUG", "-g"] if debug else []),
 )
 
+# The benchmark suite's timing (the ping-pong reference, the timed loop): an
+# extension of its own, so that the ring carries no benchmark code.  Its
+# header, pingpong.h, builds on ring.h's primitives.
+timing = Extension(
+    "shmeval.bench._timing",
+    sources=["src/shmeval/bench/_timing.pyx"],
+    include_dirs=["src/shmeval/bench", "src/shmeval/_core", np.get_include()],
+    define_macros=ext.define_macros,
+    extra_compile_args=ext.extra_compile_args,
+)
+
 
 def _plain(name: str) -> Extension:
     """An extension of one .pyx and no C headers (the search tree, the game)."""
@@ -30,7 +42,7 @@ def _plain(name: str) -> Extension:
 
 setup(
     ext_modules=cythonize(
-        [ext, _plain("shmeval._mcts"), _plain("shmeval.games._connect4")],
+        [ext, timing, _plain("shmeval._mcts"), _plain("shmeval.games._connect4")],
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
     )

@@ -5,11 +5,12 @@
 * the core without Python clients: N client processes written in C against
   ring.h (bench/c/ring_client.c) served by Evaluator.spawn with a null model,
   beside the same evaluator serving N Python workers that call evaluate()
-  (from the benchmark's C loop, shmeval._ring.timed_calls, since finding 32);
+  (from the benchmark's C loop, shmeval.bench._timing.timed_calls, as the
+  workers of shmeval bench do);
 * with --timers, each of those again with a 100 ms timer on every sleep
   (the ping-pong) or without the client's ticker, so that every sleep has
-  one (the clients): what sleeping without a timer saves
-  (docs/performance.md, finding 23).  Runs alternate within each repeat.
+  one (the clients): what sleeping without a timer saves.  Runs alternate
+  within each repeat.
 
 Needs gcc.  Usage: python bench/ceiling.py [--workers 16] [--seconds 3]
 [--repeats 3] [--timers] [--json PATH]
@@ -32,7 +33,7 @@ import numpy as np
 
 import shmeval
 from shmeval.bench.roundtrip import NullModel
-from shmeval._ring import timed_calls
+from shmeval.bench._timing import timed_calls
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INPUT_SHAPE = (6, 7, 2)
@@ -61,8 +62,8 @@ def python_worker(ev: Any, seconds: float, start: Any, q: Any, timer: bool = Fal
     if timer:  # as if no ticker could be started: every sleep has a timer
         ev._attach().stop_ticker()
     start.wait()
-    # The loop in C, as in shmeval bench since finding 32: the calls of
-    # evaluate() without the interpreter's loop around them.
+    # The loop in C, as in shmeval bench: the calls of evaluate() without
+    # the interpreter's loop around them.
     n, _ = timed_calls(ev.evaluate, state, time.perf_counter_ns() + int(seconds * 1e9),
                        np.empty(0, np.int64))
     q.put(n)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from shmeval.bench import METHODS, STATES
+from shmeval.bench._timing import timed_calls
 from shmeval.bench.baselines import LocksemMethod, QueueMethod
 from shmeval.bench.roundtrip import NullModel, ShmevalMethod, TrialConfig, run_trial
 
@@ -212,8 +213,6 @@ class Box:
 def test_timed_calls_counts_times_and_holds_results() -> None:
     import time
 
-    from shmeval._ring import timed_calls
-
     fn = Recorder(sleep_ns=200_000)
     lat = np.zeros(5, np.int64)
     count, out = timed_calls(fn, 7, time.perf_counter_ns() + 200_000_000, lat)
@@ -229,8 +228,6 @@ def test_timed_calls_counts_times_and_holds_results() -> None:
 def test_timed_calls_passes_on_errors_and_signals() -> None:
     import signal
     import time
-
-    from shmeval._ring import timed_calls
 
     lat = np.zeros(4, np.int64)
     with pytest.raises(ValueError, match="int64"):

@@ -12,6 +12,9 @@ cli
 reference, batchpath
     What the machine allows (wake-up and copy costs) and the evaluator's
     per-batch cost, printed after the round trips.
+_timing
+    The timing in C (an extension of its own, with pingpong.h): the
+    workers' timed loop and the futex ping-pong reference.
 
 :data:`METHODS` maps each method's name to a factory of a fresh method object;
 a factory takes an optional ``model`` (a picklable ``policy_size -> model``,

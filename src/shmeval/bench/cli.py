@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scheduling policy of every method's workers: normal (the default policy) or "
                    "batch (SCHED_BATCH, what shmeval.use_batch_scheduling sets) (default normal)")
     p.add_argument("--loop", choices=("c", "python"), default="c",
-                   help="the workers' timed loop around each call: c (shmeval._ring.timed_calls) or python "
+                   help="the workers' timed loop around each call: c (shmeval.bench._timing.timed_calls) or python "
                    "(the same loop in bytecode, which adds its own CPU to every method's round trip) "
                    "(default c)")
     p.add_argument("--no-reference", action="store_true", help="skip the machine's reference figures")

@@ -3,13 +3,13 @@
 Two references that put shmeval's figures in proportion:
 
 * **ping-pong**: two processes handing a token back and forth, each waiting
-  for the other.  ``kind="futex"`` uses the core's own ``_ring.pingpong``
-  (a shared word, ``FUTEX_WAIT``/``FUTEX_WAKE``, no Python between rounds):
-  the cheapest blocking request/response the kernel allows, i.e. the
-  wake-up cost a blocking shmeval round trip pays.  With ``spin_us > 0``
-  (free cores only) both sides spin before they sleep (with shmeval's
-  default budgets, client 100 µs and evaluator 50 µs): what a spinning
-  client on a free core can reach.  ``kind="semaphore"`` is the
+  for the other.  ``kind="futex"`` uses ``_timing.pingpong``, built on the
+  core's own futex primitives (a shared word, ``FUTEX_WAIT``/``FUTEX_WAKE``,
+  no Python between rounds): the cheapest blocking request/response the
+  kernel allows, i.e. the wake-up cost a blocking shmeval round trip pays.
+  With ``spin_us > 0`` (free cores only) both sides spin before they sleep
+  (with shmeval's default budgets, client 100 µs and evaluator 50 µs): what
+  a spinning client on a free core can reach.  ``kind="semaphore"`` is the
   same ping-pong written in Python with two named POSIX semaphores
   (``posix_ipc``): what a plain-Python design pays per wake-up.  Each runs
   **free** (no affinity set) and **pinned** (both processes on one CPU).
@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import posix_ipc
 
-from shmeval import _ring
+from . import _timing
 
 __all__ = ["run_reference", "format_reference", "pingpong", "Partner", "copy_cost_ns",
            "latency_row"]
@@ -55,9 +55,9 @@ _MAX_ROUNDS = 2_000_000
 
 def pingpong(buf: Any, side: int, lat: np.ndarray, spin_ns: int = 0,
              timeout_ns: int = 10_000_000_000) -> int:
-    """One side of the futex ping-pong in the C core (``_ring.pingpong``);
+    """One side of the futex ping-pong in C (``_timing.pingpong``);
     returns the elapsed ns."""
-    return int(_ring.pingpong(buf, side, lat, int(spin_ns), int(timeout_ns)))
+    return int(_timing.pingpong(buf, side, lat, int(spin_ns), int(timeout_ns)))
 
 
 # ------------------------------------------------------------------ partner
@@ -215,7 +215,7 @@ class Partner:
     # ----------------------------------------------------------- ping-pongs
     def futex(self, rounds: int, spin_ns: int = 0,
               partner_spin_ns: Optional[int] = None) -> tuple[np.ndarray, int]:
-        """One ``_ring.pingpong`` of rounds round trips: (ns per round trip,
+        """One ``_timing.pingpong`` of rounds round trips: (ns per round trip,
         elapsed ns).  This side spins up to spin_ns before it sleeps, the
         child up to partner_spin_ns (default: the same)."""
         word = self._word()
@@ -349,10 +349,10 @@ def run_reference(seconds: float = 1.0, state_nbytes: Sequence[int] = (336, 2454
     spin budgets are shmeval's defaults (client 100 µs, evaluator 50 µs) and
     unequal on purpose: with equal budgets the pair can settle into a mode
     where each side gives up just before the other answers and every round
-    trip pays two wake-ups (docs/performance.md, finding 3), which measures
-    that trap rather than what spinning reaches.  Pinned:
-    this thread and the child on one CPU, the highest this process may use
-    (with a single usable CPU, "free" is on that CPU too).  Each row:
+    trip pays two wake-ups, which measures that trap rather than what
+    spinning reaches.  Pinned: this thread and the child on one CPU, the
+    highest this process may use (with a single usable CPU, "free" is on
+    that CPU too).  Each row:
     kind, pinned, spin_us, partner_spin_us, round_trips_per_s (rounds / elapsed), p50_us,
     p99_us, p99.9_us, mean_us, rounds, elapsed_s, child_cpus (the child's
     own report of its affinity during the measurement).

@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, TypeAlias
 
 import numpy as np
 
-from shmeval._ring import timed_calls
+from ._timing import timed_calls
 
 # Latencies a worker can record in one window.  8 MiB of int64 per worker, but
 # np.empty only commits the pages actually written.
@@ -178,8 +178,8 @@ class ShmevalMethod:
 # (worker_id, "error", traceback) instead of either.  A pipe, not a
 # multiprocessing.Queue: a Queue's put starts a feeder thread in the worker,
 # and a worker with a second thread is not the single-threaded process a
-# self-play worker usually is (shmeval's client then releases the GIL while
-# it waits, docs/performance.md finding 20).
+# self-play worker usually is (shmeval's client keeps the GIL while it
+# waits only when its thread is the process's only Python thread).
 ResultPipe: TypeAlias = Connection
 # start_ns holds this when the parent calls the trial off before the window.
 ABORTED = -1
@@ -194,8 +194,9 @@ class TrialConfig:
     # Every method's workers run under this policy: "normal" (the default
     # policy) or "batch" (SCHED_BATCH, what shmeval.use_batch_scheduling sets).
     worker_sched: str = "normal"
-    # The workers' timed loop: "c" (shmeval._ring.timed_calls, the default)
-    # or "python" (the same loop in bytecode, as before finding 32).
+    # The workers' timed loop: "c" (shmeval.bench._timing.timed_calls, the
+    # default) or "python" (the same loop in bytecode, which adds its own CPU
+    # to every method's round trip).
     loop: str = "c"
 
     def __post_init__(self) -> None:
@@ -261,8 +262,8 @@ def worker_main(client: Client, worker_id: int, spec: StateSpec, config: TrialCo
         time.sleep(max(0.0, (t_start - time.perf_counter_ns()) / 1e9))
         if config.loop == "c":
             # The loop in C: what the window measures is the method's call,
-            # not the interpreter running the loop around it, which cost
-            # about 1 us of CPU per call at 16 workers (finding 32).
+            # not the interpreter running the loop around it, which costs
+            # about 1 us of CPU per call at 16 workers on 2 cores.
             count, out = timed_calls(client.evaluate, state, t_end, latencies)
         else:
             count, out = _python_loop(client.evaluate, state, t_end, latencies)
