@@ -2,11 +2,75 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, List, Optional
 
 from . import segment
+
+
+@dataclass(frozen=True)
+class Application:
+    """A subcommand that lives in its own package, behind its own extra.
+
+    Its module is imported only once the subcommand is chosen, so that
+    ``shmeval stats`` and ``shmeval cleanup`` load neither the applications
+    nor a framework.  The module adds the subcommand's arguments
+    (``add_arguments(parser)``) and runs it (``entry(args)``, the exit code).
+    """
+
+    module: str
+    entry: str
+    extra: str
+    # Modules the extra installs that the subcommand cannot run without,
+    # checked once the arguments are parsed (so --help works without them).
+    requires: tuple[str, ...]
+    help: str
+    description: Optional[str] = None
+
+
+APPLICATIONS = {
+    "selfplay": Application(
+        "shmeval.selfplay", "main", "selfplay", ("tensorflow",),
+        help="Connect Four self-play with a TensorFlow net: shmeval against a Queue evaluator and "
+        "per-worker models"),
+    "bench": Application(
+        "shmeval.bench.cli", "run", "bench", (),
+        help="round trips/s and latency of shmeval against multiprocessing.Queue, Pipe, faster-fifo and "
+        "a lock-and-semaphore server, with the machine's reference figures",
+        description="Round trips through every method, the machine's reference figures and the "
+        "evaluator's batch path; 'shmeval bench --quick' takes under a minute."),
+}
+
+
+def _install_hint(app: Application, missing: str) -> str:
+    return f"needs: pip install 'shmeval[{app.extra}]' ({missing} missing)"
+
+
+def _import_application(app: Application) -> ModuleType:
+    try:
+        return importlib.import_module(app.module)
+    except ImportError as e:
+        if e.name is None or e.name.split(".")[0] == "shmeval":
+            raise  # shmeval itself is broken: not a missing extra
+        sys.exit(_install_hint(app, e.name))
+
+
+def run_application(name: str, argv: List[str]) -> int:
+    """``shmeval NAME ARGV...`` for an application: its module parses argv."""
+    app = APPLICATIONS[name]
+    module = _import_application(app)
+    parser = argparse.ArgumentParser(prog=f"shmeval {name}", description=app.description)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv)
+    for required in app.requires:
+        if importlib.util.find_spec(required) is None:
+            sys.exit(_install_hint(app, required))
+    return int(getattr(module, app.entry)(args))
 
 
 def _print_json(obj: Any) -> None:
@@ -29,18 +93,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2, default=str)
     return 0
-
-
-def cmd_selfplay(args: argparse.Namespace) -> int:
-    from . import selfplay
-
-    return selfplay.main(args)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import cli as bench_cli
-
-    return bench_cli.run(args)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -71,20 +123,15 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in APPLICATIONS:
+        return run_application(argv[0], argv[1:])
     p = argparse.ArgumentParser(prog="shmeval", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("selfplay", help="Connect Four self-play with a TensorFlow net: "
-                        "shmeval against a Queue evaluator and per-worker models")
-    from .selfplay import add_arguments
-    add_arguments(sp)
-    sp.set_defaults(func=cmd_selfplay)
-    b = sub.add_parser("bench", help="round trips/s and latency of shmeval against multiprocessing.Queue, "
-                       "Pipe, faster-fifo and a lock-and-semaphore server, with the machine's reference figures",
-                       description="Round trips through every method, the machine's reference figures and "
-                       "the evaluator's batch path; 'shmeval bench --quick' takes under a minute.")
-    from .bench.cli import add_arguments as add_bench_arguments
-    add_bench_arguments(b)
-    b.set_defaults(func=cmd_bench)
+    for name, app in APPLICATIONS.items():
+        # Listed for `shmeval --help`; their arguments are parsed by
+        # run_application, above.
+        sub.add_parser(name, help=app.help)
     d = sub.add_parser("demo", help="round trips through a NumPy model from N processes")
     d.add_argument("--workers", type=int, default=8)
     d.add_argument("--seconds", type=float, default=5.0)

@@ -14,7 +14,6 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_TIMEOUT = 240
 METHODS = ["queue", "pipe", "faster_fifo", "locksem", "shmeval", "shm_thread"]
 WORKERS = [1, 2]
@@ -116,11 +115,3 @@ def test_bad_arguments_exit_2(args: List[str], message: str, tmp_path: Path) -> 
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr
     assert "usage: shmeval bench" in r.stderr
-
-
-@pytest.mark.timeout(60)
-def test_old_script_runs_the_packaged_command(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "roundtrip.py"), "--help"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "--no-reference" in r.stdout and "--methods" in r.stdout

@@ -134,11 +134,11 @@ def test_locksem_unlinks_its_block() -> None:
 def test_a_failed_method_fails_the_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     """The run goes on past a failed trial, reports it and exits 1."""
-    from shmeval.bench import cli
+    from shmeval import cli
 
     monkeypatch.setitem(METHODS, "queue", functools.partial(QueueMethod, model=NextWorkersValue))
     out = tmp_path / "bench.json"
-    code = cli.main(["--workers", "1", "--methods", "queue,pipe", "--state", "c4", "--seconds", "0.2",
+    code = cli.main(["bench", "--workers", "1", "--methods", "queue,pipe", "--state", "c4", "--seconds", "0.2",
                      "--repeats", "1", "--warmup", "5", "--no-reference", "--no-batch-path", "--json", str(out)])
     assert code == 1
     data = json.loads(out.read_text())

@@ -8,7 +8,7 @@ baselines
 report
     Summary, tables, plot and the progress line.
 cli
-    The arguments and ``main`` of ``shmeval bench`` (and ``bench/roundtrip.py``).
+    The arguments and the run of ``shmeval bench``.
 reference, batchpath
     What the machine allows (wake-up and copy costs) and the evaluator's
     per-batch cost, printed after the round trips.

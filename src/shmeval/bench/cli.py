@@ -1,5 +1,7 @@
 """``shmeval bench``: round trips through every method, the machine's
-reference figures and the evaluator's batch path, in one run.
+reference figures and the evaluator's batch path, in one run.  shmeval.cli
+imports this module only when that subcommand is chosen; it adds the
+arguments (:func:`add_arguments`) and runs them (:func:`run`).
 
     shmeval bench --quick                     # under a minute
     shmeval bench --json bench.json --plot bench.png
@@ -23,7 +25,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection
 
 
 from . import DEFAULT_METHODS, METHODS, OPTIONAL_PACKAGES, STATES
@@ -331,10 +333,3 @@ def run(args: argparse.Namespace) -> int:
                        "dev_shm_leftovers": leftovers, "wall_s": elapsed}, f, indent=1, default=json_default)
         print(f"raw results: {args.json}")
     return 1 if failures or leftovers else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shmeval bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
