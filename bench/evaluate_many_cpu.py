@@ -1,4 +1,4 @@
-"""CPU time a worker spends inside one ``evaluate_many`` call (finding 26).
+"""CPU time a worker spends inside one ``evaluate_many`` call.
 
 N worker processes (default 8) each loop: ``evaluate_many`` of R Connect
 Four states (default 8), then a busy loop standing in for the search (default
@@ -10,8 +10,7 @@ rows, alternating round by round in the same run:
 
   fast     ``evaluate_many``: the Cython path (``ClientPort._evaluate_many``)
   general  ``Client._evaluate_many_slow(states, None, ...)``: the Python path
-           that every call took before finding 26 (and that a batch larger
-           than the free slots still takes)
+           that a batch larger than the free slots takes
   single   one ``evaluate`` per row (for scale)
 
 Usage: python bench/evaluate_many_cpu.py [--workers 8] [--rows 8]

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Prints the README's performance tables (Markdown) from a `shmeval bench
---json` file, so that the figures quoted there are the committed run's;
-given a second run (the same suite with batch workers), also the README's
-table of the two side by side for Connect Four.
+"""Prints the null-model performance tables (Markdown) of docs/performance.md
+from a `shmeval bench --json` file, so that the figures quoted there are the
+committed run's; given a second run (the same suite with batch workers), also
+the table of the two side by side for Connect Four.
 
     python bench/readme_table.py bench/results/bench.json bench/results/bench-batch.json
 """

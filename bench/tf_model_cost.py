@@ -9,8 +9,8 @@ process (no IPC) and prints wall and CPU time per call and per state, e.g.
     python bench/tf_model_cost.py --styles --batches 1,32    # calling styles
     python bench/tf_model_cost.py --floor --batches 1,32     # a trivial graph's call
     python bench/tf_model_cost.py --net selfplay --jit       # compiled with XLA
-    python bench/tf_model_cost.py --net selfplay --freeze    # weights folded in (finding 27)
-    python bench/tf_model_cost.py --net selfplay --freeze --bfloat16   # in bfloat16 (finding 31)
+    python bench/tf_model_cost.py --net selfplay --freeze    # weights folded in
+    python bench/tf_model_cost.py --net selfplay --freeze --bfloat16   # in bfloat16
     python bench/tf_model_cost.py --concurrent 2 --inter-threads 2 --batches 32
                                   # two threads calling at once (serving_threads)
     python bench/tf_model_cost.py --net selfplay --freeze --concurrent 2 --batches 1,32
@@ -51,8 +51,7 @@ def main() -> None:
     ap.add_argument("--freeze", action="store_true",
                     help="TFModel(freeze=True): the weights folded into the graph as constants")
     ap.add_argument("--bfloat16", action="store_true",
-                    help="with --freeze: TFModel(bfloat16=True), the convolutions in bfloat16 "
-                         "(finding 31)")
+                    help="with --freeze: TFModel(bfloat16=True), the convolutions in bfloat16")
     ap.add_argument("--buckets", default="",
                     help="TFModel(buckets=...): batch sizes to pad to, e.g. 1,2,4,...,256 "
                          "(each is traced, and with --freeze folded again at every weight "
@@ -97,8 +96,8 @@ def main() -> None:
     if args.concurrent:
         batches = [int(x) for x in args.batches.split(",")]
         if args.freeze and not args.jit:
-            # TFModel(freeze=True) runs FrozenGraphs (finding 30); the same
-            # graph called eagerly is what it ran before (finding 27).
+            # TFModel(freeze=True) runs FrozenGraphs; frozen_function, the
+            # same graph called eagerly, is what it is compared with.
             import tensorflow as tf
 
             from shmeval.backends.tensorflow import frozen_function
@@ -226,11 +225,9 @@ def calling_styles(model: Any, batches: list[int]) -> None:
         "eager model(x)": lambda x: numpy(keras_model(x, training=False)),
     }
     # The weights folded into the graph as constants: TFModel(freeze=True)
-    # (a FrozenGraph, finding 30), frozen_function called eagerly (what
-    # TFModel(freeze=True) served with before, finding 27), the FrozenGraph
+    # (a FrozenGraph), frozen_function called eagerly, the FrozenGraph
     # itself, and the converted function called as it comes (its public
-    # call) and through its private flat-call entry point, the two ways
-    # finding 13 tried first.
+    # call) and through its private flat-call entry point.
     from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
 
     from shmeval.backends.tensorflow import FrozenGraph, TFModel, frozen_function
@@ -265,7 +262,9 @@ def print_styles(title: str, styles: dict[str, Callable[[Any], Any]], batches: l
 
 def call_floor(batches: list[int]) -> None:
     """What TensorFlow costs per call before the model: a graph of one
-    multiplication, called the ways finding 30 compares."""
+    multiplication, called as a concrete function and through a session
+    (what a FrozenGraph runs), with an inter-op pool of one and in the
+    caller's thread."""
     import tensorflow as tf
 
     spec = tf.TensorSpec((None, 6, 7, 2), tf.float32)

@@ -60,8 +60,7 @@ shmeval alike) run TensorFlow with one intra-op and one inter-op thread
 (--server-threads 1): measured here, TensorFlow's default of one thread per
 core makes a batch of 16 take 0.88 ms of wall time and 1.2 ms of CPU
 instead of 0.62 ms and 0.61 ms with one thread, and the second core is
-needed by the worker processes anyway.  docs/performance.md records a run
-with 64 filters and TensorFlow's default threads as well.
+needed by the worker processes anyway.
 
 Machine-independent: on a machine with a GPU, TensorFlow uses it in the
 evaluators, the tf.distribute server and the local workers (all with memory

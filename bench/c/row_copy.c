@@ -1,4 +1,4 @@
-/* The gather's copy on its own (docs/performance.md, finding 25).
+/* The gather's copy on its own: why ring.h copies rows with shm_copy.
  *
  * 256 Go states (19x19x17 float32, 24,548 bytes) sit in line-aligned slots
  * of a shared mapping, as the segment lays them out; the gather copies them
@@ -10,13 +10,13 @@
  *   batch memcpy    one memcpy of the whole batch between two buffers,
  *                   right after the same copy (the benchmark's "hot"
  *                   np.copyto; the other variants follow fresh posts)
- *   rows, glibc     memcpy per row, slot -> packed row (what shm_scan did)
- *   rows, shm_copy  ring.h's shm_copy per row (what it does now)
+ *   rows, glibc     memcpy per row, slot -> packed row
+ *   rows, shm_copy  ring.h's shm_copy per row (what the gather does)
  *   rows, same off  memcpy per row into rows spaced like the slots, so that
  *                   source and destination share their offset in the line
  *   posts, glibc    the client's direction: memcpy per row, packed rows ->
- *                   slots (what a post did)
- *   posts, shm_copy the same with shm_copy (what evaluate_many does now)
+ *                   slots
+ *   posts, shm_copy the same with shm_copy (what evaluate_many does)
  *
  * Build and run (from the repository root):
  *   gcc -O2 -std=gnu11 -I src/shmeval/_core -o /tmp/row_copy bench/c/row_copy.c && /tmp/row_copy

@@ -1,7 +1,7 @@
 """The evaluator's own time per batch, outside the model call.
 
 One process drives the real core by hand (the pattern of
-``tests/test_ring_unit.py``): a segment with n requests in flight on
+``tests/core/test_ring_unit.py``): a segment with n requests in flight on
 ``min(n, 64)`` clients x ``ceil(n / clients)`` slots, a ``_ring.Server``
 over a preallocated batch buffer, and for each round
 
