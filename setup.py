@@ -1,5 +1,5 @@
 """Build of the Cython extensions shmeval._ring (the shared-memory ring),
-shmeval._mcts (the search tree of shmeval.mcts), shmeval.games._connect4
+shmeval.mcts._tree (the search tree of shmeval.mcts), shmeval.games._connect4
 (Connect Four's moves and encoding) and shmeval.bench._timing (the benchmark
 suite's timing in C); everything else is in pyproject.toml.
 
@@ -42,7 +42,7 @@ def _plain(name: str) -> Extension:
 
 setup(
     ext_modules=cythonize(
-        [ext, timing, _plain("shmeval._mcts"), _plain("shmeval.games._connect4")],
+        [ext, timing, _plain("shmeval.mcts._tree"), _plain("shmeval.games._connect4")],
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
     )

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmeval import mcts
-from shmeval._mcts import Tree
+from shmeval.mcts._tree import Tree
 from shmeval.games import connect4 as c4
 from shmeval.games.connect4 import State
 
@@ -393,7 +393,7 @@ def test_tree_inspection_and_errors() -> None:
         u.expand(0, [], row)
     assert not u.is_expanded(0)                    # a refused expansion leaves nothing
     # the two steps, called directly: a tree listed twice is refused
-    from shmeval._mcts import expand_backup, select_leaves
+    from shmeval.mcts._tree import expand_backup, select_leaves
     u.expand(0, c4.legal_moves(u.root_state), row)
     waiting, states = select_leaves([u, u], c4.play, c4.terminal_value, 1.5, 0.0)
     assert len(waiting) == 2 and states[0] == states[1]      # the same new leaf

@@ -1,105 +1,18 @@
-"""PUCT Monte Carlo tree search (AlphaZero style) over several games at once.
-
-A self-play worker keeps several games going and searches all of them
-together: every simulation step selects one leaf in each game's tree,
-encodes those leaves into one batch, makes **one** call of
-``evaluate_batch`` for the whole batch, then expands each leaf and backs its
-value up its own tree.  With an shmeval client as the evaluator (see
-:func:`evaluator_fn`) each step is one ``evaluate_many`` round trip carrying
-as many states as the worker has unfinished games, instead of one round trip
-per state.
-
-Game interface
---------------
-Anything shaped like :class:`Game` plugs in; a module works (pass
-``shmeval.games.connect4`` itself).  Games are two-player, zero-sum and
-alternate turns.
-
-Evaluator
----------
-``evaluate_batch(states) -> (policy, value)``: ``states`` is a float32 array
-``[n, *game.INPUT_SHAPE]`` (a view of a buffer the search reuses: copy it
-if you keep it); ``policy`` is ``[n, game.N_ACTIONS]`` of **probabilities**
-(non-negative; illegal moves are masked out and the rest renormalized, so
-they need not sum to 1 -- wrap a logits model with
-``evaluator_fn(..., logits=True)`` or apply a softmax); ``value`` is ``[n]``
-(or ``[n, 1]``) in [-1, 1].  Terminal leaves are scored by the game and never
-sent to the network.
-
-Sign convention
----------------
-Every value is from the view of **the player to move** in the state it
-belongs to: the network's value of a state, ``game.terminal_value`` (e.g.
--1 when the player to move has lost), and the edge statistics: ``W[s][a]``
-sums values of playing ``a`` in ``s`` from the view of the player who
-chooses ``a``.  A leaf value ``v`` is therefore added as ``-v`` to the edge
-leading to the leaf, ``+v`` one level up, and so on.  Training samples carry
-the final result from the view of the player to move in the sample's state.
-
-Selection is ``argmax_a Q(s,a) + c_puct * P(s,a) * sqrt(N(s) + 1) / (1 + N(s,a))``
-with ``N(s) = sum_a N(s,a)``, ``Q = W / N``, and ``Q = fpu`` (default 0)
-for an unvisited edge.  Dirichlet noise ``(1 - fraction) * P + fraction *
-Dir(alpha)`` is mixed into the root priors only, freshly for every search
-(the noise-free priors are kept and restored first).
-
-Trees
------
-A :class:`Tree` (the C extension ``shmeval._mcts``) keeps its statistics in
-flat C arrays: per node the first edge, the number of edges and the visit
-count; per edge the action, prior, visit count, value sum and child id.
-The states stay Python objects in ``tree.state`` (and terminal values in
-``tree.term``), indexed by node id.  A node's edges
-are created when it is expanded, a child node when its edge is first
-selected.  Moving on with :meth:`Tree.advance` re-roots the tree at the
-child and keeps its subtree (the abandoned nodes stay until the game ends:
-at most ``moves * simulations`` nodes, well under 1 MB of arrays for
-Connect Four).  ``tree.edges(node)`` returns a node's statistics as lists.
-
-The walk down the tree, the PUCT arithmetic, expansion and backup run in C
-(:func:`shmeval._mcts.select_leaves` selects one leaf in every tree,
-:func:`shmeval._mcts.expand_backup` expands the evaluated leaves and backs
-their values up); the game's ``play``, ``terminal_value`` and
-``legal_moves`` are called from there, once per new node.  The search makes
-exactly the choices of the pure-Python version it replaced (same visit
-counts and games from the same seed).
-
-Speed
------
-``python -m shmeval.mcts`` measures it: 800 simulations from positions after
-4 random moves, null model (uniform policy, value 0, no shmeval round trip),
-Connect Four, one process on a 2-vCPU AMD EPYC VM, CPython 3.11; three runs
-of this code (the tree in C, Connect Four's moves and encoding in C), and
-alternating runs of the pure-Python tree it replaced (e12cea1):
-
-=========  ==================  ==================  ================  ==========
-games      simulations/s       node visits/s       simulations/s     mean batch
-           (this code)         [#nv]_              (Python tree)
-=========  ==================  ==================  ================  ==========
-1          151-153 k           518-522 k           34-40 k           1.0
-16         487-517 k           1.73-1.83 M         63-83 k           14.9
-=========  ==================  ==================  ================  ==========
-
-(The C tree with Connect Four still in Python: 56-61 k and 234-256 k;
-with its NumPy encoding vectorised, 89-90 k and 308-313 k.)
-
-.. [#nv] edges followed on the way down, summed over simulations (mean
-   depth about 3.5 with the null model).
-
-With 16 games the per-call costs (encoding, the model call, converting its
-outputs) are shared by the batch, so a simulation costs about 2 us against
-6.6 us alone; what remains is mostly the Python of :meth:`MCTS.search`
-and of the model's call.  (The batch is a
-little under 16 because terminal leaves are not sent.)
-"""
+"""The search: :class:`MCTS` steps the trees of several games together,
+one ``evaluate_batch`` call per simulation step for the leaves of all of
+them; :func:`select_move` picks a move from the visit counts;
+:func:`search_many` and :func:`play_games` are one-call forms.  The
+interface a game and an evaluator provide, the sign convention and the
+selection formula are in :mod:`shmeval.mcts`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import (Any, Callable, Generic, List, Mapping, NamedTuple, Optional, Protocol,
-                    Sequence, Tuple, TypeVar)
+from typing import (Any, Callable, Generic, List, NamedTuple, Optional, Protocol, Sequence,
+                    Tuple, TypeVar)
 
 import numpy as np
 
-from ._mcts import Tree, expand_backup, select_leaves
+from ._tree import Tree, expand_backup, select_leaves
 
 S = TypeVar("S")
 
@@ -372,82 +285,3 @@ def play_games(game: Game[S], evaluate_batch: EvaluateBatch, n_games: int, simul
         n_games, simulations, rng, temperature=temperature,
         temperature_moves=temperature_moves, noise=noise, reuse_tree=reuse_tree,
         concurrent=concurrent, start=start)
-
-
-# -- shmeval adapter ------------------------------------------------------------
-
-
-class SupportsEvaluateMany(Protocol):
-    """An shmeval ``Client``/``Evaluator`` handle, or anything with
-    ``evaluate_many(states [n, ...]) -> {name: array [n, ...]}``."""
-
-    def evaluate_many(self, states: Any, /) -> Mapping[str, np.ndarray]: ...
-
-
-def _softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(axis=-1, keepdims=True))
-    return np.asarray(e / e.sum(axis=-1, keepdims=True))
-
-
-def evaluator_fn(client: SupportsEvaluateMany, policy_key: str = "policy",
-                 value_key: str = "value", *, logits: bool = False) -> EvaluateBatch:
-    """An ``evaluate_batch`` that sends each batch through
-    ``client.evaluate_many`` (one shmeval round trip per search step) and
-    returns its ``policy_key`` and ``value_key`` outputs; ``logits=True``
-    applies a softmax to the policy output first."""
-
-    def evaluate_batch(states: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        out = client.evaluate_many(states)
-        p = np.asarray(out[policy_key], dtype=np.float64)
-        v = np.asarray(out[value_key]).reshape(len(states))
-        return (_softmax(p) if logits else p), v
-
-    return evaluate_batch
-
-
-# -- speed measurement ------------------------------------------------------------
-
-
-def uniform_model(n_actions: int) -> EvaluateBatch:
-    """The null model: uniform policy, value 0."""
-
-    def evaluate_batch(states: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        n = len(states)
-        return np.full((n, n_actions), 1.0 / n_actions), np.zeros(n)
-
-    return evaluate_batch
-
-
-def measure_speed(game: Game[Any], n_games: int, simulations: int = 800,
-                  seed: int = 0) -> Mapping[str, float]:
-    """Searches ``n_games`` positions after a few random opening moves with
-    the null model; returns simulations/s and node visits/s (edges followed
-    on the way down, summed over all simulations) over all games together."""
-    import time
-    rng = np.random.default_rng(seed)
-    roots = []
-    for _ in range(n_games):
-        s = game.initial()
-        for _ in range(4):
-            s = game.play(s, int(rng.choice(list(game.legal_moves(s)))))
-        roots.append(s)
-    m = MCTS(game, uniform_model(game.N_ACTIONS))
-    trees = [m.new_tree(s) for s in roots]
-    t0 = time.perf_counter()
-    m.search(trees, simulations, rng, noise=True)
-    dt = time.perf_counter() - t0
-    sims = n_games * simulations
-    # each simulation adds one visit to every edge on its path
-    node_visits = sum(t.edge_visits() for t in trees)
-    return {"games": n_games, "seconds": dt, "simulations_per_s": sims / dt,
-            "node_visits_per_s": node_visits / dt, "evaluate_calls": m.calls,
-            "mean_batch": m.evaluated / max(1, m.calls)}
-
-
-if __name__ == "__main__":
-    from shmeval.games import connect4
-    for n in (1, 16):
-        r = measure_speed(connect4, n)
-        print(f"{n:3d} games: {r['simulations_per_s']:9,.0f} simulations/s "
-              f"{r['node_visits_per_s']:10,.0f} node visits/s  "
-              f"mean batch {r['mean_batch']:.1f}")
