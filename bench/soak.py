@@ -50,7 +50,7 @@ from typing import Any, Optional
 import numpy as np
 
 import shmeval
-from shmeval.procstat import rss_mb
+from shmeval._util.procstat import rss_mb
 
 INPUT_SHAPE = (6, 7, 2)
 OUTPUTS = {"policy": ((7,), "float32"), "value": ((), "float32")}

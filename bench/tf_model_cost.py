@@ -154,7 +154,7 @@ def main() -> None:
 
 
 def _rss_now() -> int:
-    from shmeval.procstat import rss_mb
+    from shmeval._util.procstat import rss_mb
 
     return int(rss_mb(os.getpid()) or 0)
 

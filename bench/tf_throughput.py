@@ -71,14 +71,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import gc
-import json
 import math
 import multiprocessing as mp
 import os
-import queue
 import signal
 import socket
 import statistics
@@ -97,8 +94,10 @@ import numpy as np  # noqa: E402
 
 from shmeval.bench.report import machine_info  # noqa: E402
 from shmeval.bench.roundtrip import weighted_quantiles  # noqa: E402
-from shmeval.jsonout import json_default  # noqa: E402
-from shmeval.procstat import cpu_s, machine_busy_s, rss_mb  # noqa: E402
+from shmeval._util.children import child_setup  # noqa: E402
+from shmeval._util.jsonout import write_json  # noqa: E402
+from shmeval._util.procstat import cpu_s, machine_busy_s, pss_mb, rss_mb  # noqa: E402
+from shmeval._util.queue_batches import queued_batches  # noqa: E402
 
 STATE_SHAPE = (6, 7, 2)
 POLICY_SIZE = 7
@@ -240,16 +239,6 @@ def import_tf(threads: int | None = None, gpu: bool = True) -> Any:
     return tf
 
 
-def _child_setup() -> None:
-    """In every process this benchmark starts: Ctrl-C is the parent's to
-    handle (it stops everything in order), and a child dies with the parent."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent died before prctl
-        os._exit(1)
-
-
 def _exit_quickly() -> None:
     """Ends a process that imported TensorFlow: tearing TensorFlow down takes
     seconds of CPU per process (16 at once outlast any sane join timeout),
@@ -272,7 +261,7 @@ def shmeval_model_factory(cfg: NetConfig, weights: dict[str, tuple[np.ndarray, n
 def reference_main(cfg: NetConfig, weights: dict[str, tuple[np.ndarray, np.ndarray]], states: np.ndarray,
                    conn: Connection) -> None:
     """The Keras model run eagerly on the check states, and what TF sees."""
-    _child_setup()
+    child_setup()
     try:
         tf = import_tf()
         import keras
@@ -371,7 +360,7 @@ class QueueServerCounters:
 
 def queue_server_main(params: dict[str, Any], requests: Any, responses: list[Any], counters: Any,
                       conn: Connection) -> None:
-    _child_setup()
+    child_setup()
     try:
         tf = import_tf(threads=params["threads"])
         model = build_keras_model(params["cfg"], params["weights"])
@@ -384,24 +373,9 @@ def queue_server_main(params: dict[str, Any], requests: Any, responses: list[Any
         return
     conn.send(("ready", os.getpid()))
     conn.close()
-    max_batch = params["max_batch"]
     constant = tf.constant
-    get_nowait = requests.get_nowait
     n_req = n_batch = model_ns = busy_ns = 0
-    while True:
-        first = requests.get()
-        if first is None:  # stop sentinel
-            break
-        items = [first]
-        while len(items) < max_batch:
-            try:
-                item = get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                requests.put(None)  # seen after this batch
-                break
-            items.append(item)
+    for items in queued_batches(requests, params["max_batch"]):
         t0 = time.perf_counter_ns()
         batch = np.frombuffer(b"".join(s for _, s in items), dtype=np.float32).reshape((len(items),) + STATE_SHAPE)
         t1 = time.perf_counter_ns()
@@ -433,7 +407,7 @@ def open_queue(params: dict[str, Any], worker_id: int) -> Opened:
 
 
 def tfserver_main(params: dict[str, Any], conn: Connection) -> None:
-    _child_setup()
+    child_setup()
     try:
         tf = import_tf()
         v1 = tf.compat.v1
@@ -503,7 +477,7 @@ def worker_main(method: str, params: dict[str, Any], worker_id: int, n_warmup: i
     """Opens the method's client, warms up, reports ready, then runs one
     measured window per ("run", start_ns, end_ns, n_samples) message until
     ("stop",) or the pipe closes."""
-    _child_setup()
+    child_setup()
     try:
         rng = np.random.default_rng(1000 + worker_id)
         if method == "shmeval_many":
@@ -567,20 +541,6 @@ def worker_main(method: str, params: dict[str, Any], worker_id: int, n_warmup: i
         return
     if "tensorflow" in sys.modules:
         _exit_quickly()
-
-
-# --- /proc -----------------------------------------------------------------------------
-
-def proc_pss_mb(pid: int) -> float | None:
-    """Proportional set size: shared pages split among the processes mapping them."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
 
 
 # --- one method at one worker count -------------------------------------------------
@@ -700,9 +660,9 @@ class MethodRun:
                 if r is not None:
                     rss[j].append(r)
                 if k == 1:
-                    pss[j] = proc_pss_mb(pid)
+                    pss[j] = pss_mb(pid)
             if k == 1 and self.server_pid:
-                server_rss, server_pss = rss_mb(self.server_pid), proc_pss_mb(self.server_pid)
+                server_rss, server_pss = rss_mb(self.server_pid), pss_mb(self.server_pid)
         sleep_until(end_ns)
         system1 = machine_busy_s()
         cpu1 = [cpu_s(pid) for pid in pids]
@@ -1214,15 +1174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     leftovers = sorted(_dev_shm_shmeval() - shm_before)
     print(f"\nwall time {elapsed:.0f} s; new shmeval entries in /dev/shm: {', '.join(leftovers) or 'none'}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine, "net": {**asdict(cfg), "params": ref["params"]},
-                       "config": {k: v for k, v in vars(args).items()},
-                       "checks": checks, "runs": runs_info, "trials": trials, "summary": summary,
-                       "ratios": {str(k): v for k, v in all_ratios.items()}, "targets": targets,
-                       "overhead_phase": {"trials": overhead, "summary": overhead_summary},
-                       "dev_shm_leftovers": leftovers, "wall_s": elapsed},
-                      f, indent=1, default=json_default)
+        write_json(args.json, {"machine": machine, "net": {**asdict(cfg), "params": ref["params"]},
+                               "config": {k: v for k, v in vars(args).items()},
+                               "checks": checks, "runs": runs_info, "trials": trials,
+                               "summary": summary,
+                               "ratios": {str(k): v for k, v in all_ratios.items()},
+                               "targets": targets,
+                               "overhead_phase": {"trials": overhead, "summary": overhead_summary},
+                               "dev_shm_leftovers": leftovers, "wall_s": elapsed})
         print(f"raw results: {args.json}")
     return 1 if leftovers else 0
 

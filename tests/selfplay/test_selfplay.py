@@ -32,7 +32,12 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import pytest
 
-from shmeval import procstat, selfplay
+from shmeval import selfplay
+from shmeval._util.display import Display
+from shmeval._util.procstat import rss_mb
+from shmeval.backends import _device
+from shmeval.selfplay import report, settings
+from shmeval.selfplay.pinning import cpu_split
 from shmeval.games import connect4 as c4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,7 +152,7 @@ def test_mode_runs_and_reports(runs: Runs, mode: str) -> None:
     assert r["worker_sched"] == ("batch" if mode == "shmeval" or outnumber else "normal")
     assert st["freeze"] == (mode != "local-batched")
     assert ("weights in variables" in text) == (mode == "local-batched")
-    assert out["machine"]["cpus"] >= 1 and out["machine"]["tensorflow"]
+    assert out["machine"]["cpus_usable"] >= 1 and out["machine"]["tensorflow"]
     assert out["wall_s"] > 0
     assert "mode " in text and "moves/s" in text   # the summary table was printed
     g = selfplay.load_games(npz)
@@ -162,7 +167,7 @@ def test_every_mode_serves_the_same_initial_weights(runs: Runs) -> None:
               for m in ("shmeval", "queue", "local", "local-batched")}
     precision = {m: runs.get(m)[0]["modes"][m]["precision"] for m in probes}
     assert precision["queue"] == precision["local-batched"] == precision["local"] == "float32"
-    native = procstat.cpu_bfloat16() and not procstat.gpu_visible()
+    native = _device.cpu_bfloat16() and not _device.gpu_visible()
     assert precision["shmeval"] == ("bfloat16" if native else "float32")
     ref = probes["queue"]
     assert len(ref["value"]) == len(ref["policy"]) == 5
@@ -263,7 +268,7 @@ def test_a_dead_evaluator_is_reported() -> None:
                 break
         # The evaluator is the child that holds TensorFlow: the largest RSS.
         kids = [int(k) for k in os.listdir("/proc") if k.isdigit() and _ppid(int(k)) == p.pid]
-        evaluator = max(kids, key=lambda k: procstat.rss_mb(k) or 0.0)
+        evaluator = max(kids, key=lambda k: rss_mb(k) or 0.0)
         os.kill(evaluator, signal.SIGKILL)
         _, err = p.communicate(timeout=60)
     finally:
@@ -406,13 +411,13 @@ def test_replay_buffer_ring_and_augmentation() -> None:
 
 def test_display_tty_and_plain() -> None:
     tty = io.StringIO()
-    d = selfplay.Display(tty, tty=True)
+    d = Display(tty, tty=True)
     d.status("one")
     d.status("two")
     d.line("done")
     assert tty.getvalue() == "\rone\x1b[K\rtwo\x1b[K\r\x1b[Kdone\n"
     plain = io.StringIO()
-    d = selfplay.Display(plain, tty=False, plain_every=3600)
+    d = Display(plain, tty=False, plain_every=3600)
     d.status("first")
     d.status("second")             # within the interval: not printed
     d.status("third", force=True)  # a phase change: printed
@@ -421,9 +426,9 @@ def test_display_tty_and_plain() -> None:
 
 
 def test_cpu_split() -> None:
-    assert selfplay.cpu_split(False) == (None, None)
+    assert cpu_split(False) == (None, None)
     cpus = os.sched_getaffinity(0)
-    ev, workers = selfplay.cpu_split(True)
+    ev, workers = cpu_split(True)
     if len(cpus) < 2:
         assert (ev, workers) == (None, None)
     else:
@@ -447,9 +452,9 @@ def test_net_precision(monkeypatch: Any, tmp_path: Any) -> None:
     # auto: bfloat16 for a frozen net called with batches on a CPU with
     # native bfloat16; local's one-row calls stay float32
     batched = ("shmeval", "queue", "local-batched")
-    monkeypatch.setattr(selfplay, "gpu_visible", lambda: False)
+    monkeypatch.setattr(settings, "gpu_visible", lambda: False)
     for native in (True, False):
-        monkeypatch.setattr(selfplay, "cpu_bfloat16", lambda native=native: native)
+        monkeypatch.setattr(settings, "cpu_bfloat16", lambda native=native: native)
         for mode in batched:
             assert selfplay.Settings().net_precision(mode) == (
                 "bfloat16" if native else "float32")
@@ -465,16 +470,16 @@ def test_net_precision(monkeypatch: Any, tmp_path: Any) -> None:
     selfplay.Settings(precision="float32", freeze=False).check()
     # the driver's GPU list, as CUDA_VISIBLE_DEVICES leaves it
     gpus = tmp_path / "gpus"
-    assert not procstat.gpu_visible(str(gpus))             # no driver
+    assert not _device.gpu_visible(str(gpus))             # no driver
     (gpus / "0000:00:04.0").mkdir(parents=True)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert procstat.gpu_visible(str(gpus))
+    assert _device.gpu_visible(str(gpus))
     for hidden, seen in (("", False), ("-1", False), ("0", True)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
-        assert procstat.gpu_visible(str(gpus)) == seen
+        assert _device.gpu_visible(str(gpus)) == seen
     # a visible GPU runs the net: auto stays float32, bfloat16 is refused
-    monkeypatch.setattr(selfplay, "cpu_bfloat16", lambda: True)
-    monkeypatch.setattr(selfplay, "gpu_visible", lambda: True)
+    monkeypatch.setattr(settings, "cpu_bfloat16", lambda: True)
+    monkeypatch.setattr(settings, "gpu_visible", lambda: True)
     assert selfplay.Settings().net_precision("shmeval") == "float32"
     with pytest.raises(ValueError, match="GPU"):
         selfplay.Settings(precision="bfloat16").check()
@@ -487,14 +492,14 @@ def test_repeats_are_summarised_by_medians() -> None:
                 "startup_s": 1.0, "cpu": {"other_cores": other}, "tag": moves}
 
     runs = [fake(300, 40, 0.0), fake(100, 50, 0.5), fake(200, 45, 0.1)]
-    r = selfplay.combine_runs(runs)
+    r = report.combine_runs(runs)
     assert r["tag"] == 200 and r["moves_per_s"] == 200 and r["evals_per_s"] == 6000
     assert r["range"]["moves_per_s"] == [100, 300] and r["worker_rss_mb"] == 45
     assert r["cpu"]["other_cores"] == 0.1 and r["runs"] == runs
     assert r["evaluator_rss_mb"] is None
     assert runs[2]["cpu"]["other_cores"] == 0.1   # the runs themselves are left alone
-    assert selfplay.combine_runs(runs[:1]) is runs[0]
-    assert "[100-300]" in selfplay.format_table({"shmeval": {**r, "tensorflow_in_workers": 0}}, 8)
+    assert report.combine_runs(runs[:1]) is runs[0]
+    assert "[100-300]" in report.format_table({"shmeval": {**r, "tensorflow_in_workers": 0}}, 8)
 
 
 def test_round_ratios_pair_the_runs_of_each_round() -> None:
@@ -503,14 +508,14 @@ def test_round_ratios_pair_the_runs_of_each_round() -> None:
 
     runs = {"shmeval": [run(300), run(200), run(240)], "queue": [run(200), run(200), run(160)],
             "local": [run(30), run(40), run(0)]}
-    r = selfplay.round_ratios(runs)
+    r = report.round_ratios(runs)
     assert r["shmeval/queue moves_per_s"] == [1.5, 1.0, 1.5]
     assert r["shmeval/local moves_per_s"] == [10.0, 5.0, None]   # no division by zero
     assert set(r) == {"shmeval/queue moves_per_s", "shmeval/local moves_per_s"}
     # one round, a missing round, no shmeval: nothing to pair
-    assert selfplay.round_ratios({"shmeval": [run(1)], "queue": [run(1)]}) == {}
-    assert selfplay.round_ratios({"shmeval": [run(1), run(2)], "queue": [run(1)]}) == {}
-    assert selfplay.round_ratios({"queue": [run(1), run(2)], "local": [run(1), run(2)]}) == {}
+    assert report.round_ratios({"shmeval": [run(1)], "queue": [run(1)]}) == {}
+    assert report.round_ratios({"shmeval": [run(1), run(2)], "queue": [run(1)]}) == {}
+    assert report.round_ratios({"queue": [run(1), run(2)], "local": [run(1), run(2)]}) == {}
 
 
 def test_argument_errors_fail_before_starting_anything() -> None:

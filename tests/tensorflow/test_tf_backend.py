@@ -510,7 +510,7 @@ def test_bfloat16(tf: Any, backend: Any) -> None:
     precision of the model's; on a CPU with native bfloat16 the rewrite is
     on (the answers are not float32's).  Without freeze, or with XLA, it is
     refused."""
-    from shmeval.procstat import cpu_bfloat16
+    from shmeval.backends._device import cpu_bfloat16
 
     m = pv_net(16, "dict")
     ref = keras_reference(m)

@@ -51,6 +51,7 @@ from typing import Any, Callable, Mapping, TypeAlias, cast
 
 import numpy as np
 
+from .._util.queue_batches import queued_batches
 from .roundtrip import (
     JOIN_TIMEOUT_S,
     REPLY_TIMEOUT_S,
@@ -123,21 +124,7 @@ def queue_server(requests: RequestQueue, responses: list[ResponseQueue], spec: S
                  model_factory: ModelFactory, control: Connection) -> None:
     model = model_factory(spec.policy_size)
     n_requests = n_batches = 0
-    stopping = False
-    while not stopping:
-        first = requests.get()  # block for one request, then take whatever else is already queued
-        if first is None:
-            break
-        items = [first]
-        while len(items) < max_batch:
-            try:
-                item = requests.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:  # stop sentinel: answer this batch, then exit
-                stopping = True
-                break
-            items.append(item)
+    for items in queued_batches(requests, max_batch):
         out = model(np.stack([state for _, state in items]))
         policy, value = out["policy"], out["value"]
         for i, (worker_id, _) in enumerate(items):

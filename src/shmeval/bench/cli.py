@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ from typing import Any, Callable, Collection
 
 from . import DEFAULT_METHODS, METHODS, OPTIONAL_PACKAGES, STATES
 from . import report
-from ..jsonout import json_default
+from .._util.jsonout import write_json
 from .roundtrip import CDF_GRID, StateSpec, TrialConfig, run_trial
 
 FULL_WORKERS = (1, 2, 4, 8, 16, 32, 64)
@@ -326,10 +325,9 @@ def run(args: argparse.Namespace) -> int:
     if failures:
         print(f"FAILED: {', '.join(failures)}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine, "config": config, "trials": trials, "summary": summary,
-                       "reference": reference, "versus_reference": versus, "batch_path": batch_path,
-                       "failures": failures,
-                       "dev_shm_leftovers": leftovers, "wall_s": elapsed}, f, indent=1, default=json_default)
+        write_json(args.json, {"machine": machine, "config": config, "trials": trials,
+                               "summary": summary, "reference": reference, "versus_reference": versus,
+                               "batch_path": batch_path, "failures": failures,
+                               "dev_shm_leftovers": leftovers, "wall_s": elapsed})
         print(f"raw results: {args.json}")
     return 1 if failures or leftovers else 0

@@ -2,19 +2,14 @@
 the repetitions, the tables per state, the machine description and the plot."""
 from __future__ import annotations
 
-import importlib.metadata
-import os
-import platform
 import shutil
 import statistics
 import sys
 import time
 from typing import Any, Iterable, Sequence, TextIO
 
-import numpy as np
-
-from ..display import Display
-from ..procstat import cpu_model
+from .._util.display import Display
+from .._util.machine import machine_info as _machine_info
 from .roundtrip import CDF_GRID
 
 # shmeval's rows are compared with these, in this order, when they were run.
@@ -86,27 +81,9 @@ class Progress:
 # --- machine and summary ------------------------------------------------------------
 
 
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def machine_info() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_model": cpu_model() or platform.processor() or None,
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "numpy": np.__version__,
-        "shmeval": _version("shmeval"),
-        "faster_fifo": _version("faster-fifo"),
-        # Other load on the machine skews every figure; this makes it visible.
-        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
+    """The machine, with the version of faster-fifo (a baseline)."""
+    return _machine_info(faster_fifo=("faster-fifo",))
 
 
 def describe_machine(machine: dict[str, Any]) -> str:

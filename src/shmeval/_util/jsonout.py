@@ -1,6 +1,8 @@
 """JSON output of benchmark and demo results."""
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import numpy as np
@@ -16,3 +18,11 @@ def json_default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     return repr(obj)
+
+
+def write_json(path: str, results: Any) -> None:
+    """Writes ``results`` to ``path`` (its folder created if missing), one
+    space of indent, NumPy values converted by :func:`json_default`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=json_default)

@@ -1,0 +1,52 @@
+"""What /proc says about a process and the machine: memory, CPU time and
+how busy all cores were (Linux only)."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _kb_field_mb(path: str, key: str) -> Optional[float]:
+    """The first ``key`` line of a /proc file that counts kB, in MB (None
+    if the process is gone)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def rss_mb(pid: int) -> Optional[float]:
+    """VmRSS of ``pid`` in MB (None if it is gone)."""
+    return _kb_field_mb(f"/proc/{pid}/status", "VmRSS:")
+
+
+def pss_mb(pid: int) -> Optional[float]:
+    """Proportional set size of ``pid`` in MB: its shared pages split among
+    the processes that map them (None if it is gone)."""
+    return _kb_field_mb(f"/proc/{pid}/smaps_rollup", "Pss:")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (all its threads); NaN if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent busy so far (not idle, not iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return float("nan")
+    return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK

@@ -1,0 +1,139 @@
+"""``shmeval selfplay``'s command line: :func:`add_arguments` builds the
+parser, :func:`main` runs it and returns the exit code."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from dataclasses import replace
+from typing import Any
+
+from .._util.display import Display
+from ..games.connect4_net import NetConfig
+from .errors import WorkerError
+from .runner import run
+from .settings import COMPARE_MODES, MODES, Settings
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = Settings()
+    n = NetConfig()
+    p.add_argument("--mode", choices=MODES, default="shmeval",
+                   help="how the workers reach the net (default shmeval)")
+    p.add_argument("--compare", action="store_true",
+                   help=f"run {', '.join(COMPARE_MODES)} one after the other, same settings")
+    p.add_argument("--workers", type=int, default=d.workers, help=f"(default {d.workers})")
+    p.add_argument("--games-per-worker", type=int, default=d.games_per_worker,
+                   help=f"games each worker plays at once, leaves evaluated together "
+                        f"(default {d.games_per_worker})")
+    p.add_argument("--simulations", type=int, default=d.simulations,
+                   help=f"MCTS simulations per move (default {d.simulations})")
+    p.add_argument("--seconds", type=float, default=d.seconds,
+                   help=f"measured window per mode (default {d.seconds:g})")
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help="run each mode this many times (with --compare: in rounds, "
+                        "shmeval, queue, local, shmeval, ...) and report medians (default 1)")
+    p.add_argument("--warmup", type=float, default=d.warmup,
+                   help=f"seconds of play before the window opens (default {d.warmup:g})")
+    p.add_argument("--seed", type=int, default=d.seed, help="initial weights and games (default 0)")
+    p.add_argument("--evaluator-threads", type=int, default=d.evaluator_threads,
+                   help="TensorFlow intra/inter-op threads of the central evaluators (shmeval "
+                        "and queue; 0 = TensorFlow's default of one per core). Default: each "
+                        "mode's best on a 2-core machine: 1 for shmeval (its serving threads "
+                        "use the cores), TensorFlow's default for queue (its one evaluator "
+                        "thread needs TensorFlow's pool to use both)")
+    p.add_argument("--serving-threads", type=int, default=d.serving_threads,
+                   help="shmeval mode: model calls the evaluator runs at once (Evaluator("
+                        "serving_threads=...)): while one batch is computed the next is "
+                        f"gathered and computed on another core (default {d.serving_threads})")
+    p.add_argument("--worker-sched", choices=("auto", "normal", "batch"), default=d.worker_sched,
+                   help="scheduling policy of every mode's workers: batch puts them under "
+                        "SCHED_BATCH (shmeval.use_batch_scheduling: a woken worker does not "
+                        "preempt the running evaluator or model), normal leaves the default. "
+                        "Default auto: batch when the workers outnumber the CPUs")
+    p.add_argument("--no-freeze", action="store_true",
+                   help="every mode: run the net with its weights in variables instead of "
+                        "folded into the graph as constants and run in the calling thread "
+                        "(TFModel(freeze=True), a FrozenGraph in the queue and local modes: "
+                        "cheaper calls; bench/tf_model_cost.py --net selfplay --freeze)")
+    p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default=d.precision,
+                   help="what every mode's frozen net computes in: bfloat16 lets TensorFlow's "
+                        "oneDNN rewrite run the convolutions in bfloat16 (19-33%% less per "
+                        "row from 16 rows on, on CPUs with native bfloat16; outputs move by "
+                        "about 1e-3; CPU only). Default auto: bfloat16 on such CPUs "
+                        "(avx512_bf16 or amx_bf16) when no GPU is visible, for every mode but "
+                        "local, whose one-row calls are faster in float32")
+    p.add_argument("--pin", action="store_true",
+                   help="give the central evaluator (shmeval, queue) a CPU of its own and "
+                        "keep the workers on the others (needs 2+ CPUs; local modes are not "
+                        "pinned)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help=f"most rows per model call of the central evaluators (default {d.max_batch})")
+    p.add_argument("--blocks", type=int, default=n.blocks, help=f"residual blocks (default {n.blocks})")
+    p.add_argument("--filters", type=int, default=n.filters,
+                   help=f"conv filters (default {n.filters})")
+    p.add_argument("--json", metavar="PATH", help="write settings, machine and results here")
+    p.add_argument("--games", metavar="PATH.npz", help="save the finished games here")
+    p.add_argument("--train", action="store_true",
+                   help="shmeval mode: train the net on the games in this process and push the "
+                        "weights into the running evaluator")
+    p.add_argument("--push-every", type=float, default=d.push_every,
+                   help=f"seconds between weight pushes (default {d.push_every:g})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help=f"learner minibatch (default {d.batch_size})")
+    p.add_argument("--buffer-size", type=int, default=d.buffer_size,
+                   help=f"replay buffer samples (default {d.buffer_size:,})")
+    p.add_argument("--sample-reuse", type=float, default=d.sample_reuse,
+                   help=f"the learner trains while each sample added has been drawn fewer "
+                        f"than this many times on average (default {d.sample_reuse:g})")
+    p.add_argument("--learning-rate", type=float, default=n.learning_rate,
+                   help=f"Adam (default {n.learning_rate:g})")
+    p.add_argument("--load-games", metavar="PATH.npz",
+                   help="seed the replay buffer with games saved by --games")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    net = replace(NetConfig(), blocks=args.blocks, filters=args.filters,
+                  learning_rate=args.learning_rate)
+    return Settings(workers=args.workers, games_per_worker=args.games_per_worker,
+                    simulations=args.simulations, seconds=args.seconds, warmup=args.warmup,
+                    repeats=args.repeats,
+                    seed=args.seed, evaluator_threads=args.evaluator_threads,
+                    serving_threads=args.serving_threads, worker_sched=args.worker_sched,
+                    freeze=not args.no_freeze, precision=args.precision,
+                    max_batch=args.max_batch, pin=args.pin, net=net, train=args.train,
+                    push_every=args.push_every, batch_size=args.batch_size,
+                    buffer_size=args.buffer_size, sample_reuse=args.sample_reuse)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``shmeval selfplay``: returns the exit code."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # inherited by every child
+    modes = list(COMPARE_MODES) if args.compare else [args.mode]
+    display = Display()
+    try:
+        s = settings_from_args(args)
+        s.check()
+    except ValueError as e:
+        print(f"shmeval selfplay: {e}", file=sys.stderr)
+        return 2
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        run(s, modes, display, games_path=args.games, load_games_path=args.load_games,
+            json_path=args.json)
+    except KeyboardInterrupt:
+        display.end_status()
+        print("\ninterrupted: every process stopped", file=sys.stderr)
+        return 130
+    except (WorkerError, ValueError) as e:
+        display.end_status()
+        print(f"\nshmeval selfplay failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return 0

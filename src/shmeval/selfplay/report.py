@@ -1,0 +1,112 @@
+"""The summary of a self-play run: one mode's runs combined into medians,
+shmeval's ratios to the other modes, and the table printed at the end."""
+from __future__ import annotations
+
+import statistics
+from typing import Any, Dict, List, Optional
+
+
+def fmt_rate(x: float) -> str:
+    """A rate as the tables show it: whole from 100 on, one decimal below."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+
+
+#: The modes the summary compares shmeval with, in this order.
+COMPARED = ("local", "queue", "local-batched")
+
+
+def ratios(results: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
+    """shmeval's moves/s and evals/s over each other mode's, and the local
+    workers' RSS over shmeval's."""
+    out: Dict[str, float] = {}
+    shm = results.get("shmeval")
+    if shm is None:
+        return out
+    for other in COMPARED:
+        o = results.get(other)
+        if o is None:
+            continue
+        for k in ("moves_per_s", "evals_per_s"):
+            if o[k]:
+                out[f"shmeval/{other} {k}"] = shm[k] / o[k]
+        if other == "local" and shm["worker_rss_mb"] and o["worker_rss_mb"]:
+            out["worker RSS local/shmeval"] = o["worker_rss_mb"] / shm["worker_rss_mb"]
+    return out
+
+
+def round_ratios(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, List[Optional[float]]]:
+    """With --repeats: shmeval's moves/s over each other mode's, round by
+    round (a round runs the modes one after the other, within a minute or
+    two): the paired figures, which show how much of a ratio is the
+    machine's window.  None where the other mode made no move; empty with
+    fewer than two rounds."""
+    out: Dict[str, List[Optional[float]]] = {}
+    shm = runs.get("shmeval", [])
+    for other in COMPARED:
+        o = runs.get(other, [])
+        if len(shm) < 2 or len(o) != len(shm):
+            continue
+        out[f"shmeval/{other} moves_per_s"] = [
+            a["moves_per_s"] / b["moves_per_s"] if b["moves_per_s"] else None
+            for a, b in zip(shm, o)]
+    return out
+
+
+#: Figures a mode's summary takes as the median over its runs (--repeats).
+MEDIAN_FIELDS = ("moves_per_s", "evals_per_s", "mean_batch", "worker_rss_mb", "evaluator_rss_mb",
+                 "games", "startup_s")
+
+
+def combine_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One mode's summary over its runs: the run with the median moves/s,
+    the figures of MEDIAN_FIELDS (and the other load) replaced by their
+    medians over all runs, ``range`` holding their [min, max] and ``runs``
+    every run."""
+    if len(runs) == 1:
+        return runs[0]
+    order = sorted(runs, key=lambda r: r["moves_per_s"])
+    out = dict(order[len(order) // 2])
+    out["cpu"] = dict(out["cpu"])
+    out["range"] = {}
+    for k in MEDIAN_FIELDS + ("other_cores",):
+        vals = [r["cpu"][k] if k == "other_cores" else r[k] for r in runs]
+        vals = [v for v in vals if v is not None]
+        if not vals:
+            continue
+        med = statistics.median(vals)
+        if k == "other_cores":
+            out["cpu"][k] = med
+        else:
+            out[k] = med
+        out["range"][k] = [min(vals), max(vals)]
+    out["runs"] = runs
+    return out
+
+
+def format_table(results: Dict[str, Dict[str, Any]], workers: int) -> str:
+    """The summary table, one row per mode (each ran ``workers`` workers)."""
+    headers = ["mode", "moves/s", "evals/s", "mean batch", "games", "worker RSS MB",
+               "evaluator RSS MB", "TF in workers", "start-up s", "other load"]
+    rows = []
+
+    def rate(r: Dict[str, Any], k: str) -> str:
+        text = fmt_rate(r[k])
+        if "range" in r:
+            lo, hi = r["range"][k]
+            text += f" [{fmt_rate(lo)}-{fmt_rate(hi)}]"
+        return text
+
+    for mode, r in results.items():
+        rows.append([mode, rate(r, "moves_per_s"), rate(r, "evals_per_s"),
+                     f"{r['mean_batch']:.1f}" if r["mean_batch"] else "-", f"{round(r['games']):,}",
+                     f"{r['worker_rss_mb']:.0f}" if r["worker_rss_mb"] else "-",
+                     f"{r['evaluator_rss_mb']:.0f}" if r["evaluator_rss_mb"] else "-",
+                     f"{r['tensorflow_in_workers']}/{workers}", f"{r['startup_s']:.1f}",
+                     f"{r['cpu']['other_cores']:.2f}"])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w)
+                       for i, (h, w) in enumerate(zip(headers, widths)))]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)

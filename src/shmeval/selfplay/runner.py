@@ -1,0 +1,132 @@
+"""``shmeval selfplay``'s run: the modes one after the other (in rounds
+with ``--repeats``), the learner with ``--train``, the summary printed, the
+results and games written.
+
+All modes use the same seeded initial weights, the same number of games
+per worker and of simulations per move.  The central evaluators (``shmeval``
+and ``queue``) run TensorFlow with ``evaluator_threads`` intra- and
+inter-op threads; by default each gets its best on a 2-core machine: one
+for shmeval (two serving threads run calls on both cores; TensorFlow's
+pools make its calls slower and costlier), TensorFlow's default pools for
+queue (its one evaluator thread otherwise leaves a core to the workers
+alone; with 16 games per worker the default pools give it 3-5% more).
+
+Moves/s and evals/s are measured over a window that opens ``warmup``
+seconds after every worker has started playing and lasts ``seconds``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Sequence
+
+from .._util.display import Display
+from .._util.jsonout import write_json
+from .._util.machine import machine_info
+from .learner import Learner
+from .mode_run import ModeRun
+from .records import GameStore, load_games, save_games
+from .replay_buffer import ReplayBuffer
+from .report import combine_runs, format_table, ratios, round_ratios
+from .settings import Settings
+
+#: CPU cores used by other programs in a window above which the summary warns.
+OTHER_LOAD_WARN = 0.2
+
+
+def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
+        games_path: Optional[str] = None, load_games_path: Optional[str] = None,
+        json_path: Optional[str] = None) -> Dict[str, Any]:
+    """Runs ``modes`` one after the other with settings ``s``; prints the
+    live status and the summary; returns everything the JSON holds."""
+    s.check()
+    if s.train and list(modes) != ["shmeval"]:
+        raise ValueError("--train runs in shmeval mode only (the learner pushes its weights "
+                         "into the shmeval evaluator)")
+    display = display or Display()
+    began = time.monotonic()
+    machine = machine_info(tensorflow=("tensorflow", "tensorflow-cpu"), keras=("keras",))
+    store = GameStore()
+    buffer: Optional[ReplayBuffer] = None
+    learner: Optional[Learner] = None
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ValueError("the self-play demo needs TensorFlow: pip install 'shmeval[tensorflow]'")
+    if load_games_path and not s.train:
+        raise ValueError("--load-games seeds the learner's replay buffer: use it with --train")
+    loaded = load_games(load_games_path) if load_games_path else None
+    net = s.net
+    display.line(
+        f"shmeval selfplay: Connect Four, {s.workers} workers x {s.games_per_worker} games, "
+        f"{s.simulations} simulations/move; net {net.blocks} residual blocks x {net.filters} "
+        f"filters; modes {', '.join(modes)}; {s.seconds:g} s each after {s.warmup:g} s warm-up; "
+        f"central evaluators' TF threads: shmeval {s.tf_threads('shmeval') or 'default'}, "
+        f"queue {s.tf_threads('queue') or 'default'}; workers "
+        f"{'under SCHED_BATCH' if s.worker_policy() == 'batch' else 'scheduled normally'}"
+        f"; weights "
+        f"{'folded into the graph' if s.freeze else 'in variables'}; net in "
+        + ", ".join(f"{m} {s.net_precision(m)}" for m in modes)
+        + ("; central evaluator pinned to its own CPU" if s.pin else ""))
+    if s.train:
+        buffer = ReplayBuffer(s.buffer_size)
+        if loaded is not None:
+            buffer.add_games(loaded)
+        display.line(f"learner: builds the net in this process (TensorFlow, "
+                     f"{s.learner_threads or 'default'} thread(s)), minibatches of "
+                     f"{s.batch_size}, pushes weights every {s.push_every:g} s; replay buffer "
+                     f"seeded with {len(buffer):,} samples")
+        learner = Learner(s, buffer)
+    runs: Dict[str, List[Dict[str, Any]]] = {m: [] for m in modes}
+    for round_ in range(s.repeats):
+        if s.repeats > 1:
+            display.line(f"round {round_ + 1} of {s.repeats}")
+        for mode in modes:
+            r = ModeRun(mode, s, display, store, buffer, learner).run()
+            runs[mode].append(r)
+            if r["tensorflow_in_workers"] and mode in ("shmeval", "queue"):
+                display.line(f"warning: {r['tensorflow_in_workers']} {mode} workers "
+                             "imported TensorFlow")
+    results = {m: combine_runs(rs) for m, rs in runs.items()}
+    wall = time.monotonic() - began
+    display.line()
+    if s.repeats > 1:
+        display.line(f"medians [min-max] of {s.repeats} runs per mode")
+    display.line(format_table(results, s.workers))
+    busy = [m for m, r in results.items() if r["cpu"]["other_cores"] > OTHER_LOAD_WARN]
+    if busy:
+        display.line(f"warning: other programs kept the CPUs busy during the window of "
+                     f"{', '.join(busy)} ('other load', in cores): those figures are skewed")
+    shm_ratios = ratios(results)
+    if shm_ratios:
+        display.line("ratios: " + "; ".join(f"{k} {v:.2f}x" for k, v in shm_ratios.items()))
+    paired = round_ratios(runs)
+    if paired:
+        display.line("round by round: " + "; ".join(
+            f"{k} " + " ".join("-" if v is None else f"{v:.2f}x" for v in vs)
+            for k, vs in paired.items()))
+    for mode, r in results.items():
+        if "train" in r:
+            t = r["train"]
+            lf, ll = t["loss_first"], t["loss_last"]
+            display.line(f"learner: {t['steps']} steps of {t['batch_size']}, {t['pushes']} weight "
+                         f"pushes, model version {r['model_version']}, loss "
+                         + (f"{lf:.3f} (first 10 steps) -> {ll:.3f} (last 10)"
+                            if lf is not None and ll is not None else "- (no training step)"))
+        elif mode == "shmeval":
+            display.line(f"shmeval workers that imported TensorFlow: "
+                         f"{r['tensorflow_in_workers']} of {s.workers}")
+    out: Dict[str, Any] = {
+        "settings": {**asdict(s), "modes": list(modes)}, "machine": machine,
+        "modes": results, "ratios": shm_ratios, "round_ratios": paired, "wall_s": wall,
+        "games_received": len(store), "loaded_samples": len(loaded) if loaded is not None else 0}
+    if games_path:
+        meta = {"settings": out["settings"], "machine": machine}
+        save_games(games_path, store.to_games(meta))
+        display.line(f"games: {len(store):,} finished games, {sum(len(m) for m in store.moves):,} "
+                     f"positions -> {games_path}")
+        out["games_path"] = games_path
+    if json_path:
+        write_json(json_path, out)
+        display.line(f"results: {json_path}")
+    display.line(f"wall time {wall:.0f} s")
+    return out

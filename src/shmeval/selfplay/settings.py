@@ -1,0 +1,115 @@
+"""What a self-play run depends on: :class:`Settings`, recorded in the
+JSON and the games file, and the defaults each mode derives from them."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..backends._device import cpu_bfloat16, gpu_visible
+from ..games.connect4_net import NetConfig
+
+#: The ways the workers reach the net (see :mod:`shmeval.selfplay.modes`).
+MODES = ("shmeval", "queue", "local", "local-batched")
+#: What ``--compare`` runs, in this order.
+COMPARE_MODES = ("shmeval", "queue", "local")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a run depends on (recorded in the JSON and the .npz)."""
+
+    workers: int = 8
+    games_per_worker: int = 16
+    simulations: int = 32
+    seconds: float = 10.0
+    warmup: float = 1.0
+    repeats: int = 1
+    seed: int = 0
+    evaluator_threads: Optional[int] = None
+    serving_threads: int = 2
+    worker_sched: str = "auto"
+    freeze: bool = True
+    precision: str = "auto"
+    max_batch: int = 256
+    pin: bool = False
+    net: NetConfig = field(default_factory=NetConfig)
+    c_puct: float = 1.5
+    dirichlet_alpha: float = 1.0
+    dirichlet_fraction: float = 0.25
+    temperature_moves: int = 10
+    # learner (mode shmeval with train=True)
+    train: bool = False
+    push_every: float = 2.0
+    batch_size: int = 128
+    buffer_size: int = 100_000
+    sample_reuse: float = 4.0
+    learner_threads: int = 1
+
+    def tf_threads(self, mode: str) -> int:
+        """TensorFlow threads of ``mode``'s central evaluator (0: TensorFlow's
+        default): ``evaluator_threads`` when set, else the mode's best on a
+        2-core machine (docs/selfplay.md): 1 for shmeval, whose serving
+        threads run calls on both cores; TensorFlow's default for queue,
+        whose one evaluator thread needs TensorFlow's pool to use both."""
+        if self.evaluator_threads is not None:
+            return self.evaluator_threads
+        return 1 if mode == "shmeval" else 0
+
+    def worker_policy(self, cpus: Optional[int] = None) -> str:
+        """Scheduling policy of every mode's workers, "batch" (``SCHED_BATCH``,
+        :func:`shmeval.use_batch_scheduling`) or "normal": ``worker_sched``
+        when set, else ("auto") batch when the workers outnumber the CPUs
+        (``cpus``, default: those this process may use).  On a 2-core
+        machine with 8 workers batch raises every mode a little
+        (docs/selfplay.md): a woken worker does not preempt the running
+        evaluator or model."""
+        if self.worker_sched != "auto":
+            return self.worker_sched
+        if cpus is None:
+            cpus = len(os.sched_getaffinity(0))
+        return "batch" if self.workers > cpus else "normal"
+
+    def net_precision(self, mode: str) -> str:
+        """What ``mode``'s net computes in, "bfloat16" or "float32":
+        ``precision`` when set, else ("auto") each mode's faster one:
+        bfloat16 when the net is frozen, runs on the CPU (no GPU visible:
+        :func:`shmeval.backends._device.gpu_visible`), the CPU computes in
+        bfloat16 natively (:func:`shmeval.backends._device.cpu_bfloat16`)
+        and the mode calls the net with batches (19-33% less per row from
+        16 rows on); float32 for ``local``, whose calls of one row cost
+        about 9% more in bfloat16 (``bench/tf_model_cost.py --net selfplay
+        --freeze --bfloat16``, docs/performance.md)."""
+        if self.precision != "auto":
+            return self.precision
+        batched = mode != "local"
+        on_cpu = not gpu_visible()
+        return ("bfloat16" if self.freeze and batched and on_cpu and cpu_bfloat16()
+                else "float32")
+
+    def check(self) -> None:
+        if self.workers < 1 or self.games_per_worker < 1 or self.simulations < 1:
+            raise ValueError("workers, games per worker and simulations must be >= 1")
+        if not self.seconds > 0 or self.warmup < 0 or self.repeats < 1:
+            raise ValueError("seconds must be > 0, warmup >= 0 and repeats >= 1")
+        if self.train and self.repeats != 1:
+            raise ValueError("--train runs once (no --repeats)")
+        if (self.evaluator_threads or 0) < 0 or self.learner_threads < 0:
+            raise ValueError("thread counts must be >= 0 (0: TensorFlow's default)")
+        if not 1 <= self.serving_threads <= 8:
+            raise ValueError("serving threads must be from 1 to 8")
+        if self.worker_sched not in ("auto", "normal", "batch"):
+            raise ValueError(f"worker_sched must be auto, normal or batch, "
+                             f"got {self.worker_sched!r}")
+        if self.precision not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"precision must be auto, float32 or bfloat16, "
+                             f"got {self.precision!r}")
+        if self.precision == "bfloat16" and not self.freeze:
+            raise ValueError("bfloat16 needs the frozen net (drop --no-freeze)")
+        if self.precision == "bfloat16" and gpu_visible():
+            raise ValueError("bfloat16 is a rewrite for the CPU, and the net would run on "
+                             "this machine's GPU")
+        if self.push_every <= 0 or self.batch_size < 1 or self.buffer_size < self.batch_size:
+            raise ValueError("need push_every > 0, batch_size >= 1, buffer_size >= batch_size")
+        if self.sample_reuse <= 0:
+            raise ValueError("sample_reuse must be > 0")
