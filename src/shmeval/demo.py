@@ -1,8 +1,8 @@
-"""The round-trip demo: N worker processes evaluate Connect Four-sized states
-through one evaluator serving a small NumPy policy-value network.
-
-It stands in for the self-play demo until that exists; ``shmeval demo`` runs
-it and prints throughput, latency and the evaluator's statistics.
+"""The round-trip demo, ``shmeval demo``: N worker processes evaluate
+Connect Four-sized states one at a time through one evaluator serving a
+small NumPy policy-value network, and it prints throughput, latency and the
+evaluator's statistics.  It needs nothing beyond shmeval itself (no
+TensorFlow): the shortest look at the core at work.
 """
 from __future__ import annotations
 

@@ -222,7 +222,8 @@ def frozen_function(concrete: Any, jit_compile: bool = False) -> Any:
     weights (a batch norm after a convolution becomes the convolution's
     bias) and drops the variable reads, which lowers the fixed cost of a
     call; for the self-play net 17-27% at batches 1-16, nothing by 64
-    (docs/performance.md, finding 27).  Later changes to the variables do
+    (``bench/tf_model_cost.py --net selfplay --freeze``, against the same
+    command without ``--freeze``).  Later changes to the variables do
     not reach the frozen function: freeze again after them.  Without XLA,
     :class:`FrozenGraph` runs the same graph for less per call."""
     graph_def, feed, fetches, structure = _freeze(concrete, "frozen_function")
@@ -266,7 +267,8 @@ class FrozenGraph:
     runs the graph in the caller's thread.  For the self-play demo's net
     (one intra-op thread) a call costs 231 µs at batch 1 and 1.25 ms at
     batch 33, against 0.40 and 1.35 ms for :func:`frozen_function`
-    (docs/performance.md, finding 30).  The ops' own parallelism is
+    (``bench/tf_model_cost.py --net selfplay --styles --batches 1,33``).
+    The ops' own parallelism is
     TensorFlow's process-wide intra-op pool (see :func:`configure`).  Calls
     from several threads at once are safe and run in parallel.  Later
     changes to the variables do not reach the graph: freeze again after
@@ -278,9 +280,11 @@ class FrozenGraph:
     oneDNN can in bfloat16 (TensorFlow's ``auto_mixed_precision_onednn_
     bfloat16`` rewrite: convolutions and matrix products in bfloat16, casts
     around them, float32 in and out).  On a CPU with native bfloat16
-    (:func:`shmeval.procstat.cpu_bfloat16`) the self-play net costs 19-33%
-    less per row from 16 rows on, and about 9% more at one row; its outputs
-    move by up to about 1e-3 (docs/performance.md, finding 31).  The rewrite
+    (:func:`shmeval.backends._device.cpu_bfloat16`) the self-play net costs
+    19-33% less per row from 16 rows on, and about 9% more at one row; its
+    outputs move by up to about 1e-3 (``bench/tf_model_cost.py --net
+    selfplay --freeze --bfloat16``, against the same command without
+    ``--bfloat16``).  The rewrite
     is for the CPU: ops placed on a GPU stay as they are."""
 
     def __init__(self, concrete: Any, bfloat16: bool = False) -> None:
@@ -542,14 +546,14 @@ class TFModel:
             if fn is None:
                 fn = self._general = self._concrete(None)
         if self._sessions:
-            # No output of a FrozenGraph aliases the batch (finding 30).
+            # No output of a FrozenGraph aliases the batch (its docstring says why).
             if self.spec is None:
                 return fn(batch)
             return dict(zip(self._names, fn.run_flat(batch)))
         # Calling style: the concrete function, with a tf.constant copy of the
         # batch (it copies: nothing aliases the evaluator's reused buffer).  The
         # fastest of the ways compared by `bench/tf_model_cost.py --styles`
-        # (figures in docs/performance.md, finding 13).
+        # (figures in docs/performance.md).
         out = fn(tf.constant(batch))
         if self.spec is None:
             return tf.nest.map_structure(lambda t: t.numpy(), out)

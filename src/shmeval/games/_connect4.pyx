@@ -2,8 +2,8 @@
 """The hot part of :mod:`shmeval.games.connect4` in C: ``play``,
 ``terminal_value``, ``legal_moves`` and ``encode_many`` on the module's
 bitboards (see its docstring for the layout).  The search calls the first
-three once per new node and ``encode_many`` once per batch, so in Python
-they were about half of a self-play worker's CPU outside the network.
+three once per new node and ``encode_many`` once per batch: in Python they
+would be about half of a self-play worker's CPU outside the network.
 :mod:`shmeval.games.connect4` exports them under its own names; the
 positions stay its ``State`` named tuples.
 """
