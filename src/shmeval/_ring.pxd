@@ -132,7 +132,3 @@ cdef extern from "ring.h" nogil:
     void shm_control_done(shm_seg *s, uint32_t ticket)
     uint32_t shm_control_pending(shm_seg *s, uint32_t *done)
     void shm_close_and_wake(shm_seg *s, uint32_t final_state)
-
-cdef extern from "ring.h" nogil:
-    int shm_pingpong(void *word, int side, uint64_t rounds, uint64_t *lat,
-                     uint64_t spin_ns, uint64_t timeout_ns, uint64_t *elapsed)

@@ -1,10 +1,7 @@
 """Type stubs of the Cython extension shmeval._ring (thin wrappers of ring.h)."""
-from typing import Sequence, Any, Callable, Optional, TypeVar, Union
+from typing import Sequence, Any, Callable, Optional, Union
 
 import numpy as np
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
 
 LAYOUT_VERSION: int
 SPEC_MAX: int
@@ -31,9 +28,6 @@ def segment_size(in_bytes: int, out_bytes: int, max_clients: int, slots_per_clie
 def now_ns() -> int: ...
 def set_timer_slack_ns(ns: int) -> bool: ...
 def all_finite(a: np.ndarray, rows: int) -> Optional[bool]: ...
-def pingpong(buf: Any, side: int, lat: np.ndarray, spin_ns: int = ...,
-             timeout_ns: int = ...) -> int: ...
-def timed_calls(fn: Callable[[_T], _R], arg: _T, t_end: int, lat: np.ndarray) -> tuple[int, _R]: ...
 
 class Segment:
     name: str
