@@ -37,6 +37,7 @@ from shmeval._util.display import Display
 from shmeval._util.procstat import rss_mb
 from shmeval.backends import _device
 from shmeval.selfplay import report, settings
+from shmeval.selfplay.modes import MODE_CLASSES
 from shmeval.selfplay.pinning import cpu_split
 from shmeval.games import connect4 as c4
 
@@ -452,17 +453,20 @@ def test_net_precision(monkeypatch: Any, tmp_path: Any) -> None:
     # auto: bfloat16 for a frozen net called with batches on a CPU with
     # native bfloat16; local's one-row calls stay float32
     batched = ("shmeval", "queue", "local-batched")
+
+    def precision(mode: str, s: selfplay.Settings) -> str:
+        return MODE_CLASSES[mode](s).precision()
+
     monkeypatch.setattr(settings, "gpu_visible", lambda: False)
     for native in (True, False):
         monkeypatch.setattr(settings, "cpu_bfloat16", lambda native=native: native)
         for mode in batched:
-            assert selfplay.Settings().net_precision(mode) == (
-                "bfloat16" if native else "float32")
-            assert selfplay.Settings(freeze=False).net_precision(mode) == "float32"
-        assert selfplay.Settings().net_precision("local") == "float32"
+            assert precision(mode, selfplay.Settings()) == ("bfloat16" if native else "float32")
+            assert precision(mode, selfplay.Settings(freeze=False)) == "float32"
+        assert precision("local", selfplay.Settings()) == "float32"
         for forced in ("float32", "bfloat16"):
             s = selfplay.Settings(precision=forced)
-            assert {s.net_precision(m) for m in (*batched, "local")} == {forced}
+            assert {precision(m, s) for m in (*batched, "local")} == {forced}
     with pytest.raises(ValueError, match="precision"):
         selfplay.Settings(precision="float16").check()
     with pytest.raises(ValueError, match="no-freeze"):
@@ -480,7 +484,7 @@ def test_net_precision(monkeypatch: Any, tmp_path: Any) -> None:
     # a visible GPU runs the net: auto stays float32, bfloat16 is refused
     monkeypatch.setattr(settings, "cpu_bfloat16", lambda: True)
     monkeypatch.setattr(settings, "gpu_visible", lambda: True)
-    assert selfplay.Settings().net_precision("shmeval") == "float32"
+    assert precision("shmeval", selfplay.Settings()) == "float32"
     with pytest.raises(ValueError, match="GPU"):
         selfplay.Settings(precision="bfloat16").check()
 

@@ -25,7 +25,7 @@ from .pinning import cpu_split
 from .records import GameStore
 from .replay_buffer import ReplayBuffer
 from .report import fmt_rate
-from .settings import MODES, Settings
+from .settings import Settings
 from .worker import (CALLS, EVAL_CPU_NS, EVAL_WALL_NS, EVALS, GAMES, MOVES, N_FLAGS, NF, STOP,
                      worker_main)
 
@@ -53,8 +53,6 @@ class ModeRun:
 
     def __init__(self, mode: str, s: Settings, display: Display, store: GameStore,
                  buffer: Optional[ReplayBuffer] = None, learner: Optional[Learner] = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         self.name = mode
         self.mode = MODE_CLASSES[mode](s)
         self.s = s
@@ -252,7 +250,7 @@ class ModeRun:
             "tensorflow_in_workers": sum(bool(i.get("tensorflow")) for i in self.infos.values()),
             # As the workers reported it: one policy, or "mixed".
             "worker_sched": _one({i.get("sched") for i in self.infos.values()}),
-            "precision": s.net_precision(self.name),
+            "precision": self.mode.precision(),
             "probe": self.infos.get(0, {}).get("probe"),
             "cpu": {
                 "workers_cores": d["cpu_workers"] / dt,

@@ -56,6 +56,8 @@ class Mode:
     #: One evaluator process serves every worker: ``--pin`` gives it a CPU
     #: of its own, and its TensorFlow threads are recorded.
     central = False
+    #: The net is called with batches of rows, not one row at a time.
+    batched = True
 
     def __init__(self, s: Settings) -> None:
         self.s = s
@@ -94,6 +96,10 @@ class Mode:
         """TensorFlow threads of the central evaluator (None: none runs)."""
         return None
 
+    def precision(self) -> str:
+        """What the net computes in (:meth:`Settings.net_precision`)."""
+        return self.s.net_precision(self.batched)
+
     def result(self, d: Snapshot, dt: float) -> Dict[str, Any]:
         """What the mode's result adds, from the counters' change ``d``
         over the window of ``dt`` seconds."""
@@ -112,6 +118,10 @@ class _CentralMode(Mode):
     """A mode with one evaluator process that batches for every worker."""
 
     central = True
+    #: TensorFlow threads unless ``--evaluator-threads`` says otherwise (0:
+    #: TensorFlow's default): the mode's best on a 2-core machine
+    #: (docs/selfplay.md).
+    default_tf_threads = 0
 
     def starting(self) -> str:
         return "the evaluator ..."
@@ -119,8 +129,9 @@ class _CentralMode(Mode):
     def mean_batch(self, a: Snapshot, b: Snapshot) -> Optional[float]:
         return _per(a, b, "requests", "batches")
 
-    def tf_threads(self) -> Optional[int]:
-        return self.s.tf_threads(self.name)
+    def tf_threads(self) -> int:
+        threads = self.s.evaluator_threads
+        return self.default_tf_threads if threads is None else threads
 
     def result(self, d: Snapshot, dt: float) -> Dict[str, Any]:
         nb, rows = d["batches"], d["requests"]
@@ -148,6 +159,9 @@ class ShmevalMode(_CentralMode):
     ``evaluate_many`` round trip through shared memory."""
 
     name = "shmeval"
+    # Its serving threads run calls on both cores; TensorFlow's pools make
+    # each call slower and costlier.
+    default_tf_threads = 1
 
     def __init__(self, s: Settings) -> None:
         super().__init__(s)
@@ -156,9 +170,8 @@ class ShmevalMode(_CentralMode):
     def start(self, ctx: Any, cpus: Optional[set[int]]) -> List[NetLink]:
         s = self.s
         self.ev = Evaluator.spawn(
-            functools.partial(evaluator_model, s.net, s.seed, s.tf_threads(self.name), cpus,
-                              s.serving_threads, s.freeze,
-                              s.net_precision(self.name) == "bfloat16"),
+            functools.partial(evaluator_model, s.net, s.seed, self.tf_threads(), cpus,
+                              s.serving_threads, s.freeze, self.precision() == "bfloat16"),
             input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS, max_batch=s.max_batch,
             max_clients=max(64, s.workers + 8),
             slots_per_client=min(64, max(16, s.games_per_worker)),
@@ -202,6 +215,9 @@ class QueueMode(_CentralMode):
     (:mod:`shmeval.selfplay.queue_evaluator`)."""
 
     name = "queue"
+    # Its one evaluator thread needs TensorFlow's pool to use both cores
+    # (with 16 games per worker the default pools give it 3-5% more).
+    default_tf_threads = 0
 
     def __init__(self, s: Settings) -> None:
         super().__init__(s)
@@ -214,7 +230,8 @@ class QueueMode(_CentralMode):
         self.conn, child_end = ctx.Pipe()
         self.server = start_process(
             ctx, queue_evaluator_main, "selfplay-queue-evaluator",
-            (self.s, self.requests, self.responses, self.counters, child_end, cpus))
+            (self.s, self.tf_threads(), self.requests, self.responses, self.counters, child_end,
+             cpus))
         child_end.close()
         return [QueueLink(i, self.requests, r) for i, r in enumerate(self.responses)]
 

@@ -40,18 +40,19 @@ def evaluator_model(net: NetConfig, seed: int, threads: int,
                    bfloat16=bfloat16)
 
 
-def net_function(tf: Any, model: Any, rows: Optional[int], s: Settings, mode: str
+def net_function(tf: Any, model: Any, rows: Optional[int], s: Settings
                  ) -> Callable[[np.ndarray], Dict[str, np.ndarray]]:
     """The queue and local modes' net, ndarrays in and out: the Keras
-    model's concrete function for batches of ``rows`` (None: any); with
-    ``s.freeze`` its weights folded in and run in the caller's thread by a
-    FrozenGraph (in ``s.net_precision(mode)``), as TFModel(freeze=True)
-    serves it in the shmeval mode."""
+    model's concrete function for batches of ``rows`` (None: any, for
+    batched calls; 1: one row at a time); with ``s.freeze`` its weights
+    folded in and run in the caller's thread by a FrozenGraph (in
+    ``s.net_precision``), as TFModel(freeze=True) serves it in the shmeval
+    mode."""
     fn = tf.function(lambda x: model(x, training=False)).get_concrete_function(
         tf.TensorSpec((rows,) + connect4.INPUT_SHAPE, tf.float32))
     if s.freeze:
         from ..backends.tensorflow import FrozenGraph
-        return FrozenGraph(fn, bfloat16=s.net_precision(mode) == "bfloat16")
+        return FrozenGraph(fn, bfloat16=s.net_precision(batched=rows is None) == "bfloat16")
     constant = tf.constant
 
     def run(x: np.ndarray) -> Dict[str, np.ndarray]:
@@ -68,7 +69,7 @@ def local_net(s: Settings, batched: bool) -> EvaluateBatch:
     tf = import_tensorflow(1)
     model = build_resnet(s.net, seed=s.seed, compile=False)
     rows = None if batched else 1
-    fn = net_function(tf, model, rows, s, "local-batched" if batched else "local")
+    fn = net_function(tf, model, rows, s)
     n_actions = connect4.N_ACTIONS
 
     if batched:

@@ -35,21 +35,22 @@ def _request_rows(request: Tuple[int, bytes]) -> int:
     return len(request[1]) // STATE_BYTES
 
 
-def queue_evaluator_main(s: Settings, requests: Any, responses: List[Any], counters_raw: Any,
-                         conn: Any, cpus: Optional[set[int]] = None) -> None:
+def queue_evaluator_main(s: Settings, tf_threads: int, requests: Any, responses: List[Any],
+                         counters_raw: Any, conn: Any, cpus: Optional[set[int]] = None) -> None:
     """The queue mode's evaluator: batches as :func:`queued_batches` forms
     them (up to ``s.max_batch`` rows), one call of the traced net on the
-    concatenated rows, each worker's rows back on its own queue.  Reports
-    ("ready", pid) or ("error", traceback) on ``conn``; stops at a None
-    request."""
+    concatenated rows, each worker's rows back on its own queue.  The net
+    runs with ``tf_threads`` TensorFlow threads (0: TensorFlow's default).
+    Reports ("ready", pid) or ("error", traceback) on ``conn``; stops at a
+    None request."""
     child_setup()
     pin(cpus)
     try:
         from ..games.connect4_net import build_resnet, import_tensorflow
 
-        tf = import_tensorflow(s.tf_threads("queue") or None)
+        tf = import_tensorflow(tf_threads or None)
         model = build_resnet(s.net, seed=s.seed, compile=False)
-        fn = net_function(tf, model, None, s, "queue")
+        fn = net_function(tf, model, None, s)
         for n in (1, s.workers * s.games_per_worker):
             fn(np.zeros((n,) + connect4.INPUT_SHAPE, np.float32))
     except BaseException:

@@ -26,10 +26,11 @@ from .._util.jsonout import write_json
 from .._util.machine import machine_info
 from .learner import Learner
 from .mode_run import ModeRun
+from .modes import MODE_CLASSES
 from .records import GameStore, load_games, save_games
 from .replay_buffer import ReplayBuffer
 from .report import combine_runs, format_table, ratios, round_ratios
-from .settings import Settings
+from .settings import MODES, Settings
 
 #: CPU cores used by other programs in a window above which the summary warns.
 OTHER_LOAD_WARN = 0.2
@@ -41,6 +42,9 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
     """Runs ``modes`` one after the other with settings ``s``; prints the
     live status and the summary; returns everything the JSON holds."""
     s.check()
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if s.train and list(modes) != ["shmeval"]:
         raise ValueError("--train runs in shmeval mode only (the learner pushes its weights "
                          "into the shmeval evaluator)")
@@ -56,16 +60,17 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         raise ValueError("--load-games seeds the learner's replay buffer: use it with --train")
     loaded = load_games(load_games_path) if load_games_path else None
     net = s.net
+    central = {m: MODE_CLASSES[m](s).tf_threads() for m in ("shmeval", "queue")}
     display.line(
         f"shmeval selfplay: Connect Four, {s.workers} workers x {s.games_per_worker} games, "
         f"{s.simulations} simulations/move; net {net.blocks} residual blocks x {net.filters} "
         f"filters; modes {', '.join(modes)}; {s.seconds:g} s each after {s.warmup:g} s warm-up; "
-        f"central evaluators' TF threads: shmeval {s.tf_threads('shmeval') or 'default'}, "
-        f"queue {s.tf_threads('queue') or 'default'}; workers "
+        f"central evaluators' TF threads: shmeval {central['shmeval'] or 'default'}, "
+        f"queue {central['queue'] or 'default'}; workers "
         f"{'under SCHED_BATCH' if s.worker_policy() == 'batch' else 'scheduled normally'}"
         f"; weights "
         f"{'folded into the graph' if s.freeze else 'in variables'}; net in "
-        + ", ".join(f"{m} {s.net_precision(m)}" for m in modes)
+        + ", ".join(f"{m} {MODE_CLASSES[m](s).precision()}" for m in modes)
         + ("; central evaluator pinned to its own CPU" if s.pin else ""))
     if s.train:
         buffer = ReplayBuffer(s.buffer_size)
@@ -83,7 +88,7 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         for mode in modes:
             r = ModeRun(mode, s, display, store, buffer, learner).run()
             runs[mode].append(r)
-            if r["tensorflow_in_workers"] and mode in ("shmeval", "queue"):
+            if r["tensorflow_in_workers"] and MODE_CLASSES[mode].central:
                 display.line(f"warning: {r['tensorflow_in_workers']} {mode} workers "
                              "imported TensorFlow")
     results = {m: combine_runs(rs) for m, rs in runs.items()}

@@ -46,16 +46,6 @@ class Settings:
     sample_reuse: float = 4.0
     learner_threads: int = 1
 
-    def tf_threads(self, mode: str) -> int:
-        """TensorFlow threads of ``mode``'s central evaluator (0: TensorFlow's
-        default): ``evaluator_threads`` when set, else the mode's best on a
-        2-core machine (docs/selfplay.md): 1 for shmeval, whose serving
-        threads run calls on both cores; TensorFlow's default for queue,
-        whose one evaluator thread needs TensorFlow's pool to use both."""
-        if self.evaluator_threads is not None:
-            return self.evaluator_threads
-        return 1 if mode == "shmeval" else 0
-
     def worker_policy(self, cpus: Optional[int] = None) -> str:
         """Scheduling policy of every mode's workers, "batch" (``SCHED_BATCH``,
         :func:`shmeval.use_batch_scheduling`) or "normal": ``worker_sched``
@@ -70,19 +60,19 @@ class Settings:
             cpus = len(os.sched_getaffinity(0))
         return "batch" if self.workers > cpus else "normal"
 
-    def net_precision(self, mode: str) -> str:
-        """What ``mode``'s net computes in, "bfloat16" or "float32":
-        ``precision`` when set, else ("auto") each mode's faster one:
+    def net_precision(self, batched: bool) -> str:
+        """What the net computes in, "bfloat16" or "float32", in a mode
+        that calls it with batches of rows (``batched``) or one row at a
+        time: ``precision`` when set, else ("auto") the faster one:
         bfloat16 when the net is frozen, runs on the CPU (no GPU visible:
         :func:`shmeval.backends._device.gpu_visible`), the CPU computes in
         bfloat16 natively (:func:`shmeval.backends._device.cpu_bfloat16`)
-        and the mode calls the net with batches (19-33% less per row from
-        16 rows on); float32 for ``local``, whose calls of one row cost
-        about 9% more in bfloat16 (``bench/tf_model_cost.py --net selfplay
-        --freeze --bfloat16``, docs/performance.md)."""
+        and the calls are batched (19-33% less per row from 16 rows on);
+        float32 for calls of one row, which cost about 9% more in bfloat16
+        (``bench/tf_model_cost.py --net selfplay --freeze --bfloat16``,
+        docs/performance.md)."""
         if self.precision != "auto":
             return self.precision
-        batched = mode != "local"
         on_cpu = not gpu_visible()
         return ("bfloat16" if self.freeze and batched and on_cpu and cpu_bfloat16()
                 else "float32")
