@@ -108,3 +108,17 @@ def slow_fake_factory(seconds: float) -> Callable[[np.ndarray], dict[str, np.nda
     import functools
 
     return functools.partial(slow_fake_model, seconds=seconds)
+
+
+def gen(seg: Any, c: int, k: int) -> int:
+    """A slot's generation now (low-level Segment tests): what a client that
+    began the slot's current request names in its wait, fetch and release
+    (the tests of stale generations pass others on purpose)."""
+    return int(seg.slot_state(c, k)[2])
+
+
+def is_final(seg: Any, c: int, k: int) -> bool:
+    """The slot holds an answer (DONE) or an error (FAILED)."""
+    from shmeval import _ring
+
+    return seg.slot_state(c, k)[0] in (_ring.DONE, _ring.FAILED)

@@ -55,6 +55,7 @@ cdef extern from "ring.h" nogil:
         SHM_CLOSED
         SHM_E_STATE
         SHM_CONTROL
+        SHM_STALE
         SLOT_FREE
         SLOT_WRITING
         SLOT_READY
@@ -73,30 +74,31 @@ cdef extern from "ring.h" nogil:
 
     int shm_layout_compute(const shm_params *p, shm_layout *l)
     int shm_init(shm_seg *s, char *base, uint64_t size, const shm_params *p,
-                 const char *spec, uint32_t spec_len, int32_t owner_pid)
+                 const char *spec, uint32_t spec_len, int32_t owner_pid,
+                 uint64_t pid_ns, uint64_t time_ns)
     int shm_attach(shm_seg *s, char *base, uint64_t size)
     uint64_t shm_now_ns()
 
-    int shm_client_register(shm_seg *s, int32_t pid, uint64_t starttime)
+    int shm_client_register(shm_seg *s, int32_t pid, uint64_t starttime, uint64_t pid_ns)
     void shm_client_detach(shm_seg *s, uint32_t c)
-    int32_t shm_client_info(shm_seg *s, uint32_t c, uint64_t *starttime,
+    int32_t shm_client_info(shm_seg *s, uint32_t c, uint64_t *starttime, uint64_t *pid_ns,
                             uint32_t *detached)
     int shm_client_reclaim(shm_seg *s, uint32_t c)
 
-    int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k)
+    int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k, int32_t pid, uint32_t *gen)
     void shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k)
     void shm_notify_evaluator(shm_seg *s, uint32_t count)
-    int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
+    int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
                       uint64_t timeout_ns)
     ctypedef struct shm_ticker:
         uint32_t c
         uint64_t period_ns
         int running
-    int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
-                             uint64_t timeout_ns, shm_ticker *t)
+    int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen,
+                             uint64_t spin_ns, uint64_t timeout_ns, shm_ticker *t)
     int shm_ticker_start(shm_ticker *t, const shm_seg *s, uint32_t c, uint64_t period_ns)
     void shm_ticker_stop(shm_ticker *t)
-    int shm_slot_release(shm_seg *s, uint32_t c, uint32_t k)
+    int shm_slot_release(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen)
     uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k)
     char *shm_slot_in(const shm_seg *s, uint32_t c, uint32_t k)
     char *shm_slot_out(const shm_seg *s, uint32_t c, uint32_t k)
@@ -127,6 +129,8 @@ cdef extern from "ring.h" nogil:
     uint32_t shm_clients_hwm(shm_seg *s)
     const char *shm_spec(shm_seg *s, uint32_t *len)
     int32_t shm_owner_pid(shm_seg *s)
+    uint64_t shm_pid_ns(shm_seg *s)
+    uint64_t shm_time_ns(shm_seg *s)
     void shm_request_close(shm_seg *s)
     uint32_t shm_request_control(shm_seg *s)
     void shm_control_done(shm_seg *s, uint32_t ticket)

@@ -64,7 +64,7 @@ pthread_atfork(NULL, NULL, _after_fork_in_child)
 
 from shmeval._ring cimport *
 
-from shmeval.errors import SegmentError, ShmevalError, ClientTableFull
+from shmeval.errors import ClientTableFull, EvaluatorClosed, SegmentError, ShmevalError
 
 cnp.import_array()
 
@@ -77,6 +77,8 @@ FAILED = SLOT_FAILED
 TIMEOUT = SHM_TIMEOUT
 CLOSED = SHM_CLOSED
 CONTROL = SHM_CONTROL
+STALE = SHM_STALE  # the slot was reclaimed: what it holds is not the caller's
+E_STATE = SHM_E_STATE  # release(): the slot is not final (still in flight)
 
 # What Server.serve() returns to the Python serving loop for.
 SERVE_IDLE = 0
@@ -108,6 +110,8 @@ _MESSAGES = {
     SHM_E_PARAMS: "segment header holds inconsistent or out-of-range parameters",
     SHM_E_SPEC: "segment spec is corrupt (checksum mismatch)",
     SHM_E_STATE: "slot is not in the expected state (protocol violation)",
+    SHM_STALE: "this process's client entry was reclaimed (the handle was closed here, "
+               "or the evaluator judged this process gone)",
 }
 
 
@@ -206,7 +210,6 @@ cdef class Segment:
     cdef Py_ssize_t *out_at       # where output j's shape starts in out_shape
     cdef list out_float    # float or complex kind
     cdef bint out_native   # every output a native built-in dtype: matched by type number
-    cdef uint32_t *gen_of  # generation of each slot when this process began it
     cdef shm_ticker *ticker  # this process's ticker (start_ticker), or NULL
     cdef int ticker_pid      # the process that started it
     cdef list old_tickers    # stopped ones (addresses), freed with the segment
@@ -220,23 +223,18 @@ cdef class Segment:
         if self.addr != NULL:
             munmap(self.addr, self.size)
         self._free_outputs()
-        free(self.gen_of)
 
-    cdef int _alloc_gens(self) except -1:
-        self.gen_of = <uint32_t *>calloc(
-            <size_t>self.seg.p.max_clients * self.seg.p.slots_per_client, sizeof(uint32_t))
-        if self.gen_of == NULL:
-            raise MemoryError()
-        return 0
-
-    cdef int _begin(self, uint32_t c, uint32_t k) except -1:
-        """FREE -> WRITING, remembering the slot's generation: _fetch reads
-        an answer only while the generation is unchanged, i.e. the slot was
-        not reclaimed (and perhaps reused by another process) meanwhile."""
-        _check(shm_slot_begin(&self.seg, c, k), "begin")
-        self.gen_of[c * self.seg.p.slots_per_client + k] = \
-            shm_slot_peek(&self.seg, c, k) >> SLOT_GEN_SHIFT
-        return 0
+    cdef uint32_t _begin(self, uint32_t c, uint32_t k) except? 0xffffffff:
+        """FREE -> WRITING for this process; returns the slot's generation,
+        which every later step of the request names (wait, fetch, release):
+        a slot reclaimed meanwhile, and perhaps reused by another process,
+        is then never read or released as this request's."""
+        cdef uint32_t gen = 0
+        cdef int rc = shm_slot_begin(&self.seg, c, k, _current_pid, &gen)
+        if rc == SHM_STALE:
+            raise EvaluatorClosed(_MESSAGES[SHM_STALE])
+        _check(rc, "begin")
+        return gen
 
     cdef int _map(self, int fd, uint64_t size) except -1:
         cdef void *a
@@ -252,8 +250,9 @@ cdef class Segment:
 
     @staticmethod
     def create(int fd, uint64_t size, in_bytes, out_bytes, max_clients, slots_per_client,
-               max_batch, bytes spec, int owner_pid, name):
-        """Maps a new zero-filled segment (fd) and formats it."""
+               max_batch, bytes spec, int owner_pid, uint64_t pid_ns, uint64_t time_ns, name):
+        """Maps a new zero-filled segment (fd) and formats it for the owner
+        process in the given pid and time namespaces."""
         cdef Segment self = Segment.__new__(Segment)
         cdef shm_params p
         self.name = name
@@ -261,9 +260,8 @@ cdef class Segment:
         if len(spec) > SHM_SPEC_MAX:
             raise ValueError("spec is %d bytes, the header holds %d" % (len(spec), SHM_SPEC_MAX))
         self._map(fd, size)
-        _check(shm_init(&self.seg, self.addr, size, &p, spec, len(spec), owner_pid),
-               "create %s" % name)
-        self._alloc_gens()
+        _check(shm_init(&self.seg, self.addr, size, &p, spec, len(spec), owner_pid, pid_ns,
+                        time_ns), "create %s" % name)
         return self
 
     @staticmethod
@@ -275,7 +273,6 @@ cdef class Segment:
             _check(SHM_E_TOO_SMALL, "attach %s" % name)
         self._map(fd, size)
         _check(shm_attach(&self.seg, self.addr, size), "attach %s" % name)
-        self._alloc_gens()
         return self
 
     def set_outputs(self, tuple outputs):
@@ -349,6 +346,16 @@ cdef class Segment:
     def owner_pid(self):
         return shm_owner_pid(&self.seg)
 
+    @property
+    def pid_ns(self):
+        """The creator's pid namespace (inode of /proc/<pid>/ns/pid; 0 unknown)."""
+        return shm_pid_ns(&self.seg)
+
+    @property
+    def time_ns(self):
+        """The creator's time namespace (inode of /proc/<pid>/ns/time; 0 unknown)."""
+        return shm_time_ns(&self.seg)
+
     def ev_state(self):
         return shm_ev_state(&self.seg)
 
@@ -390,9 +397,11 @@ cdef class Segment:
         return d
 
     # ---------------------------------------------------------------- client
-    def register(self, int32_t pid, uint64_t starttime):
-        """Claims a client-table entry; returns its index."""
-        return _check(shm_client_register(&self.seg, pid, starttime), "register client")
+    def register(self, int32_t pid, uint64_t starttime, uint64_t pid_ns):
+        """Claims a client-table entry for a process (its /proc start time
+        and pid namespace, 0 when unknown); returns its index."""
+        return _check(shm_client_register(&self.seg, pid, starttime, pid_ns),
+                      "register client")
 
     def detach(self, uint32_t c):
         self._client(c)
@@ -467,19 +476,21 @@ cdef class Segment:
 
     def post(self, uint32_t c, list slots, cnp.ndarray rows, Py_ssize_t row0):
         """Copies rows[row0 + i] into slots[i], publishes them all, then rings
-        the evaluator's doorbell once.  rows must be C-contiguous with rows of
-        in_bytes each (the client layer guarantees it)."""
+        the evaluator's doorbell once; returns the slots' generations.  rows
+        must be C-contiguous with rows of in_bytes each (the client layer
+        guarantees it)."""
         cdef uint64_t inb = self.seg.p.in_bytes
         cdef Py_ssize_t i, n = len(slots)
         cdef uint32_t k
         cdef char *src = <char *>cnp.PyArray_DATA(rows)
+        cdef list gens = []
         if not cnp.PyArray_IS_C_CONTIGUOUS(rows) or \
                 <uint64_t>cnp.PyArray_NBYTES(rows) < <uint64_t>(row0 + n) * inb:
             raise ValueError("rows buffer too small or not C-contiguous")
         for i in range(n):
-            k = slots[i]
-            self._slot(c, k)
-            self._begin(c, k)
+            self._slot(c, slots[i])
+        for i in range(n):
+            gens.append(self._begin(c, slots[i]))
         for i in range(n):
             k = slots[i]
             shm_copy(shm_slot_in(&self.seg, c, k), src + (row0 + i) * inb, inb)
@@ -489,15 +500,22 @@ cdef class Segment:
             shm_slot_publish(&self.seg, c, <uint32_t>slots[i])
         with nogil:
             shm_notify_evaluator(&self.seg, <uint32_t>n)
+        return gens
 
-    def wait(self, uint32_t c, uint32_t k, uint64_t spin_ns, uint64_t timeout_ns,
-             uint32_t ncpu):
-        """Waits for slot (c, k) to finish, spinning first as _spin_policy
-        says (plain while the attached clients plus the evaluator fit on the
-        cores, yielding when they are one more).  Returns DONE, FAILED,
-        TIMEOUT or CLOSED."""
+    def begin(self, uint32_t c, uint32_t k):
+        """FREE -> WRITING for this process (post() begins, copies and
+        publishes); returns the slot's generation.  For tests and tools."""
         self._slot(c, k)
-        return self._wait(c, k, spin_ns, timeout_ns, ncpu)
+        return self._begin(c, k)
+
+    def wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns, uint64_t timeout_ns,
+             uint32_t ncpu):
+        """Waits for slot (c, k), begun with generation gen, to finish,
+        spinning first as _spin_policy says (plain while the attached clients
+        plus the evaluator fit on the cores, yielding when they are one
+        more).  Returns DONE, FAILED, TIMEOUT, CLOSED or STALE."""
+        self._slot(c, k)
+        return self._wait(c, k, gen, spin_ns, timeout_ns, ncpu)
 
     def client_spin(self, uint64_t spin_ns, uint32_t ncpu):
         """_spin, the budget a client's wait uses now, for tests."""
@@ -510,48 +528,51 @@ cdef class Segment:
         process more than CPUs."""
         return _spin_policy(spin_ns, shm_n_attached(&self.seg) + 1, ncpu)
 
-    cdef int _wait(self, uint32_t c, uint32_t k, uint64_t spin_ns, uint64_t timeout_ns,
-                   uint32_t ncpu):
+    cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
+                   uint64_t timeout_ns, uint32_t ncpu):
         cdef int rc
         cdef shm_ticker *t = self._ticker_for(c, timeout_ns)
         spin_ns = self._spin(spin_ns, ncpu)
         if shm_only_python_thread():  # nobody else wants the GIL: keep it
-            return shm_slot_wait_ticked(&self.seg, c, k, spin_ns, timeout_ns, t)
+            return shm_slot_wait_ticked(&self.seg, c, k, gen, spin_ns, timeout_ns, t)
         with nogil:
-            rc = shm_slot_wait_ticked(&self.seg, c, k, spin_ns, timeout_ns, t)
+            rc = shm_slot_wait_ticked(&self.seg, c, k, gen, spin_ns, timeout_ns, t)
         return rc
 
-    def fetch(self, uint32_t c, uint32_t k, list dst, Py_ssize_t row):
+    def fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row):
         """Copies a finished slot's outputs into dst[j][row] and frees the slot.
-        Returns the model version (DONE) or the error text as str (FAILED)."""
+        Returns the model version (DONE), the error text as str (FAILED), or
+        STALE when the slot was reclaimed (nothing is delivered)."""
         self._slot(c, k)
-        return self._fetch(c, k, dst, row)
+        return self._fetch(c, k, gen, dst, row)
 
-    def answer(self, uint32_t c, uint32_t k, list dst, Py_ssize_t row, uint64_t spin_ns,
-               uint64_t timeout_ns, uint32_t ncpu):
+    def answer(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
+               uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu):
         """wait() then fetch() in one call (the hot path).  Returns the model
-        version (>= 0), the error text (str), or TIMEOUT / CLOSED (< 0) with
-        the slot still in flight."""
+        version (>= 0), the error text (str), or TIMEOUT / CLOSED / STALE
+        (< 0); after TIMEOUT and CLOSED the slot is still in flight."""
         cdef int rc
         self._slot(c, k)
-        rc = self._wait(c, k, spin_ns, timeout_ns, ncpu)
+        rc = self._wait(c, k, gen, spin_ns, timeout_ns, ncpu)
         if rc < 0:
             return rc
-        return self._fetch(c, k, dst, row)
+        return self._fetch(c, k, gen, dst, row)
 
-    cdef object _fetch(self, uint32_t c, uint32_t k, list dst, Py_ssize_t row,
+    cdef object _fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
                        bint trusted=False):
-        """trusted: dst are arrays of the declared outputs (ClientPort made
-        or checked them), so their size needs no check."""
+        """Copies out the answer of the request begun with generation gen and
+        releases the slot; STALE (and nothing delivered) when the slot was
+        reclaimed before or during the copy: the release validates the copy
+        (shm_slot_release).  trusted: dst are arrays of the declared outputs
+        (ClientPort made or checked them), so their size needs no check."""
         cdef uint32_t j, st, w
+        cdef int rc
         cdef shm_slot_meta *m
         cdef char *out
         cdef cnp.ndarray a
         w = shm_slot_peek(&self.seg, c, k)
-        if w >> SLOT_GEN_SHIFT != self.gen_of[c * self.seg.p.slots_per_client + k]:
-            # Reclaimed after this process detached the entry: whatever the
-            # slot holds now is not our answer (and not ours to release).
-            return SHM_CLOSED
+        if w >> SLOT_GEN_SHIFT != gen:
+            return SHM_STALE  # not worth a copy
         st = w & SLOT_STATE_MASK
         m = shm_meta(&self.seg, c, k)
         out = shm_slot_out(&self.seg, c, k)
@@ -570,17 +591,18 @@ cdef class Segment:
             result = out[:min(m.err_len, self.seg.l.out_area)].decode("utf-8", "replace")
         else:
             _check(SHM_E_STATE, "fetch")
-        _check(shm_slot_release(&self.seg, c, k), "fetch")
+        rc = shm_slot_release(&self.seg, c, k, gen)
+        if rc == SHM_STALE:
+            return SHM_STALE  # reclaimed during the copy: the copy is not ours
+        _check(rc, "fetch")
         return result
 
-    def is_final(self, uint32_t c, uint32_t k):
+    def release(self, uint32_t c, uint32_t k, uint32_t gen):
+        """Frees a finished slot begun with generation gen without reading
+        it (abandoned requests).  Returns 0; STALE, the slot was reclaimed
+        and is not ours any more; or E_STATE, still in flight."""
         self._slot(c, k)
-        return (shm_slot_peek(&self.seg, c, k) & SLOT_STATE_MASK) in (SLOT_DONE, SLOT_FAILED)
-
-    def release(self, uint32_t c, uint32_t k):
-        """Frees a finished slot without reading it (abandoned requests)."""
-        self._slot(c, k)
-        return shm_slot_release(&self.seg, c, k) == SHM_OK
+        return shm_slot_release(&self.seg, c, k, gen)
 
     def slot_state(self, uint32_t c, uint32_t k):
         """(state, waiter bit, generation) of a slot, for tests and debugging."""
@@ -597,22 +619,27 @@ cdef class Segment:
             shm_close_and_wake(&self.seg, final_state)
 
     def clients(self):
-        """[(index, pid, starttime, detached)] of every claimed entry."""
+        """[(index, pid, starttime, pid_ns, detached)] of every claimed entry."""
         cdef uint32_t c, det
-        cdef uint64_t st
+        cdef uint64_t st, pid_ns
         cdef int32_t pid
         out = []
         for c in range(shm_clients_hwm(&self.seg)):
-            pid = shm_client_info(&self.seg, c, &st, &det)
+            pid = shm_client_info(&self.seg, c, &st, &pid_ns, &det)
             if pid != 0:
-                out.append((c, pid, st, bool(det)))
+                out.append((c, pid, st, pid_ns, bool(det)))
         return out
 
     def reclaim(self, uint32_t c):
-        """Evaluator only, between batches: frees a dead or detached client's
-        entry and slots; returns how many slots were stranded mid-write."""
+        """Evaluator only, with no batch in flight: frees a dead or detached
+        client's entry and slots; returns how many slots were stranded
+        mid-write, or None (nothing changed) when a slot of the entry is in
+        a batch: the core refuses, since completing that batch relies on no
+        reclaim happening meanwhile."""
+        cdef int rc
         self._client(c)
-        return shm_client_reclaim(&self.seg, c)
+        rc = shm_client_reclaim(&self.seg, c)
+        return None if rc == SHM_E_STATE else rc
 
     def request_control(self):
         """Controller side: asks the serving loop to handle one control
@@ -636,12 +663,13 @@ cdef class Segment:
         shm_stat_inc(&self.seg, STAT_INDEX[name], v)
 
 
-cdef inline int _publish_and_wait(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
-                                  uint64_t timeout_ns, shm_ticker *t) noexcept nogil:
+cdef inline int _publish_and_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen,
+                                  uint64_t spin_ns, uint64_t timeout_ns,
+                                  shm_ticker *t) noexcept nogil:
     """Hands slot (c, k) to the evaluator and waits for its answer."""
     shm_slot_publish(s, c, k)
     shm_notify_evaluator(s, 1)
-    return shm_slot_wait_ticked(s, c, k, spin_ns, timeout_ns, t)
+    return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, t)
 
 
 cdef class ClientPort:
@@ -674,7 +702,7 @@ cdef class ClientPort:
     cdef int pid          # the process this port's client entry belongs to
     cdef public bint retired   # closed: takes no new request (see Client.close)
     cdef public bint detached  # its client entry is detached: waiters give up
-    cdef public list abandoned # slots whose waiting thread gave up early
+    cdef public list abandoned # (slot, generation) of requests whose waiter gave up early
 
     def __cinit__(self, Segment seg, uint32_t c, list free, object in_dtype, tuple in_shape,
                   uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu, object notify):
@@ -703,10 +731,11 @@ cdef class ClientPort:
 
     def evaluate(self, object state):
         """Returns the result dict; the error text (str) when the batch
-        failed; a tuple (status, slot, outputs) when the wait timed out or the
-        evaluator closed (the slot is still in flight); or None when the fast
-        path does not apply (the caller takes the general path), which
-        includes a call from a forked child of the registering process."""
+        failed; a tuple (status, slot, generation, outputs) when the wait
+        timed out, the evaluator closed (the slot is still in flight) or the
+        slot was reclaimed (status STALE); or None when the fast path does
+        not apply (the caller takes the general path), which includes a call
+        from a forked child of the registering process."""
         return self._evaluate(state, False)
 
     def evaluate_versioned(self, object state):
@@ -715,7 +744,7 @@ cdef class ClientPort:
 
     cdef object _evaluate(self, object state, bint versioned):
         cdef cnp.ndarray a
-        cdef uint32_t k, j
+        cdef uint32_t k, j, gen
         cdef int rc, i
         cdef uint64_t spin
         cdef shm_ticker *t
@@ -755,7 +784,7 @@ cdef class ClientPort:
                 for j in range(self.seg.n_out):
                     outs.append(cnp.PyArray_EMPTY(self.seg.out_nd[j], self.seg._out_dims(j),
                                                   self.seg.out_type[j], 0))
-            self.seg._begin(self.c, k)
+            gen = self.seg._begin(self.c, k)
         except BaseException:
             self.free.append(k)
             raise
@@ -767,15 +796,15 @@ cdef class ClientPort:
             # The process's only Python thread: no one else wants the GIL, and
             # releasing and taking it back was about 5% of a worker's CPU time
             # with 16 workers on 2 cores (docs/performance.md, finding 20).
-            rc = _publish_and_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns, t)
+            rc = _publish_and_wait(&self.seg.seg, self.c, k, gen, spin, self.timeout_ns, t)
         else:
             with nogil:
-                rc = _publish_and_wait(&self.seg.seg, self.c, k, spin, self.timeout_ns, t)
+                rc = _publish_and_wait(&self.seg.seg, self.c, k, gen, spin, self.timeout_ns, t)
         if rc < 0:
-            return (rc, k, outs)
-        r = self.seg._fetch(self.c, k, outs, 0, True)
+            return (rc, k, gen, outs)
+        r = self.seg._fetch(self.c, k, gen, outs, 0, True)
         if type(r) is int and r < 0:  # the slot was reclaimed: not ours any more
-            return (r, k, outs)
+            return (r, k, gen, outs)
         self.give_back(k)
         if type(r) is str:
             return r
@@ -798,9 +827,10 @@ cdef class ClientPort:
         (dict, versions)); the error text (str) when a row's batch failed; a
         tuple (status, row, slots, outs, versions, exception, error) when a wait
         timed out, the evaluator closed, a slot was reclaimed or something
-        raised after the rows were posted (``slots`` are the rows' slots
-        from ``row`` on, still in flight; ``error`` the text of an earlier
-        row's failed batch, or None); or None before anything was
+        raised after the rows were posted (``slots`` are the (slot,
+        generation) pairs of the rows from ``row`` on, still in flight;
+        ``error`` the text of an earlier row's failed batch, or None); or
+        None before anything was
         posted when the fast path does not apply.  One call instead of the
         Python of ``Client._roundtrip`` around a post and a wait per row:
         that Python was about 20 us of CPU per call with 8 workers on 2
@@ -808,6 +838,7 @@ cdef class ClientPort:
         cdef cnp.ndarray a
         cdef Py_ssize_t n, i, j, d
         cdef uint32_t ks[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef uint32_t gens[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint32_t k
         cdef uint64_t inb
         cdef int rc
@@ -856,7 +887,7 @@ cdef class ClientPort:
         i = 0
         try:
             for i in range(n):
-                self.seg._begin(self.c, ks[i])
+                gens[i] = self.seg._begin(self.c, ks[i])
         except BaseException:
             for i in range(n):
                 self.free.append(ks[i])
@@ -873,12 +904,14 @@ cdef class ClientPort:
         try:
             while i < n:
                 k = ks[i]
-                rc = self.seg._wait(self.c, k, self.spin_ns, self.timeout_ns, self.ncpu)
+                rc = self.seg._wait(self.c, k, gens[i], self.spin_ns, self.timeout_ns, self.ncpu)
                 if rc < 0:
-                    return (rc, i, [ks[d] for d in range(i, n)], outs, versions, None, error)
-                r = self.seg._fetch(self.c, k, outs, i, True)
+                    return (rc, i, [(ks[d], gens[d]) for d in range(i, n)], outs, versions,
+                            None, error)
+                r = self.seg._fetch(self.c, k, gens[i], outs, i, True)
                 if type(r) is int and <int>r < 0:  # reclaimed: not ours any more
-                    return (r, i, [ks[d] for d in range(i, n)], outs, versions, None, error)
+                    return (r, i, [(ks[d], gens[d]) for d in range(i, n)], outs, versions,
+                            None, error)
                 self.give_back(k)
                 if type(r) is str:
                     error = r  # the last failed row's, as in Client._answer_posted
@@ -886,7 +919,8 @@ cdef class ClientPort:
                     (<int64_t *>cnp.PyArray_DATA(versions))[i] = <int64_t>r
                 i += 1
         except BaseException as e:
-            return (SHM_E_STATE, i, [ks[d] for d in range(i, n)], outs, versions, e, error)
+            return (SHM_E_STATE, i, [(ks[d], gens[d]) for d in range(i, n)], outs, versions, e,
+                    error)
         if error is not None:
             return error
         result = {}
@@ -1144,11 +1178,19 @@ cdef class ServeGroup:
             PyThread_acquire_lock(self.lock, WAIT_LOCK)
 
     def quiesce(self):
-        """Waits (GIL released between checks) until no member holds a batch,
-        or stop is set.  Call holding the lock, with no batch of your own."""
-        while self.in_flight and not self.stop:
+        """Waits (GIL released between checks) until no member holds a
+        batch, and returns True.  Returns False instead once stop is set
+        while batches are still in flight (a member that failed stops the
+        group; its batch may never finish): the caller must then only stop,
+        doing nothing that needs quiet, such as reclaiming a client entry
+        (whose slots a batch in flight may still complete) or a weight
+        update.  Call holding the lock, with no batch of your own."""
+        while self.in_flight:
+            if self.stop:
+                return False
             with nogil:
                 usleep(20)
+        return True
 
 
 cdef class Server:

@@ -115,7 +115,8 @@ class Client(_ring.ClientBase):
                 return self._c
             seg = self._attach()
             self._check_state(seg)
-            c = seg.register(pid, segment.process_starttime(pid) or 0)
+            c = seg.register(pid, segment.process_starttime(pid) or 0,
+                             segment.namespaces().pid)
             spec = self.spec
             # The port holds this entry's free-slot list and abandoned slots.
             self._port = _ring.ClientPort(
@@ -162,13 +163,14 @@ class Client(_ring.ClientBase):
         else:
             if isinstance(r, str):
                 raise ModelError(r)
-            rc, k, outs = r  # the wait timed out or the evaluator closed
+            # The wait timed out, the evaluator closed, or the slot was reclaimed.
+            rc, k, gen, outs = r
             seg = self._seg
             assert seg is not None and port is not None
             try:
-                r = self._wait_slow(seg, port, k, outs, 0, rc)
+                r = self._wait_slow(seg, port, k, gen, outs, 0, rc)
             except BaseException:
-                self._give_back(port, [], [k])
+                self._give_back(port, [], [(k, gen)])
                 raise
             self._give_back(port, [k], [])
             if isinstance(r, str):
@@ -216,8 +218,8 @@ class Client(_ring.ClientBase):
         else:
             if isinstance(r, str):
                 raise ModelError(r)
-            # Rows from `row` on are in flight in `slots`; `error`: an earlier
-            # row's batch failed.
+            # Rows from `row` on are in flight in `slots` ((slot, generation)
+            # pairs); `error`: an earlier row's batch failed.
             rc, row, slots, outs, versions, exc, error = r
             assert port is not None
             if exc is not None:
@@ -353,21 +355,26 @@ class Client(_ring.ClientBase):
 
     def _recover_abandoned(self, port: "_ring.ClientPort") -> None:
         # Slots of requests whose waiting thread was interrupted: they come
-        # back once the evaluator has finished with them.  Lock held.
+        # back once the evaluator has finished with them (or once they were
+        # reclaimed: the entry is then unusable, and its next begin says so).
+        # Lock held.
         seg = self._seg
         assert seg is not None
         if port.detached:
             return
         still = []
-        for k in port.abandoned:
-            if seg.is_final(port.c, k) and seg.release(port.c, k):
+        for k, gen in port.abandoned:
+            if seg.release(port.c, k, gen) in (0, _ring.STALE):
                 port.free.append(k)
             else:
-                still.append(k)
+                still.append((k, gen))
         port.abandoned[:] = still
 
     def _give_back(self, port: "_ring.ClientPort", slots: List[int],
-                   abandoned: List[int]) -> None:
+                   abandoned: List[tuple[int, int]]) -> None:
+        """Returns slots to the free list, and requests in flight (slot,
+        generation) to the abandoned list, whose slots come back once
+        answered."""
         port.free.extend(slots)
         if abandoned:
             with self._lock:
@@ -379,19 +386,25 @@ class Client(_ring.ClientBase):
         with self._lock:
             self._slot_freed.notify_all()
 
-    def _wait_slow(self, seg: "_ring.Segment", port: "_ring.ClientPort", k: int,
+    def _wait_slow(self, seg: "_ring.Segment", port: "_ring.ClientPort", k: int, gen: int,
                    outs: List[np.ndarray], row: int, rc: int) -> int | str:
-        """After a wait timed out (rc): check the evaluator, wait again."""
+        """After a wait ended without an answer (rc: timed out, closed, or
+        the slot was reclaimed): check the evaluator, wait again or raise."""
         spin_ns = int(self._spin_us * 1000)
         c = port.c
         while True:
             self._check_port(port, detached=True)
+            if rc == _ring.STALE:
+                raise EvaluatorClosed(
+                    f"{self}: this process's client entry was reclaimed while a request "
+                    "waited (the handle was closed here, or the evaluator judged this "
+                    "process gone)")
             if rc == _ring.CLOSED:
                 self._check_state(seg)
                 raise EvaluatorClosed(f"the evaluator serving {self._address} "
                                       "closed before answering")
             self._check_alive(seg)
-            r = seg.answer(c, k, outs, row, spin_ns, WAIT_TIMEOUT_NS, self._ncpu)
+            r = seg.answer(c, k, gen, outs, row, spin_ns, WAIT_TIMEOUT_NS, self._ncpu)
             if type(r) is not int or r >= 0:
                 return r
             rc = r
@@ -413,44 +426,46 @@ class Client(_ring.ClientBase):
             try:
                 if seg.ev_state() >= _ring.CLOSING:
                     self._check_state(seg)
-                seg.post(c, slots, a, done)
+                gens = seg.post(c, slots, a, done)
             except BaseException:
                 self._give_back(port, slots, [])
                 raise
-            error = self._answer_posted(port, slots, outs, done, versions) or error
+            error = self._answer_posted(port, list(zip(slots, gens)), outs, done,
+                                        versions) or error
             done += m
         if error is not None:
             raise ModelError(error)
 
-    def _answer_posted(self, port: "_ring.ClientPort", slots: List[int], outs: List[np.ndarray],
-                       row: int, versions: Optional[np.ndarray],
+    def _answer_posted(self, port: "_ring.ClientPort", slots: List[tuple[int, int]],
+                       outs: List[np.ndarray], row: int, versions: Optional[np.ndarray],
                        rc: Optional[int] = None) -> Optional[str]:
-        """Waits for and fetches posted slots: slots[i] holds row + i.  rc:
-        how the wait for slots[0] already ended (timed out, closed or
-        reclaimed: the fast path of evaluate_many handing over), or None.
-        Gives every slot back (those not answered as abandoned) and returns
-        the error text of the last failed row, or None."""
+        """Waits for and fetches posted requests: slots[i] = (slot,
+        generation) holds row + i.  rc: how the wait for slots[0] already
+        ended (timed out, closed or reclaimed: the fast path of
+        evaluate_many handing over), or None.  Gives every slot back (those
+        not answered as abandoned) and returns the error text of the last
+        failed row, or None."""
         seg = self._seg
         assert seg is not None
         spin_ns = int(self._spin_us * 1000)
         error: Optional[str] = None
         fetched = 0
         try:
-            for k in slots:
+            for k, gen in slots:
                 if fetched == 0 and rc is not None:
                     r: Any = rc
                 else:
-                    r = seg.answer(port.c, k, outs, row + fetched, spin_ns, WAIT_TIMEOUT_NS,
-                                   self._ncpu)
+                    r = seg.answer(port.c, k, gen, outs, row + fetched, spin_ns,
+                                   WAIT_TIMEOUT_NS, self._ncpu)
                 if type(r) is int and r < 0:
-                    r = self._wait_slow(seg, port, k, outs, row + fetched, r)
+                    r = self._wait_slow(seg, port, k, gen, outs, row + fetched, r)
                 if type(r) is str:
                     error = r
                 elif versions is not None:
                     versions[row + fetched] = r
                 fetched += 1
         finally:
-            self._give_back(port, slots[:fetched], slots[fetched:])
+            self._give_back(port, [k for k, _ in slots[:fetched]], slots[fetched:])
         return error
 
 

@@ -31,6 +31,11 @@ Buckets = Union[None, str, Sequence[int]]
 IDLE_TIMEOUT_NS = 100_000_000
 #: And checks client liveness at most this often while busy.
 HOUSEKEEPING_NS = 200_000_000
+#: A control request announced in the segment (the owner bumps its ticket
+#: just before it sends the message) is looked for in the pipe this often,
+#: between batches, for at most CONTROL_WAIT_NS.
+CONTROL_POLL_NS = 1_000_000
+CONTROL_WAIT_NS = 1_000_000_000
 #: Most serving threads (model calls in flight at once) one evaluator runs.
 MAX_SERVING_THREADS = 8
 #: How long the serving loop waits for its other threads when it stops.
@@ -140,7 +145,9 @@ class _ServingLoop:
             for _ in range(policy.threads)]
         self.version = 0
         self.housekeeping_at = 0
+        self.control_until = 0  # a control message is announced but not here yet
         self.owner = seg.owner_pid
+        self.pid_ns = segment.namespaces().pid
         self.errors: list[BaseException] = []
 
     def run(self, started: Optional[threading.Event] = None) -> None:
@@ -191,10 +198,13 @@ class _ServingLoop:
         buckets = list(pol.buckets) if pol.buckets else None
         me = os.getpid()
         while True:
+            until = self.housekeeping_at
+            if self.control_until:
+                until = min(until, _ring.now_ns() + CONTROL_POLL_NS)
             # Batches are served in C until something needs Python.
             kind, n, rows, detail, model_ns = server.serve(
                 self.model, pol.max_batch, spin_ns, wait_ns, IDLE_TIMEOUT_NS,
-                self.reject_nonfinite, buckets, self.housekeeping_at)
+                self.reject_nonfinite, buckets, until)
             if kind == _ring.SERVE_SLOW:
                 self.finish_slow(server, detail, n, rows, model_ns)
                 continue
@@ -205,18 +215,23 @@ class _ServingLoop:
             # threads' batches are answered, nothing is in flight.
             try:
                 server.end_busy()
-                group.quiesce()
-                if kind == _ring.SERVE_CLOSED:
+                quiet = group.quiesce()
+                if kind == _ring.SERVE_CLOSED or not quiet:
+                    # Closing, or stopping with batches still in flight:
+                    # nothing that needs quiet (reclaiming, weight updates)
+                    # may happen now.
                     group.stop = True
                     return
                 if kind == _ring.SERVE_CONTROL:
                     self.handle_control()
                     continue
+                now = _ring.now_ns()
+                self.poll_control(now)
+                if self.control_until and now < self.housekeeping_at:
+                    continue  # only a look at the control pipe was due
                 # Housekeeping: idle, or due while busy.
-                self.housekeeping_at = _ring.now_ns() + HOUSEKEEPING_NS
+                self.housekeeping_at = now + HOUSEKEEPING_NS
                 self.reclaim_dead_clients()
-                if self.control is not None and self.control.poll():
-                    self.handle_control()  # a message that came late
                 if self.owner != me and not segment.is_alive(self.owner):
                     # Our creator is gone: nobody else will close or unlink.
                     segment.unlink(seg.name)
@@ -225,19 +240,33 @@ class _ServingLoop:
             finally:
                 server.unlock()
 
+    def poll_control(self, now: int) -> None:
+        """Between batches: applies a control message that came after its
+        announcement (or one whose announcement was missed), and stops
+        looking for an announced one after CONTROL_WAIT_NS."""
+        if self.control is not None and self.control.poll():
+            self.handle_control()
+        elif self.control_until and now >= self.control_until:
+            self.control_until = 0
+
     def handle_control(self) -> None:
         """Applies the owner's pending control requests (weight updates),
         between batches: requests in flight are answered by the model as it
         was before or after an update, never during one.  Messages are
         (ticket, method, argument, version); each gets a reply
-        (ticket, True, version) or (ticket, False, error text)."""
+        (ticket, True, version) or (ticket, False, error text).
+
+        The owner bumps the ticket in the segment just before it sends, so
+        a message may not be here yet.  It is not waited for: the serving
+        loop looks again every CONTROL_POLL_NS between batches, for up to
+        CONTROL_WAIT_NS (poll_control).  Any process of the user can bump
+        the ticket; one with no message behind it costs a few polls of the
+        pipe, never a stall of the serving loop."""
         seg, conn = self.seg, self.control
         req, done = seg.control_pending()
         while conn is not None:
             try:
-                # The owner bumps the ticket just before sending: wait a
-                # little for a message announced but not yet here.
-                if not conn.poll(1.0 if req != done else 0):
+                if not conn.poll(0):
                     break
                 ticket, method, arg, version = conn.recv()
             except (EOFError, OSError):  # the owner is gone
@@ -250,6 +279,8 @@ class _ServingLoop:
                 self.control = conn = None
             done = ticket
             req, _ = seg.control_pending()
+        waiting = conn is not None and (req - done) % 2**32 != 0
+        self.control_until = _ring.now_ns() + CONTROL_WAIT_NS if waiting else 0
         # Whatever happened, the loop must not come straight back here.
         seg.control_done(req)
 
@@ -358,8 +389,15 @@ class _ServingLoop:
         return np.flatnonzero(bad), name
 
     def reclaim_dead_clients(self) -> None:
-        for c, pid, starttime, detached in self.seg.clients():
-            if detached or not segment.is_alive(pid, starttime):
+        """Frees the entries of detached clients and of processes that are
+        gone.  Only with no batch in flight (the core refuses an entry with a
+        slot in a batch).  An entry recorded from another pid namespace is
+        never judged by its pid, which means another process here: it is
+        freed when it detaches (attach refuses such processes, so only one
+        that bypassed it can have one)."""
+        for c, pid, starttime, pid_ns, detached in self.seg.clients():
+            foreign = bool(pid_ns and self.pid_ns and pid_ns != self.pid_ns)
+            if detached or (not foreign and not segment.is_alive(pid, starttime)):
                 self.seg.reclaim(c)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import struct
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import posix_ipc
 
@@ -25,6 +25,39 @@ SHM_DIR = "/dev/shm"
 
 def new_name() -> str:
     return f"/{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+
+
+class Namespaces(NamedTuple):
+    """A process's pid and time namespaces: the inode numbers of
+    /proc/self/ns/pid and /proc/self/ns/time (0 when unknown: no /proc, or
+    a kernel without time namespaces)."""
+    pid: int
+    time: int
+
+
+def _ns_inode(kind: str) -> int:
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0
+
+
+def namespaces() -> Namespaces:
+    """This process's namespaces.  Pids and /proc start times, by which
+    shmeval tells a live process from a dead one, mean something only
+    within one pid namespace and one time namespace; the segment records
+    its creator's, and every process that uses it must share them."""
+    return Namespaces(_ns_inode("pid"), _ns_inode("time"))
+
+
+def _foreign(theirs: Namespaces, ours: Namespaces) -> Optional[str]:
+    """Which namespace differs ("pid" or "time"), None when both agree (or
+    either side is unknown)."""
+    for kind in ("pid", "time"):
+        a, b = getattr(theirs, kind), getattr(ours, kind)
+        if a and b and a != b:
+            return kind
+    return None
 
 
 def _check_name(name: str) -> str:
@@ -50,10 +83,11 @@ def create(spec: Spec, name: Optional[str] = None) -> tuple["_ring.Segment", str
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
     except posix_ipc.ExistentialError:
         raise SegmentError(f"segment {name} already exists") from None
+    ns = namespaces()
     try:
         seg = _ring.Segment.create(shm.fd, size, spec.in_bytes, spec.out_bytes,
                                    spec.max_clients, spec.slots_per_client, spec.max_batch,
-                                   spec.to_json(), os.getpid(), name)
+                                   spec.to_json(), os.getpid(), ns.pid, ns.time, name)
     except BaseException:
         shm.close_fd()
         unlink(name)
@@ -64,10 +98,12 @@ def create(spec: Spec, name: Optional[str] = None) -> tuple["_ring.Segment", str
 
 
 def attach(name: str, expect: Optional[Spec] = None) -> tuple["_ring.Segment", Spec]:
-    """Maps an existing segment and validates it (magic, layout version, spec).
+    """Maps an existing segment and validates it (magic, layout version, spec,
+    namespaces).
 
     Raises SegmentError saying what is wrong: missing, not accessible, not a
-    shmeval segment, another layout version, corrupt, or another spec.
+    shmeval segment, another layout version, corrupt, another spec, or
+    created in another pid or time namespace.
     """
     name = _check_name(name)
     try:
@@ -82,6 +118,14 @@ def attach(name: str, expect: Optional[Spec] = None) -> tuple["_ring.Segment", S
         seg = _ring.Segment.attach(shm.fd, shm.size, name)
     finally:
         shm.close_fd()
+    kind = _foreign(Namespaces(seg.pid_ns, seg.time_ns), namespaces())
+    if kind is not None:
+        raise SegmentError(
+            f"segment {name} was created in another {kind} namespace than this process's: "
+            f"shmeval tells live processes from dead ones by pid and start time, so every "
+            f"process using an evaluator must share its {kind} namespace (Docker: "
+            f"--{kind}=container:<the evaluator's container>; Kubernetes: "
+            f"shareProcessNamespace: true for the pid namespace)")
     try:
         spec = Spec.from_json(seg.spec)
     except Exception as e:  # anything a hostile spec text can provoke
@@ -168,7 +212,15 @@ def is_alive(pid: int, starttime: int = 0) -> bool:
 # ---------------------------------------------------------------- cleanup
 
 _MAGIC = 0x314C4156454D4853   # ring.h SHM_MAGIC, "SHMEVAL1"
-_OFF_OWNER_PID = 64           # ring.h shm_header.owner_pid (int32)
+# ring.h shm_header, read without mapping the segment (ring.h asserts the
+# offsets): magic u64 @0, layout_version u32 @8, owner_pid i32 @64, pid_ns
+# u64 @72, time_ns u64 @80.
+_HEADER = struct.Struct("<QI52xi4xQQ")
+
+
+class _Header(NamedTuple):
+    owner_pid: int
+    ns: Optional[Namespaces]  # None: a layout that does not record them
 
 
 def _name_pid(entry: str) -> int:
@@ -179,22 +231,27 @@ def _name_pid(entry: str) -> int:
         return 0
 
 
-def _header_pid(path: str) -> int:
-    """The creator's pid as recorded in a formatted segment's header, 0 when
-    it cannot be read (another user's segment, not formatted yet, foreign)."""
+def _read_header(path: str) -> Optional[_Header]:
+    """The creator as recorded in a formatted segment's header; None when it
+    cannot be read (another user's segment, not formatted yet, foreign)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return 0
+        return None
     try:
-        head = os.pread(fd, _OFF_OWNER_PID + 4, 0)
+        head = os.pread(fd, _HEADER.size, 0)
     except OSError:
-        return 0
+        return None
     finally:
         os.close(fd)
-    if len(head) < _OFF_OWNER_PID + 4 or struct.unpack_from("<Q", head)[0] != _MAGIC:
-        return 0
-    return max(0, int(struct.unpack_from("<i", head, _OFF_OWNER_PID)[0]))
+    if len(head) < 68 or struct.unpack_from("<Q", head)[0] != _MAGIC:
+        return None
+    pid = max(0, int(struct.unpack_from("<i", head, 64)[0]))
+    version = struct.unpack_from("<I", head, 8)[0]
+    if version != _ring.LAYOUT_VERSION or len(head) < _HEADER.size:
+        return _Header(pid, None)   # an older layout: its pid, no namespaces
+    _, _, pid, pid_ns, time_ns = _HEADER.unpack(head)
+    return _Header(max(0, pid), Namespaces(pid_ns, time_ns))
 
 
 def _inspect(entry: str) -> Optional[dict[str, object]]:
@@ -205,17 +262,23 @@ def _inspect(entry: str) -> Optional[dict[str, object]]:
         return None                  # removed meanwhile
     # The header says who created a formatted segment (a name given with
     # Evaluator(name=...) need not hold the creator's pid); otherwise the name.
-    pid = _header_pid(path) or _name_pid(entry)
+    head = _read_header(path)
+    pid = (head.owner_pid if head else 0) or _name_pid(entry)
+    # A creator in another pid or time namespace cannot be judged from here:
+    # its pid means another process, or none, in ours.
+    foreign = head is not None and head.ns is not None and \
+        _foreign(head.ns, namespaces()) is not None
     return {"address": "/" + entry, "owner_pid": pid,
             # An owner we cannot identify counts as alive: never removed.
-            "owner_alive": pid == 0 or is_alive(pid), "uid": st.st_uid,
-            "bytes": st.st_size}
+            "owner_alive": pid == 0 or foreign or is_alive(pid),
+            "foreign_namespace": foreign, "uid": st.st_uid, "bytes": st.st_size}
 
 
 def list_segments() -> list[dict[str, object]]:
     """Every shmeval segment in /dev/shm: address, owner pid (0 when unknown),
-    whether the owner is alive (an unknown owner counts as alive), the
-    segment's uid and its size."""
+    whether the owner is alive (an owner that cannot be judged from here --
+    unknown, or in another pid or time namespace -- counts as alive), whether
+    it was created in another namespace, the segment's uid and its size."""
     out: list[dict[str, object]] = []
     try:
         names = sorted(os.listdir(SHM_DIR))
@@ -235,10 +298,11 @@ def cleanup_stale(dry_run: bool = False, only_mine: bool = False,
 
     only_mine: only segments of this process's user.  A segment that cannot
     be removed (another user's, without root) is skipped and, when errors is
-    given, recorded there as {address: reason}.  Limits: liveness is judged
-    by pid in this pid namespace, so a container sharing /dev/shm but not
-    the pid namespace must not run this against another's segments; a dead
-    owner whose pid was reused by a live process keeps its segment."""
+    given, recorded there as {address: reason}.  Liveness is judged by pid
+    and start time in this pid namespace, so segments created in another
+    pid or time namespace (another container sharing /dev/shm) are never
+    removed; a dead owner whose pid was reused by a live process keeps its
+    segment."""
     removed = []
     me = os.geteuid()
     for s in list_segments():

@@ -173,7 +173,7 @@ def test_batch_rig_drives_the_real_protocol() -> None:
                 assert rig.seg.slot_state(c, k)[:2] == (_ring.DONE, False)
                 # Read one answer straight from the slot, as a client does.
                 got = [np.zeros((1, 7), np.float32), np.zeros((1,), np.float32)]
-                assert rig.seg.fetch(c, k, got, 0) == 1
+                assert rig.seg.fetch(c, k, rig.gens[c, k], got, 0) == 1
                 np.testing.assert_array_equal(got[0][0], r + 1 + np.arange(7))
                 assert got[1][0] == -(r + 1)
         # A second round through the checking fetch.

@@ -42,7 +42,7 @@ CHILD_TIMEOUT = 60.0   # a spawn child needs ~1 s to start on a loaded 2-core bo
 # Byte offsets in the segment header (ring.h: shm_header).
 OFF_MAGIC, OFF_VERSION, OFF_SPEC_LEN, OFF_SPEC_HASH, OFF_TOTAL = 0, 8, 12, 16, 24
 OFF_IN_BYTES, OFF_OUT_BYTES, OFF_MAX_CLIENTS, OFF_SLOTS, OFF_MAX_BATCH = 32, 40, 48, 52, 56
-OFF_OWNER_PID, OFF_SPEC = 64, 72
+OFF_OWNER_PID, OFF_PID_NS, OFF_TIME_NS, OFF_SPEC = 64, 72, 80, 88
 
 
 # ---------------------------------------------------------------- helpers
@@ -912,6 +912,10 @@ CORRUPTIONS: list[Any] = [
     pytest.param(lambda m: _put(m, OFF_SLOTS, 1000, 4), "parameters", id="slots-huge"),
     pytest.param(lambda m: _put(m, OFF_IN_BYTES, 2**62, 8), "parameters", id="in-bytes-huge"),
     pytest.param(lambda m: _put(m, OFF_TOTAL, 1 << 20, 8), "parameters", id="total-bytes"),
+    pytest.param(lambda m: _put(m, OFF_PID_NS, 12345, 8), "another pid namespace",
+                 id="pid-namespace"),
+    pytest.param(lambda m: _put(m, OFF_TIME_NS, 12345, 8), "another time namespace",
+                 id="time-namespace"),
     pytest.param(lambda m: _grow_max_clients(m, 4096), "smaller", id="max-clients-grown"),
     pytest.param(lambda m: _set_spec(m, b"not json at all"), "unreadable spec", id="not-json"),
     pytest.param(lambda m: _set_spec(m, b"\xff\xfe\x00"), "unreadable spec", id="not-utf8"),

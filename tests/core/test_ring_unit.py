@@ -21,10 +21,11 @@ import pytest
 import shmeval
 from shmeval import _ring, segment
 from shmeval.spec import Spec
-from helpers import INPUT_SHAPE, OUTPUTS, expected, fake_model, make_state
+from helpers import INPUT_SHAPE, OUTPUTS, expected, fake_model, gen, is_final, make_state
 
 FREE, WRITING, READY, TAKEN = 0, 1, 2, 3
 DONE, FAILED = _ring.DONE, _ring.FAILED
+E_STATE = _ring.E_STATE
 MS = 1_000_000   # ns
 NO_HANG = 5.0
 
@@ -78,9 +79,9 @@ def test_request_round_trip(rig: Rig) -> None:
     rig.serve()
     assert seg.ev_state() == _ring.SERVING
     assert seg.ev_pid()[0] == os.getpid()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     assert c == 0 and seg.n_attached() == 1
-    assert seg.clients() == [(0, os.getpid(), 0, False)]
+    assert seg.clients() == [(0, os.getpid(), 0, 0, False)]
     assert state(rig, c, 0) == (FREE, False, 0)
 
     rig.post(c, [0], [17])
@@ -91,16 +92,16 @@ def test_request_round_trip(rig: Rig) -> None:
     assert n == 1 and rig.server.pending == 1
     np.testing.assert_array_equal(rig.batch[0], make_state(17))
     assert state(rig, c, 0) == (TAKEN, False, 0)
-    assert not seg.is_final(c, 0)
+    assert not is_final(seg, c, 0)
 
     assert rig.server.complete(rig.results(1), 42) == 1
     assert rig.server.pending == 0
     assert state(rig, c, 0) == (DONE, False, 0)
-    assert seg.is_final(c, 0)
-    assert seg.wait(c, 0, 0, 100 * MS, 1) == DONE
+    assert is_final(seg, c, 0)
+    assert seg.wait(c, 0, gen(seg, c, 0), 0, 100 * MS, 1) == DONE
 
     outs = rig.outs()
-    assert seg.fetch(c, 0, outs, 0) == 42                # the model version
+    assert seg.fetch(c, 0, gen(seg, c, 0), outs, 0) == 42                # the model version
     policy, value = expected(17)
     np.testing.assert_array_equal(outs[0][0], policy)
     assert outs[1][0] == value
@@ -111,7 +112,7 @@ def test_request_round_trip(rig: Rig) -> None:
     assert state(rig, c, 0) == (READY, False, 1)
     assert rig.collect() == 1
     rig.server.complete(rig.results(1), 43)
-    assert seg.fetch(c, 0, outs, 0) == 43
+    assert seg.fetch(c, 0, gen(seg, c, 0), outs, 0) == 43
     assert outs[1][0] == -18
     assert state(rig, c, 0) == (FREE, False, 2)
 
@@ -120,7 +121,7 @@ def test_request_round_trip(rig: Rig) -> None:
 def test_fail_path(rig: Rig) -> None:
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [1, 2], [5, 6])
     assert rig.collect() == 2
     assert state(rig, c, 1)[0] == TAKEN and state(rig, c, 2)[0] == TAKEN
@@ -128,15 +129,15 @@ def test_fail_path(rig: Rig) -> None:
     assert rig.server.pending == 0
     for k in (1, 2):
         assert state(rig, c, k) == (FAILED, False, 0)
-        assert seg.wait(c, k, 0, 100 * MS, 1) == FAILED
-        r = seg.fetch(c, k, rig.outs(), 0)
+        assert seg.wait(c, k, gen(seg, c, k), 0, 100 * MS, 1) == FAILED
+        r = seg.fetch(c, k, gen(seg, c, k), rig.outs(), 0)
         assert r == "ValueError: model on fire — ünïcode"
         assert state(rig, c, k) == (FREE, False, 1)
     # A message longer than the output area is cut, never overflows.
     rig.post(c, [1], [5])
     assert rig.collect() == 1
     rig.server.fail("x" * 100_000)
-    r = seg.fetch(c, 1, rig.outs(), 0)
+    r = seg.fetch(c, 1, gen(seg, c, 1), rig.outs(), 0)
     assert isinstance(r, str) and 0 < len(r) < 100_000 and set(r) == {"x"}
     # The neighbouring slot data was not overwritten: a full round trip on
     # slot 2 still gives the right answer.
@@ -144,7 +145,7 @@ def test_fail_path(rig: Rig) -> None:
     assert rig.collect() == 1
     rig.server.complete(rig.results(1), 1)
     outs = rig.outs()
-    seg.fetch(c, 2, outs, 0)
+    seg.fetch(c, 2, gen(seg, c, 2), outs, 0)
     assert outs[1][0] == -9
 
 
@@ -152,8 +153,8 @@ def test_fail_path(rig: Rig) -> None:
 def test_batch_of_several_clients_and_slots(rig: Rig) -> None:
     seg = rig.seg
     rig.serve()
-    c0 = seg.register(os.getpid(), 0)
-    c1 = seg.register(os.getpid(), 0)
+    c0 = seg.register(os.getpid(), 0, 0)
+    c1 = seg.register(os.getpid(), 0, 0)
     assert (c0, c1) == (0, 1) and seg.n_attached() == 2
     rig.post(c0, [0, 1, 2], [100, 101, 102])
     rig.post(c1, [3, 0], [200, 201])
@@ -164,8 +165,8 @@ def test_batch_of_several_clients_and_slots(rig: Rig) -> None:
     rig.server.complete(rig.results(n), 7)
     for c, k, t in ((c0, 0, 100), (c0, 1, 101), (c0, 2, 102), (c1, 3, 200), (c1, 0, 201)):
         outs = rig.outs()
-        assert seg.wait(c, k, 0, 100 * MS, 1) == DONE
-        assert seg.fetch(c, k, outs, 0) == 7
+        assert seg.wait(c, k, gen(seg, c, k), 0, 100 * MS, 1) == DONE
+        assert seg.fetch(c, k, gen(seg, c, k), outs, 0) == 7
         assert outs[1][0] == -t, (c, k, t)           # each slot got its own row
         np.testing.assert_array_equal(outs[0][0], expected(t)[0])
 
@@ -175,7 +176,7 @@ def test_collect_respects_max_batch() -> None:
     r = Rig(max_batch=3, slots=8)
     try:
         r.serve()
-        c = r.seg.register(os.getpid(), 0)
+        c = r.seg.register(os.getpid(), 0, 0)
         r.post(c, list(range(7)), list(range(10, 17)))
         sizes: list[int] = []
         served: list[int] = []
@@ -188,7 +189,7 @@ def test_collect_respects_max_batch() -> None:
         assert sorted(served) == list(range(10, 17))
         assert r.collect(max_batch=2) == 0       # nothing left: timeout
         for k in range(7):
-            assert r.seg.fetch(c, k, r.outs(), 0) == 0
+            assert r.seg.fetch(c, k, gen(r.seg, c, k), r.outs(), 0) == 0
         # An explicit smaller cap.
         r.post(c, [0, 1, 2], [1, 2, 3])
         assert r.collect(max_batch=2) == 2
@@ -205,11 +206,11 @@ def test_collect_max_wait_gathers_late_requests(rig: Rig) -> None:
     same batch; greedy collect returns with what is ready."""
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [0], [1])
     assert rig.collect() == 1                    # greedy
     rig.server.complete(rig.results(1), 0)
-    seg.fetch(c, 0, rig.outs(), 0)
+    seg.fetch(c, 0, gen(seg, c, 0), rig.outs(), 0)
 
     rig.post(c, [0], [1])
     t = threading.Timer(0.05, lambda: rig.post(c, [1], [2]))
@@ -229,7 +230,7 @@ def test_collect_timeout_and_outstanding_batch(rig: Rig) -> None:
     t0 = time.monotonic()
     assert rig.collect(timeout_ns=20 * MS) == 0
     assert time.monotonic() - t0 < NO_HANG
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [0], [1])
     assert rig.collect() == 1
     with pytest.raises(shmeval.ShmevalError, match="outstanding"):
@@ -243,31 +244,35 @@ def test_collect_timeout_and_outstanding_batch(rig: Rig) -> None:
 def test_refused_transitions(rig: Rig) -> None:
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     outs = rig.outs()
     # fetch / release of a FREE slot.
     with pytest.raises(shmeval.SegmentError, match="expected state"):
-        seg.fetch(c, 0, outs, 0)
-    assert seg.release(c, 0) is False
+        seg.fetch(c, 0, gen(seg, c, 0), outs, 0)
+    assert seg.release(c, 0, 0) == E_STATE
     assert state(rig, c, 0) == (FREE, False, 0)
     rig.post(c, [0], [3])
     # post to a READY slot, fetch of a READY slot.
     with pytest.raises(shmeval.SegmentError, match="expected state"):
         rig.post(c, [0], [4])
     with pytest.raises(shmeval.SegmentError):
-        seg.fetch(c, 0, outs, 0)
-    assert seg.release(c, 0) is False
+        seg.fetch(c, 0, gen(seg, c, 0), outs, 0)
+    assert seg.release(c, 0, 0) == E_STATE
     assert state(rig, c, 0) == (READY, False, 0)
     assert rig.collect() == 1
     # TAKEN is not final either.
-    assert seg.release(c, 0) is False
+    assert seg.release(c, 0, 0) == E_STATE
     with pytest.raises(shmeval.SegmentError):
-        seg.fetch(c, 0, outs, 0)
+        seg.fetch(c, 0, gen(seg, c, 0), outs, 0)
     rig.server.complete(rig.results(1), 0)
-    # release without reading (an abandoned request).
-    assert seg.release(c, 0) is True
+    # Another generation's fetch or release is refused and changes nothing.
+    assert seg.fetch(c, 0, 7, outs, 0) == _ring.STALE
+    assert seg.release(c, 0, 7) == _ring.STALE
+    assert state(rig, c, 0) == (DONE, False, 0)
+    # release without reading (an abandoned request), once.
+    assert seg.release(c, 0, 0) == 0
     assert state(rig, c, 0) == (FREE, False, 1)
-    assert seg.release(c, 0) is False
+    assert seg.release(c, 0, 0) == _ring.STALE
     # The input was not overwritten by the refused post.
     rig.post(c, [0], [8])
     assert rig.collect() == 1
@@ -278,11 +283,11 @@ def test_refused_transitions(rig: Rig) -> None:
 @pytest.mark.timeout(30)
 def test_index_and_buffer_checks(rig: Rig) -> None:
     seg = rig.seg
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     K, C = rig.spec.slots_per_client, rig.spec.max_clients
     for call in (lambda: seg.slot_state(c, K), lambda: seg.slot_state(C, 0),
-                 lambda: seg.wait(c, K, 0, 1, 1), lambda: seg.fetch(C, 0, rig.outs(), 0),
-                 lambda: seg.is_final(c, K), lambda: seg.release(c, K),
+                 lambda: seg.wait(c, K, gen(seg, c, K), 0, 1, 1), lambda: seg.fetch(C, 0, gen(seg, C, 0), rig.outs(), 0),
+                 lambda: seg.release(c, K, 0),
                  lambda: seg.reclaim(C), lambda: seg.detach(C),
                  lambda: rig.post(c, [K], [1])):
         with pytest.raises(IndexError):
@@ -314,11 +319,11 @@ def test_index_and_buffer_checks(rig: Rig) -> None:
     rig.server.complete(rig.results(1), 0)
     # fetch checks the destination buffers.
     with pytest.raises(ValueError):
-        seg.fetch(c, 0, rig.outs()[:1], 0)
+        seg.fetch(c, 0, gen(seg, c, 0), rig.outs()[:1], 0)
     with pytest.raises(ValueError):
-        seg.fetch(c, 0, rig.outs(1), 1)          # row 1 of a 1-row buffer
+        seg.fetch(c, 0, gen(seg, c, 0), rig.outs(1), 1)          # row 1 of a 1-row buffer
     assert state(rig, c, 0)[0] == DONE           # still fetchable
-    assert seg.fetch(c, 0, rig.outs(), 0) == 0
+    assert seg.fetch(c, 0, gen(seg, c, 0), rig.outs(), 0) == 0
 
 
 # ================================================================ client table
@@ -328,8 +333,8 @@ def test_detach_then_reclaim_frees_the_entry(rig: Rig) -> None:
     seg = rig.seg
     rig.serve()
     pid = os.getpid()
-    c = seg.register(pid, 777)
-    assert seg.clients() == [(c, pid, 777, False)]
+    c = seg.register(pid, 777, 0)
+    assert seg.clients() == [(c, pid, 777, 0, False)]
     # Leave slots in several states: READY (never taken), DONE (never fetched),
     # WRITING cannot be produced from Python; FREE with generation 1.
     rig.post(c, [0], [1])
@@ -341,7 +346,7 @@ def test_detach_then_reclaim_frees_the_entry(rig: Rig) -> None:
     rig.server.fail("x")                          # FAILED
     rig.post(c, [3], [4])                         # slot 3 READY
     seg.detach(c)
-    assert seg.clients() == [(c, pid, 777, True)]
+    assert seg.clients() == [(c, pid, 777, 0, True)]
     assert seg.n_attached() == 1                  # until the evaluator reclaims
     assert seg.reclaim(c) == 0                    # none stranded mid-write
     assert seg.clients() == []
@@ -351,9 +356,9 @@ def test_detach_then_reclaim_frees_the_entry(rig: Rig) -> None:
         assert st == FREE and not waiter and gen == 1, (k, st, gen)
     assert seg.stat("reclaimed_clients") == 1
     # The entry is handed out again, starting clean.
-    c2 = seg.register(pid, 0)
+    c2 = seg.register(pid, 0, 0)
     assert c2 == c
-    assert seg.clients() == [(c2, pid, 0, False)]
+    assert seg.clients() == [(c2, pid, 0, 0, False)]
     rig.post(c2, [3], [9])
     assert rig.collect() == 1                     # the old READY slot 3 is gone
     assert rig.batch[0, 5, 6, 1] == -9
@@ -364,48 +369,51 @@ def test_detach_then_reclaim_frees_the_entry(rig: Rig) -> None:
 def test_register_until_full() -> None:
     r = Rig(max_clients=3)
     try:
-        got = [r.seg.register(1000 + i, 0) for i in range(3)]
+        got = [r.seg.register(1000 + i, 0, 0) for i in range(3)]
         assert got == [0, 1, 2]
         assert r.seg.n_attached() == 3
         with pytest.raises(shmeval.ClientTableFull, match="max_clients"):
-            r.seg.register(2000, 0)
+            r.seg.register(2000, 0, 0)
         assert isinstance(shmeval.ClientTableFull("x"), shmeval.ShmevalError)
         # Free the middle one: the next registration gets exactly that entry.
         r.seg.detach(1)
         with pytest.raises(shmeval.ClientTableFull):
-            r.seg.register(2000, 0)                # detached is not yet free
+            r.seg.register(2000, 0, 0)                # detached is not yet free
         r.seg.reclaim(1)
-        assert r.seg.register(3000, 5) == 1
+        assert r.seg.register(3000, 5, 0) == 1
         assert [e[:3] for e in r.seg.clients()] == [(0, 1000, 0), (1, 3000, 5), (2, 1002, 0)]
     finally:
         segment.unlink(r.name)
 
 
 @pytest.mark.timeout(30)
-def test_stale_completion_is_refused(rig: Rig) -> None:
-    """The generation check: a slot reclaimed while its request was in a batch
-    is not completed by that batch (counted as a stale completion), and the
-    slot's new owner never sees the old answer."""
+def test_no_reclaim_while_a_batch_holds_a_slot(rig: Rig) -> None:
+    """Reclaiming waits for the batch: an entry with a slot in a batch in
+    flight is refused (the batch's completion writes into its slots), and
+    reclaimed once the batch is finished; the next owner then begins each
+    slot at a new generation."""
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [0, 1], [1, 2])
     assert rig.collect() == 2
     seg.detach(c)
-    seg.reclaim(c)                                 # out of order, on purpose
-    c2 = seg.register(os.getpid(), 0)
+    assert seg.reclaim(c) is None                  # refused: both slots are TAKEN
+    assert state(rig, c, 0) == (TAKEN, False, 0)
+    assert [e[0] for e in seg.clients()] == [c]
+    assert rig.server.complete(rig.results(2), 9) == 2
+    assert seg.stat("stale_completions") == 0
+    assert seg.reclaim(c) == 0
+    c2 = seg.register(os.getpid(), 0, 0)
     assert c2 == c
     assert state(rig, c, 0) == (FREE, False, 1)
     rig.post(c2, [0], [50])                        # new request, generation 1
-    assert rig.server.complete(rig.results(2), 9) == 0
-    assert seg.stat("stale_completions") == 2
-    assert state(rig, c, 0) == (READY, False, 1)   # untouched
-    assert state(rig, c, 1) == (FREE, False, 1)
     assert rig.collect() == 1
     assert rig.batch[0, 5, 6, 1] == -50
     rig.server.complete(rig.results(1), 10)
     outs = rig.outs()
-    assert seg.fetch(c2, 0, outs, 0) == 10
+    assert seg.fetch(c2, 0, 0, outs, 0) == _ring.STALE   # generation 0's answer: not ours
+    assert seg.fetch(c2, 0, 1, outs, 0) == 10
     assert outs[1][0] == -50
 
 
@@ -415,27 +423,27 @@ def test_stale_completion_is_refused(rig: Rig) -> None:
 def test_wait_times_out_without_answer(rig: Rig) -> None:
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [0], [1])
     t0 = time.monotonic()
-    assert seg.wait(c, 0, 0, 30 * MS, 1) == _ring.TIMEOUT
-    assert seg.wait(c, 0, 1 * MS, 30 * MS, 64) == _ring.TIMEOUT   # with spinning
+    assert seg.wait(c, 0, gen(seg, c, 0), 0, 30 * MS, 1) == _ring.TIMEOUT
+    assert seg.wait(c, 0, gen(seg, c, 0), 1 * MS, 30 * MS, 64) == _ring.TIMEOUT   # with spinning
     assert time.monotonic() - t0 < NO_HANG
     assert state(rig, c, 0)[0] == READY
     assert rig.collect() == 1
     rig.server.complete(rig.results(1), 0)
-    assert seg.wait(c, 0, 0, 30 * MS, 1) == DONE
+    assert seg.wait(c, 0, gen(seg, c, 0), 0, 30 * MS, 1) == DONE
 
 
 @pytest.mark.timeout(30)
 def test_waiter_bit_and_wake(rig: Rig) -> None:
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [0], [1])
     assert rig.collect() == 1                      # TAKEN: nobody will complete it yet
     rc: list[Any] = []
-    th = threading.Thread(target=lambda: rc.append((seg.wait(c, 0, 0, 10_000 * MS, 1),
+    th = threading.Thread(target=lambda: rc.append((seg.wait(c, 0, gen(seg, c, 0), 0, 10_000 * MS, 1),
                                                     time.monotonic())))
     th.start()
     deadline = time.monotonic() + NO_HANG
@@ -451,7 +459,7 @@ def test_waiter_bit_and_wake(rig: Rig) -> None:
     assert rc[0][0] == DONE
     assert rc[0][1] - t0 < NO_HANG                 # not its 10 s timeout
     assert state(rig, c, 0) == (DONE, False, 0)
-    assert seg.fetch(c, 0, rig.outs(), 0) == 3
+    assert seg.fetch(c, 0, gen(seg, c, 0), rig.outs(), 0) == 3
     assert state(rig, c, 0) == (FREE, False, 1)
 
 
@@ -461,10 +469,10 @@ def test_waiter_bit_survives_take(rig: Rig) -> None:
     failing it wakes the client."""
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [2], [1])
     rc: list[int] = []
-    th = threading.Thread(target=lambda: rc.append(seg.wait(c, 2, 0, 10_000 * MS, 1)))
+    th = threading.Thread(target=lambda: rc.append(seg.wait(c, 2, gen(seg, c, 2), 0, 10_000 * MS, 1)))
     th.start()
     deadline = time.monotonic() + NO_HANG
     while not state(rig, c, 2)[1]:
@@ -476,14 +484,14 @@ def test_waiter_bit_survives_take(rig: Rig) -> None:
     rig.server.fail("boom")
     th.join(NO_HANG)
     assert not th.is_alive() and rc == [FAILED]
-    assert seg.fetch(c, 2, rig.outs(), 0) == "boom"
+    assert seg.fetch(c, 2, gen(seg, c, 2), rig.outs(), 0) == "boom"
 
 
 @pytest.mark.timeout(30)
 def test_request_close_stops_collect(rig: Rig) -> None:
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     seg.request_close()
     assert seg.ev_state() == _ring.CLOSING
     t0 = time.monotonic()
@@ -506,7 +514,7 @@ def test_request_close_returns_what_was_taken(rig: Rig) -> None:
     taken as soon as close is requested, not after max_wait."""
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [0], [5])
     rc: list[Any] = []
     th = threading.Thread(target=lambda: rc.append(rig.server.collect(8, 0, 60_000 * MS,
@@ -524,7 +532,7 @@ def test_request_close_returns_what_was_taken(rig: Rig) -> None:
     assert rc == [1]
     assert rig.batch[0, 5, 6, 1] == -5
     rig.server.complete(rig.results(1), 0)
-    assert seg.fetch(c, 0, rig.outs(), 0) == 0
+    assert seg.fetch(c, 0, gen(seg, c, 0), rig.outs(), 0) == 0
 
 
 @pytest.mark.timeout(30)
@@ -545,7 +553,7 @@ def test_request_close_wakes_a_sleeping_collect(rig: Rig) -> None:
 def test_post_wakes_a_sleeping_collect(rig: Rig) -> None:
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rc: list[Any] = []
     th = threading.Thread(target=lambda: rc.append(rig.server.collect(8, 0, 0, 10_000 * MS)))
     th.start()
@@ -562,12 +570,12 @@ def test_post_wakes_a_sleeping_collect(rig: Rig) -> None:
 def test_close_and_wake_releases_waiters(rig: Rig, final: int) -> None:
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [0, 1], [1, 2])
     assert rig.collect(max_batch=1) == 1           # slot 0 TAKEN, slot 1 READY
     rcs: dict[int, Any] = {}
     threads = [threading.Thread(target=lambda k=k: rcs.__setitem__(
-        k, seg.wait(c, k, 0, 10_000 * MS, 1))) for k in (0, 1)]
+        k, seg.wait(c, k, gen(seg, c, k), 0, 10_000 * MS, 1))) for k in (0, 1)]
     for th in threads:
         th.start()
     deadline = time.monotonic() + NO_HANG
@@ -583,10 +591,10 @@ def test_close_and_wake_releases_waiters(rig: Rig, final: int) -> None:
     assert rcs == {0: _ring.CLOSED, 1: _ring.CLOSED}
     assert seg.ev_state() == final
     # Waiting again returns CLOSED at once.
-    assert seg.wait(c, 0, 0, 10_000 * MS, 1) == _ring.CLOSED
+    assert seg.wait(c, 0, gen(seg, c, 0), 0, 10_000 * MS, 1) == _ring.CLOSED
     # A DONE slot is still reported DONE after the close.
     rig.server.complete(rig.results(1), 0)
-    assert seg.wait(c, 0, 0, 10_000 * MS, 1) == DONE
+    assert seg.wait(c, 0, gen(seg, c, 0), 0, 10_000 * MS, 1) == DONE
 
 
 # ================================================================ header, stats, helpers
@@ -598,15 +606,17 @@ def test_header_and_params(rig: Rig) -> None:
     assert seg.params == dict(in_bytes=rig.spec.in_bytes, out_bytes=rig.spec.out_bytes,
                               max_clients=4, slots_per_client=4, max_batch=8)
     assert seg.owner_pid == os.getpid()
+    assert (seg.pid_ns, seg.time_ns) == tuple(segment.namespaces())
+    assert seg.pid_ns == os.stat("/proc/self/ns/pid").st_ino != 0
     assert seg.ev_pid() == (0, 0)
     assert seg.nbytes == _ring.segment_size(rig.spec.in_bytes, rig.spec.out_bytes, 4, 4, 8)
     assert seg.nbytes == os.stat("/dev/shm" + rig.name).st_size
     assert seg.name == rig.name
-    assert _ring.LAYOUT_VERSION == 3
+    assert _ring.LAYOUT_VERSION == 4
     # A second mapping of the same segment sees the same state words.
     seg2, spec2 = segment.attach(rig.name)
     assert spec2 == rig.spec
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [1], [1])
     assert seg2.slot_state(c, 1) == (READY, False, 0)
     assert seg2.n_attached() == 1
@@ -641,7 +651,7 @@ def test_attach_validates_through_fd() -> None:
         size = _ring.segment_size(spec.in_bytes, spec.out_bytes, 2, 2, 8)
         assert size <= shm.size
         _ring.Segment.create(shm.fd, size, spec.in_bytes, spec.out_bytes, 2, 2, 8,
-                             spec.to_json(), os.getpid(), name)
+                             spec.to_json(), os.getpid(), 0, 0, name)
         seg = _ring.Segment.attach(shm.fd, shm.size, name)
         assert seg.spec == spec.to_json() and seg.params["max_clients"] == 2
         with pytest.raises(shmeval.SegmentError, match="smaller"):
@@ -649,10 +659,10 @@ def test_attach_validates_through_fd() -> None:
         # create refuses a mapping smaller than the layout.
         with pytest.raises(shmeval.SegmentError, match="smaller"):
             _ring.Segment.create(shm.fd, size - 4096, spec.in_bytes, spec.out_bytes, 2, 2, 8,
-                                 spec.to_json(), os.getpid(), name)
+                                 spec.to_json(), os.getpid(), 0, 0, name)
         with pytest.raises(ValueError):
             _ring.Segment.create(shm.fd, size, spec.in_bytes, spec.out_bytes, 2, 2, 8,
-                                 b"x" * (_ring.SPEC_MAX + 1), os.getpid(), name)
+                                 b"x" * (_ring.SPEC_MAX + 1), os.getpid(), 0, 0, name)
     finally:
         shm.close_fd()
         posix_ipc.unlink_shared_memory(name)
@@ -662,7 +672,7 @@ def test_attach_validates_through_fd() -> None:
 def test_record_and_raw_stats(rig: Rig) -> None:
     seg = rig.seg
     rig.serve()
-    c = seg.register(os.getpid(), 0)
+    c = seg.register(os.getpid(), 0, 0)
     rig.post(c, [0, 1, 2], [1, 2, 3])
     assert rig.collect() == 3
     rig.server.complete(rig.results(3), 0)
@@ -689,7 +699,7 @@ def test_record_and_raw_stats(rig: Rig) -> None:
     seg.stat_inc("model_version", 2)
     assert seg.stat("model_version") == 7
     for k in range(3):
-        seg.fetch(c, k, rig.outs(), 0)
+        seg.fetch(c, k, gen(seg, c, k), rig.outs(), 0)
 
 
 @pytest.mark.timeout(30)

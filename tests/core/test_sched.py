@@ -62,7 +62,7 @@ def test_client_waits_use_the_rule() -> None:
         seen = []
         for _ in range(4):
             seen.append(seg.client_spin(50_000, 2))
-            seg.register(os.getpid(), 0)
+            seg.register(os.getpid(), 0, 0)
         # 0 and 1 clients: every process has a CPU; 2: one too many; 3: more
         assert seen == [50_000, 50_000, 50_000 | _ring.SPIN_YIELD, 0]
         assert seg.client_spin(0, 2) == 0

@@ -24,7 +24,7 @@ import pytest
 
 import shmeval
 from shmeval import _ring, segment
-from helpers import INPUT_SHAPE, OUTPUTS, fake_model, make_state
+from helpers import INPUT_SHAPE, OUTPUTS, fake_model, gen, is_final, make_state
 from conservation import KW, run_workers
 
 
@@ -153,7 +153,7 @@ def test_one_collector_at_a_time() -> None:
         b = _ring.Server(rig.seg, np.zeros_like(rig.batch), group)
         kind = a.serve(fake_model, 8, 0, 0, 1_000_000, True, None, 0)
         assert kind[0] == _ring.SERVE_IDLE  # nothing posted: a holds the lock
-        c = rig.seg.register(os.getpid(), 0)
+        c = rig.seg.register(os.getpid(), 0, 0)
         rig.post(c, [0], [11])
         got: list[Any] = []
         t = threading.Thread(target=lambda: got.append(
@@ -165,9 +165,9 @@ def test_one_collector_at_a_time() -> None:
         a.unlock()
         t.join(10)
         assert not t.is_alive() and got[0][0] == _ring.SERVE_IDLE
-        assert rig.seg.is_final(c, 0)
+        assert is_final(rig.seg, c, 0)
         outs = rig.outs()
-        rig.seg.fetch(c, 0, outs, 0)
+        rig.seg.fetch(c, 0, gen(rig.seg, c, 0), outs, 0)
         assert outs[1][0] == -11
         b.unlock()
         # A batch taken by collect() counts as in flight until finished.
@@ -176,7 +176,7 @@ def test_one_collector_at_a_time() -> None:
         out = fake_model(batch_a[:1])
         a.complete([np.ascontiguousarray(out[k]) for k in rig.spec.output_names], 0)
         assert group.in_flight == 0
-        rig.seg.fetch(c, 1, outs, 0)
+        rig.seg.fetch(c, 1, gen(rig.seg, c, 1), outs, 0)
         assert outs[1][0] == -12
     finally:
         segment.unlink(rig.name)

@@ -103,21 +103,14 @@ def load_worker(ev: Any, wid: int, seed: int, counters: Any, conn: Any) -> None:
 
 def writing_victim(address: str, nslots: int, conn: Any) -> None:
     """Claims a client entry with the low-level Segment API, moves nslots slots
-    to WRITING (taken, never published), reports (entry, slot states), then
-    sleeps until it is killed.
-
-    Segment has no separate begin(): post() begins every slot of its list
-    before it copies or publishes any, so a list whose last index is out of
-    range leaves the ones before it in WRITING and raises IndexError."""
+    to WRITING (begun, never published), reports (entry, slot states), then
+    sleeps until it is killed."""
     try:
         seg, spec = segment.attach(address)
         pid = os.getpid()
-        c = seg.register(pid, segment.process_starttime(pid) or 0)
-        rows = np.zeros((nslots + 1,) + spec.input_shape, spec.input_dtype)
-        try:
-            seg.post(c, list(range(nslots)) + [spec.slots_per_client], rows, 0)
-        except IndexError:
-            pass
+        c = seg.register(pid, segment.process_starttime(pid) or 0, segment.namespaces().pid)
+        for k in range(nslots):
+            seg.begin(c, k)
         conn.send(("writing", c, [seg.slot_state(c, k) for k in range(nslots)]))
     except Exception as e:  # noqa: BLE001
         conn.send(("error", f"{type(e).__name__}: {e}"))

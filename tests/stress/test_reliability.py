@@ -195,7 +195,7 @@ def slots_in(seg: Any, states: tuple[int, ...]) -> int:
     """Slots of every claimed client entry that are in one of states."""
     K = seg.params["slots_per_client"]
     return sum(seg.slot_state(c, k)[0] in states
-               for c, _pid, _st, _det in seg.clients() for k in range(K))
+               for c, _pid, _st, _ns, _det in seg.clients() for k in range(K))
 
 
 class StallSampler(threading.Thread):

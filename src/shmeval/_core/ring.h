@@ -16,6 +16,22 @@
  * protocol as a whole.
  *
  * Define SHM_DEBUG to turn on state-machine assertions.
+ *
+ * The rules the safety rests on (each is restated next to the code that
+ * relies on it):
+ *   1. One consumer: one evaluator thread at a time scans, takes and sleeps
+ *      on the evaluator's doorbell (several serving threads take turns
+ *      under a lock, _ring.pyx ServeGroup).
+ *   2. One reclaimer, and only between batches: client entries are
+ *      reclaimed by the evaluator while it holds no batch, so no slot of
+ *      the entry is TAKEN (shm_client_reclaim refuses one that is).
+ *   3. One pid namespace: liveness is judged by pid and /proc start time,
+ *      so every process on a segment shares the creator's pid and time
+ *      namespaces (recorded in the header; segment.py refuses others).
+ *   4. A slot has one producer at a time: the client's process-local free
+ *      list hands it to one thread, and every client-side operation names
+ *      the generation it began, so a slot reclaimed meanwhile is never read,
+ *      answered or released by its former owner.
  */
 #ifndef SHMEVAL_RING_H
 #define SHMEVAL_RING_H
@@ -41,12 +57,24 @@
 #define SHM_ASSERT(x) ((void)0)
 #endif
 
+/* Test hooks: ring_test.c defines SHM_HOOK(point) to park a thread at a
+ * named point and so replay a chosen interleaving deterministically.  They
+ * compile to nothing otherwise. */
+#ifndef SHM_HOOK
+#define SHM_HOOK(point) ((void)0)
+#endif
+
+/* A compiler barrier: values copied out of the segment before it are not
+ * re-read from the segment after it (another process may be rewriting
+ * them; see shm_attach). */
+#define SHM_COMPILER_BARRIER() __asm__ __volatile__("" ::: "memory")
+
 /* ------------------------------------------------------------------ */
 /* Constants                                                           */
 /* ------------------------------------------------------------------ */
 
 #define SHM_MAGIC 0x314C4156454D4853ULL /* "SHMEVAL1" little-endian */
-#define SHM_LAYOUT_VERSION 3u
+#define SHM_LAYOUT_VERSION 4u
 #define SHM_LINE 64u
 #define SHM_SPEC_MAX 4096u       /* bytes of JSON spec kept in the header */
 #define SHM_HIST_BINS 256u       /* log-scale latency histogram bins */
@@ -71,6 +99,9 @@ enum shm_status {
     SHM_CLOSED = -8,        /* evaluator closed or closing */
     SHM_E_STATE = -9,       /* slot not in the expected state */
     SHM_CONTROL = -10,      /* shm_collect: a control request is pending */
+    SHM_STALE = -11,        /* the slot's generation (or its entry's owner)
+                               changed: it was reclaimed, and whatever it
+                               holds now is not the caller's */
 };
 
 /* Slot state word (32 bits):
@@ -161,6 +192,13 @@ typedef struct {
     shm_params params;
     int32_t owner_pid;
     int32_t _pad0;
+    /* The creator's pid and time namespaces (inode numbers of
+     * /proc/self/ns/pid and /proc/self/ns/time; 0 = unknown).  Pids and
+     * /proc start times mean something only within one pid namespace and
+     * one time namespace: segment.py refuses to attach from others and
+     * cleanup never judges a segment of another. */
+    uint64_t pid_ns;
+    uint64_t time_ns;
     char spec[SHM_SPEC_MAX];
 
     /* --- evaluator identity and lifecycle --- */
@@ -196,12 +234,19 @@ typedef struct {
     /* followed by _Atomic uint64_t batch_hist[max_batch + 1] */
 } shm_header;
 
+/* segment.py reads these with pread, without mapping the segment (cleanup
+ * of segments it cannot attach to). */
+_Static_assert(offsetof(shm_header, owner_pid) == 64, "owner_pid offset");
+_Static_assert(offsetof(shm_header, pid_ns) == 72, "pid_ns offset");
+_Static_assert(offsetof(shm_header, time_ns) == 80, "time_ns offset");
+
 /* One client table entry; followed in the same stride by K state words. */
 typedef struct {
     _Atomic int32_t owner_pid;        /* 0 = free; else the owner's pid */
     _Atomic uint32_t detached;        /* 1 = owner left; evaluator reclaims */
     _Atomic uint64_t starttime;       /* owner's start time (pid reuse) */
-    char _pad[SHM_LINE - 16];
+    _Atomic uint64_t pid_ns;          /* owner's pid namespace, 0 = unknown */
+    char _pad[SHM_LINE - 24];
     /* _Atomic uint32_t state[K], on the next cache line(s) */
 } shm_client;
 
@@ -260,6 +305,10 @@ typedef struct {
     char *base;
     shm_layout l;
     shm_params p;
+    /* The spec text, copied once at attach (and hash-checked as copied):
+     * a peer rewriting the header cannot change what this process read. */
+    uint32_t spec_len;
+    char spec[SHM_SPEC_MAX];
 } shm_seg;
 
 static inline shm_header *shm_hdr(const shm_seg *s) {
@@ -291,16 +340,20 @@ static inline char *shm_slot_out(const shm_seg *s, uint32_t c, uint32_t k) {
     return shm_slot_data(s, c, k) + s->l.out_off;
 }
 
-/* Formats a freshly created, zero-filled segment of `size` bytes. */
+/* Formats a freshly created, zero-filled segment of `size` bytes for the
+ * process owner_pid living in the given pid and time namespaces. */
 static inline int shm_init(shm_seg *s, char *base, uint64_t size,
                            const shm_params *p, const char *spec,
-                           uint32_t spec_len, int32_t owner_pid) {
+                           uint32_t spec_len, int32_t owner_pid,
+                           uint64_t pid_ns, uint64_t time_ns) {
     int rc = shm_layout_compute(p, &s->l);
     if (rc != SHM_OK) return rc;
     if (spec_len > SHM_SPEC_MAX) return SHM_E_SPEC;
     if (size < s->l.total) return SHM_E_TOO_SMALL;
     s->base = base;
     s->p = *p;
+    s->spec_len = spec_len;
+    if (spec_len) memcpy(s->spec, spec, spec_len);
     shm_header *h = shm_hdr(s);
     memset(base, 0, s->l.slots_off); /* header + client table */
     h->layout_version = SHM_LAYOUT_VERSION;
@@ -310,6 +363,8 @@ static inline int shm_init(shm_seg *s, char *base, uint64_t size,
     h->total_bytes = s->l.total;
     h->params = *p;
     h->owner_pid = owner_pid;
+    h->pid_ns = pid_ns;
+    h->time_ns = time_ns;
     /* MO: release; pairs with the acquire load of magic in shm_attach, so
      * an attacher that sees the magic sees a fully formatted header. */
     atomic_store_explicit((_Atomic uint64_t *)&h->magic, SHM_MAGIC,
@@ -317,8 +372,10 @@ static inline int shm_init(shm_seg *s, char *base, uint64_t size,
     return SHM_OK;
 }
 
-/* Validates an existing segment of `size` bytes; never reads out of bounds,
- * whatever the segment holds. */
+/* Validates an existing segment of `size` bytes.  Never reads out of
+ * bounds, whatever the segment holds and however another process of the
+ * user rewrites it meanwhile: every field it relies on is read once into
+ * this process's memory (s), checked there, and used only from there. */
 static inline int shm_attach(shm_seg *s, char *base, uint64_t size) {
     if (size < sizeof(shm_header)) return SHM_E_TOO_SMALL;
     shm_header *h = (shm_header *)base;
@@ -327,17 +384,27 @@ static inline int shm_attach(shm_seg *s, char *base, uint64_t size) {
                                           memory_order_acquire);
     if (magic != SHM_MAGIC) return SHM_E_MAGIC;
     if (h->layout_version != SHM_LAYOUT_VERSION) return SHM_E_VERSION;
-    shm_params p = h->params;
+    shm_params p;
+    uint64_t total, hash;
+    memcpy(&p, &h->params, sizeof p);
+    total = h->total_bytes;
+    hash = h->spec_hash;
+    /* MO: relaxed; read once, then only the local copy is used. */
+    uint32_t spec_len = atomic_load_explicit(
+        (_Atomic uint32_t *)&h->spec_len, memory_order_relaxed);
+    SHM_COMPILER_BARRIER(); /* the checks below see the copies only */
     shm_layout l;
     if (shm_layout_compute(&p, &l) != SHM_OK) return SHM_E_PARAMS;
-    if (h->total_bytes != l.total) return SHM_E_PARAMS;
+    if (total != l.total) return SHM_E_PARAMS;
     if (size < l.total) return SHM_E_TOO_SMALL;
-    if (h->spec_len > SHM_SPEC_MAX ||
-        shm_fnv1a(h->spec, h->spec_len) != h->spec_hash)
-        return SHM_E_SPEC;
+    if (spec_len > SHM_SPEC_MAX) return SHM_E_SPEC;
+    memcpy(s->spec, h->spec, spec_len);
+    SHM_COMPILER_BARRIER();
+    if (shm_fnv1a(s->spec, spec_len) != hash) return SHM_E_SPEC;
     s->base = base;
     s->p = p;
     s->l = l;
+    s->spec_len = spec_len;
     return SHM_OK;
 }
 
@@ -497,13 +564,35 @@ static inline uint32_t shm_clients_hwm(shm_seg *s) {
     return hwm < s->p.max_clients ? hwm : s->p.max_clients;
 }
 
-/* Claims a free client entry for pid; returns its index or SHM_E_FULL. */
+/* Claims a free client entry for process pid (its /proc start time and pid
+ * namespace, 0 when unknown); returns its index or SHM_E_FULL.
+ *
+ * Everything that must cover the entry happens before the claim, so that a
+ * claimer killed at any point leaves nothing unaccounted for: the
+ * high-water mark (which bounds the evaluator's scans and its liveness
+ * checks) is raised first, and n_attached is counted first (and taken back
+ * if the claim fails), so a process killed between the two over-counts
+ * this hint by one rather than wrapping it below zero at the reclaim. */
 static inline int shm_client_register(shm_seg *s, int32_t pid,
-                                      uint64_t starttime) {
+                                      uint64_t starttime, uint64_t pid_ns) {
     shm_header *h = shm_hdr(s);
     if (pid <= 0) return SHM_E_PARAMS; /* 0 marks a free entry */
     for (uint32_t c = 0; c < s->p.max_clients; c++) {
         shm_client *e = shm_client_at(s, c);
+        /* MO: relaxed; a pre-check only, the CAS below decides. */
+        if (atomic_load_explicit(&e->owner_pid, memory_order_relaxed) != 0)
+            continue;
+        uint32_t hwm =
+            atomic_load_explicit(&h->clients_hwm, memory_order_relaxed);
+        /* MO: release CAS; pairs with the acquire load of clients_hwm in
+         * shm_clients_hwm (the evaluator's scans and housekeeping). */
+        while (hwm < c + 1 &&
+               !atomic_compare_exchange_weak_explicit(
+                   &h->clients_hwm, &hwm, c + 1, memory_order_release,
+                   memory_order_relaxed)) {
+        }
+        /* MO: relaxed; a hint for spin decisions and stats. */
+        atomic_fetch_add_explicit(&h->n_attached, 1, memory_order_relaxed);
         int32_t expected = 0;
         /* MO: acq_rel CAS; the acquire half pairs with the release store of
          * owner_pid = 0 in shm_client_reclaim, so the slot words the
@@ -511,27 +600,20 @@ static inline int shm_client_register(shm_seg *s, int32_t pid,
         if (atomic_compare_exchange_strong_explicit(
                 &e->owner_pid, &expected, pid, memory_order_acq_rel,
                 memory_order_relaxed)) {
-            /* MO: relaxed; only read by the evaluator's liveness check, which
-             * treats 0 as "not yet known" and checks again later. */
+            SHM_HOOK("register_claimed");
+            /* MO: relaxed (both); only read by the evaluator's liveness
+             * check, which treats 0 as "not yet known". */
             atomic_store_explicit(&e->starttime, starttime,
                                   memory_order_relaxed);
+            atomic_store_explicit(&e->pid_ns, pid_ns, memory_order_relaxed);
             /* MO: relaxed; an entry handed out has detached == 0 already
              * (reset before owner_pid was released). */
             SHM_ASSERT(atomic_load_explicit(&e->detached,
                                             memory_order_relaxed) == 0);
-            uint32_t hwm =
-                atomic_load_explicit(&h->clients_hwm, memory_order_relaxed);
-            /* MO: release CAS; pairs with the acquire load of clients_hwm in
-             * shm_collect so the scan covers our entry. */
-            while (hwm < c + 1 &&
-                   !atomic_compare_exchange_weak_explicit(
-                       &h->clients_hwm, &hwm, c + 1, memory_order_release,
-                       memory_order_relaxed)) {
-            }
-            /* MO: relaxed; a hint for spin decisions and stats. */
-            atomic_fetch_add_explicit(&h->n_attached, 1, memory_order_relaxed);
             return (int)c;
         }
+        /* MO: relaxed; taking back our count, as above. */
+        atomic_fetch_sub_explicit(&h->n_attached, 1, memory_order_relaxed);
     }
     return SHM_E_FULL;
 }
@@ -546,36 +628,56 @@ static inline void shm_client_detach(shm_seg *s, uint32_t c) {
 
 /* Reads an entry for the evaluator's housekeeping. */
 static inline int32_t shm_client_info(shm_seg *s, uint32_t c,
-                                      uint64_t *starttime,
+                                      uint64_t *starttime, uint64_t *pid_ns,
                                       uint32_t *detached) {
     shm_client *e = shm_client_at(s, c);
-    /* MO: acquire (all three); pairs with the CAS in register and the
-     * release store in detach. */
+    /* MO: acquire (owner_pid, detached); pairs with the CAS in register and
+     * the release store in detach.  The identity words are relaxed: 0 reads
+     * as "not yet known". */
     int32_t pid = atomic_load_explicit(&e->owner_pid, memory_order_acquire);
     *starttime = atomic_load_explicit(&e->starttime, memory_order_relaxed);
+    *pid_ns = atomic_load_explicit(&e->pid_ns, memory_order_relaxed);
     *detached = atomic_load_explicit(&e->detached, memory_order_acquire);
     return pid;
 }
 
-/* Evaluator only, between batches (no slot is TAKEN): resets the slots of a
- * dead or detached client and frees its entry.  Returns how many slots were
- * stranded mid-write (the client died between claiming and publishing). */
+/* Evaluator only, between batches: resets the slots of a dead or detached
+ * client and frees its entry.  Returns how many slots were stranded
+ * mid-write (the client died between claiming and publishing), or
+ * SHM_E_STATE, changing nothing, if a slot of the entry is TAKEN: a batch
+ * is in flight, and its completion (shm_still_taken, then the output copy)
+ * relies on no reclaim happening until it is finished (rule 2 above).
+ *
+ * The slot words are reset by CAS, not plain stores: a thread of a
+ * detached but live owner may still release one of them (by CAS from the
+ * generation it began), and each of those transitions must be one
+ * indivisible step so that every slot ends FREE with a newer generation. */
 static inline int shm_client_reclaim(shm_seg *s, uint32_t c) {
     shm_header *h = shm_hdr(s);
     shm_client *e = shm_client_at(s, c);
     int writing = 0;
-    for (uint32_t k = 0; k < s->p.slots_per_client; k++) {
+    uint32_t K = s->p.slots_per_client;
+    for (uint32_t k = 0; k < K; k++) {
+        /* MO: relaxed; only the evaluator (the caller) moves a slot into
+         * TAKEN, so this check cannot be overtaken. */
+        uint32_t cur = atomic_load_explicit(shm_slot_word_at(s, c, k),
+                                            memory_order_relaxed);
+        if (shm_word_state(cur) == SLOT_TAKEN) return SHM_E_STATE;
+    }
+    for (uint32_t k = 0; k < K; k++) {
         _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
-        /* MO: relaxed; the owner is gone, nobody else writes this word. */
+        /* MO: relaxed; the handover to the next owner is published by the
+         * release store of owner_pid below. */
         uint32_t old = atomic_load_explicit(w, memory_order_relaxed);
-        SHM_ASSERT(shm_word_state(old) != SLOT_TAKEN);
+        while (!atomic_compare_exchange_weak_explicit(
+            w, &old, shm_slot_word(SLOT_FREE, shm_word_gen(old) + 1),
+            memory_order_relaxed, memory_order_relaxed)) {
+        }
         if (shm_word_state(old) == SLOT_WRITING) writing++;
-        atomic_store_explicit(
-            w, shm_slot_word(SLOT_FREE, shm_word_gen(old) + 1),
-            memory_order_relaxed);
     }
     atomic_store_explicit(&e->detached, 0, memory_order_relaxed);
     atomic_store_explicit(&e->starttime, 0, memory_order_relaxed);
+    atomic_store_explicit(&e->pid_ns, 0, memory_order_relaxed);
     /* MO: relaxed; a hint (clients fetch_add it too, hence atomic RMW). */
     atomic_fetch_sub_explicit(&h->n_attached, 1, memory_order_relaxed);
     shm_stat_add(&h->st[ST_RECLAIMED_CLIENTS], 1);
@@ -590,17 +692,39 @@ static inline int shm_client_reclaim(shm_seg *s, uint32_t c) {
 /* Client side of a slot                                               */
 /* ------------------------------------------------------------------ */
 
-/* FREE -> WRITING.  The client's process-local allocator guarantees that
- * only one thread uses slot (c, k) at a time, so no CAS is needed. */
-static inline int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k) {
+/* FREE -> WRITING for process pid, which must own entry c.  Stores the
+ * slot's generation in *gen: every later client-side step on this request
+ * (wait, release) names it, and refuses a slot whose generation moved on.
+ * Returns SHM_OK; SHM_STALE when the entry is no longer pid's (it was
+ * detached and reclaimed, perhaps claimed by another process); SHM_E_STATE
+ * when the slot is not FREE.
+ *
+ * The process-local free list hands a slot to one thread at a time (rule 4
+ * above); the CAS makes that hold across processes too: should two
+ * processes ever act on one entry (a handle closed with requests still in
+ * flight, its entry reclaimed and claimed again), only one of them begins
+ * a given FREE slot, and the other gets an error instead of the first
+ * one's answer. */
+static inline int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k,
+                                 int32_t pid, uint32_t *gen) {
     _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
-    /* MO: relaxed; we are the only writer of a FREE slot. */
+    /* MO: relaxed; a check that the entry is still ours, narrowing the
+     * window that the CAS below closes. */
+    if (atomic_load_explicit(&shm_client_at(s, c)->owner_pid,
+                             memory_order_relaxed) != pid)
+        return SHM_STALE;
+    /* MO: relaxed; the CAS below decides. */
     uint32_t old = atomic_load_explicit(w, memory_order_relaxed);
+    SHM_HOOK("begin_loaded");
     if (shm_word_state(old) != SLOT_FREE) return SHM_E_STATE;
-    /* MO: relaxed; WRITING is only read by the reclaimer (for counting) and
-     * the evaluator ignores it. */
-    atomic_store_explicit(w, shm_slot_word(SLOT_WRITING, shm_word_gen(old)),
-                          memory_order_relaxed);
+    /* MO: relaxed; nothing is published by WRITING (the reclaimer only
+     * counts it, the evaluator ignores it); the input is published by the
+     * release store of READY. */
+    if (!atomic_compare_exchange_strong_explicit(
+            w, &old, shm_slot_word(SLOT_WRITING, shm_word_gen(old)),
+            memory_order_relaxed, memory_order_relaxed))
+        return SHM_E_STATE;
+    *gen = shm_word_gen(old);
     return SHM_OK;
 }
 
@@ -616,19 +740,30 @@ static inline void shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k) {
                           memory_order_release);
 }
 
-/* Rings the evaluator's doorbell after publishing `count` slots. */
+/* Rings the evaluator's doorbell after publishing `count` slots.
+ *
+ * Only the sleeper clears its flag (io_uring's IORING_SQ_NEED_WAKEUP
+ * pattern): a client that sees ev_sleeping wakes the evaluator and leaves
+ * the flag alone.  A client that cleared the flag itself could clear the
+ * announcement of a later sleep than the one it saw (it read the flag
+ * during one sleep, was preempted, and its clear and its wake landed
+ * after the evaluator had announced the next sleep but before it was in
+ * the kernel), and every client after it would then find the flag clear
+ * while the evaluator slept to its timeout.  The price: clients that
+ * publish while the flag is set each make a FUTEX_WAKE call, a few of
+ * them at most in the microseconds between the first wake and the
+ * evaluator's clearing of the flag.  Why no wake-up is lost: shm_collect. */
 static inline void shm_notify_evaluator(shm_seg *s, uint32_t count) {
     shm_header *h = shm_hdr(s);
-    /* MO: seq_cst; with the seq_cst exchange below this is one half of the
-     * Dekker pair with shm_collect's seq_cst store of ev_sleeping = 1 and
-     * load of submit_seq: either the evaluator sees the new sequence or we
-     * see it asleep. */
+    /* MO: seq_cst; with the seq_cst load of ev_sleeping below, one half of
+     * the Dekker pair with shm_collect's seq_cst store of ev_sleeping = 1
+     * and re-read of submit_seq. */
     atomic_fetch_add_explicit(&h->submit_seq, count, memory_order_seq_cst);
-    /* MO: relaxed pre-check avoids the locked exchange when it is awake. */
-    if (atomic_load_explicit(&h->ev_sleeping, memory_order_seq_cst) &&
-        /* MO: seq_cst; only the client that flips 1 -> 0 pays the syscall. */
-        atomic_exchange_explicit(&h->ev_sleeping, 0, memory_order_seq_cst))
-        shm_futex_wake(&h->submit_seq, 1);
+    /* MO: seq_cst; see above. */
+    uint32_t sleeping =
+        atomic_load_explicit(&h->ev_sleeping, memory_order_seq_cst);
+    SHM_HOOK("notify_loaded");
+    if (sleeping) shm_futex_wake(&h->submit_seq, 1);
 }
 
 static inline int shm_state_is_final(uint32_t st) {
@@ -754,7 +889,9 @@ static inline void shm_ticker_stop(shm_ticker *t) {
     t->running = 0;
 }
 
-/* Waits until slot (c, k) is DONE or FAILED.  Spins for at most spin_ns
+/* Waits until slot (c, k), begun with generation gen, is DONE or FAILED.
+ * Returns SHM_STALE at once if the slot's generation moved on (it was
+ * reclaimed: the answer, if any, is not ours).  Spins for at most spin_ns
  * (callers pass 0 when processes outnumber cores by more than one, and set
  * SHM_SPIN_YIELD when by exactly one), then sleeps on its
  * client's doorbell (shm_done_word, its own bit).  Without a ticker (t ==
@@ -767,8 +904,8 @@ static inline void shm_ticker_stop(shm_ticker *t) {
  * GIL, unless the caller is its process's only Python thread (nobody else
  * can want it). */
 static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
-                                       uint64_t spin_ns, uint64_t timeout_ns,
-                                       shm_ticker *t) {
+                                       uint32_t gen, uint64_t spin_ns,
+                                       uint64_t timeout_ns, shm_ticker *t) {
     shm_header *h = shm_hdr(s);
     _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
     _Atomic uint32_t *bell = shm_done_word(s, c);
@@ -788,6 +925,7 @@ static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
     if (spin_ns) {
         for (uint32_t i = 0;; i++) {
             cur = atomic_load_explicit(w, memory_order_acquire);
+            if (shm_word_gen(cur) != gen) return SHM_STALE;
             if (shm_state_is_final(shm_word_state(cur)))
                 return (int)shm_word_state(cur);
             if (yield) { /* a syscall per look: the clock each time too */
@@ -802,6 +940,7 @@ static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
     for (;;) {
         cur = atomic_load_explicit(w, memory_order_acquire);
         uint32_t st = shm_word_state(cur);
+        if (shm_word_gen(cur) != gen) return SHM_STALE;
         if (shm_state_is_final(st)) return (int)st;
         SHM_ASSERT(st == SLOT_READY || st == SLOT_TAKEN);
         uint64_t deadline = SHM_NO_DEADLINE;
@@ -835,9 +974,13 @@ static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
          * (shm_finish), of ev_state (shm_close_and_wake) or of the tick
          * (shm_ticker_tick).  So if none of those is seen below, `seq`
          * predates that ring, and the futex wait returns at once (EAGAIN)
-         * or is woken by it. */
+         * or is woken by it.  The re-read of w after this load is what
+         * makes that hold for an answer: an answer whose ring came before
+         * this load is seen by the re-read, not slept through. */
+        SHM_HOOK("wait_before_bell");
         uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
         cur = atomic_load_explicit(w, memory_order_acquire);
+        if (shm_word_gen(cur) != gen) return SHM_STALE;
         if (shm_state_is_final(shm_word_state(cur)))
             return (int)shm_word_state(cur);
         /* MO: acquire; pairs with the release store of EV_CLOSED in
@@ -856,23 +999,42 @@ static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
 }
 
 static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
-                                uint64_t spin_ns, uint64_t timeout_ns) {
-    return shm_slot_wait_ticked(s, c, k, spin_ns, timeout_ns, NULL);
+                                uint32_t gen, uint64_t spin_ns,
+                                uint64_t timeout_ns) {
+    return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, NULL);
 }
 
-/* DONE/FAILED -> FREE with a new generation, after copying the outputs out.
- * Returns SHM_E_STATE if the slot was not final. */
-static inline int shm_slot_release(shm_seg *s, uint32_t c, uint32_t k) {
+/* DONE/FAILED -> FREE with generation gen + 1, after the caller copied the
+ * outputs (or the error text) out of a slot it began with generation gen.
+ * Returns SHM_OK: the copy is the answer to the caller's request.
+ * SHM_STALE: the slot was reclaimed (its generation moved on) at some point
+ * before this call returned, perhaps during the copy: the copy must be
+ * thrown away, and the slot, now someone else's, is left alone.
+ * SHM_E_STATE: the slot is still in flight (a caller's error).
+ *
+ * Validation as in a seqlock: the acquire fence orders the copy's reads
+ * before the CAS's read of the word, and the CAS succeeds only if the word
+ * is still exactly the final state of generation gen, so no reclaim (which
+ * moves the generation on before anyone can reuse the slot) happened
+ * before or during the copy. */
+static inline int shm_slot_release(shm_seg *s, uint32_t c, uint32_t k,
+                                   uint32_t gen) {
     _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
-    /* MO: acquire; the output copy the caller made happened after its own
-     * acquire load in shm_slot_wait. */
-    uint32_t old = atomic_load_explicit(w, memory_order_acquire);
-    if (!shm_state_is_final(shm_word_state(old))) return SHM_E_STATE;
-    /* MO: release; our reads of the output area happen before the slot can
-     * be reused (by us, or by the reclaimer). */
-    atomic_store_explicit(w, shm_slot_word(SLOT_FREE, shm_word_gen(old) + 1),
-                          memory_order_release);
-    return SHM_OK;
+    SHM_HOOK("release_begin");
+    /* MO: acquire fence; see above. */
+    atomic_thread_fence(memory_order_acquire);
+    /* MO: relaxed; the CAS below decides. */
+    uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
+    for (;;) {
+        if (shm_word_gen(cur) != gen) return SHM_STALE;
+        if (!shm_state_is_final(shm_word_state(cur))) return SHM_E_STATE;
+        /* MO: release; our reads of the output area happen before the slot
+         * can be reused (by us, or, after a reclaim, by another process). */
+        if (atomic_compare_exchange_strong_explicit(
+                w, &cur, shm_slot_word(SLOT_FREE, gen + 1),
+                memory_order_release, memory_order_relaxed))
+            return SHM_OK;
+    }
 }
 
 /* Current state word, for tests and for abandoned-slot bookkeeping. */
@@ -1003,20 +1165,38 @@ static inline int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
         if (changed) continue;
         now = shm_now_ns();
         if (now >= deadline) return (int)n;
-        /* Announce sleep, then re-check (Dekker with shm_notify_evaluator).
+        /* Announce the sleep, re-read the doorbell, sleep on it.  Why a
+         * client's request is never slept through: take a client X whose
+         * fetch_add of submit_seq the re-read below misses.  All four
+         * operations are seq_cst, so in their single total order: our
+         * store of 1 < our re-read < X's fetch_add < X's load of
+         * ev_sleeping, and X's load sees our 1 (only we write the flag,
+         * and we clear it only after the sleep).  So X calls FUTEX_WAKE
+         * after its fetch_add.  If we are already queued in the kernel, it
+         * wakes us; if not yet, the kernel's check in FUTEX_WAIT (the word
+         * is read under the futex bucket lock, with a full barrier against
+         * the waker's) sees submit_seq != seq and returns at once.  The
+         * user-space re-read alone would not be enough: it is the kernel's
+         * check that covers a wake which lands before we are queued.
          * MO: seq_cst store and load. */
         atomic_store_explicit(&h->ev_sleeping, 1, memory_order_seq_cst);
         if (atomic_load_explicit(&h->submit_seq, memory_order_seq_cst) == seq &&
             atomic_load_explicit(&h->ev_state, memory_order_acquire) ==
-                EV_SERVING)
+                EV_SERVING) {
+            SHM_HOOK("collect_before_sleep");
             shm_futex_wait(&h->submit_seq, seq, deadline - now);
-        /* MO: relaxed; a stale 1 only costs one spurious wake syscall. */
-        atomic_store_explicit(&h->ev_sleeping, 0, memory_order_relaxed);
+        }
+        /* MO: seq_cst; a client whose load sees this 0 comes after it in
+         * the total order, hence before our next announcement and re-read,
+         * which therefore sees its fetch_add. */
+        atomic_store_explicit(&h->ev_sleeping, 0, memory_order_seq_cst);
     }
 }
 
 /* True while slot `t` is still the one this batch took: outputs are written
- * only into such slots, never into a slot reclaimed and reused meanwhile. */
+ * only into such slots.  The check and the copy that follows are two steps;
+ * what keeps the slot from being reclaimed between them is rule 2 (no
+ * reclaim while a batch is in flight), which shm_client_reclaim enforces. */
 static inline int shm_still_taken(shm_seg *s, const shm_taken *t) {
     /* MO: relaxed; only the evaluator moves a slot out of TAKEN. */
     uint32_t cur = atomic_load_explicit(
@@ -1228,13 +1408,17 @@ static inline uint32_t shm_n_attached(shm_seg *s) {
     /* MO: relaxed; a hint for spin decisions. */
     return atomic_load_explicit(&shm_hdr(s)->n_attached, memory_order_relaxed);
 }
+/* The spec as this process read and checked it (shm_attach's copy). */
 static inline const char *shm_spec(shm_seg *s, uint32_t *len) {
-    *len = shm_hdr(s)->spec_len;
-    return shm_hdr(s)->spec;
+    *len = s->spec_len;
+    return s->spec;
 }
 static inline int32_t shm_owner_pid(shm_seg *s) {
     return shm_hdr(s)->owner_pid;
 }
+/* The creator's pid and time namespaces (0 = unknown). */
+static inline uint64_t shm_pid_ns(shm_seg *s) { return shm_hdr(s)->pid_ns; }
+static inline uint64_t shm_time_ns(shm_seg *s) { return shm_hdr(s)->time_ns; }
 static inline shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k) {
     return shm_slot_meta_at(s, c, k);
 }

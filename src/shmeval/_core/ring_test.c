@@ -110,6 +110,38 @@ static int test_sched_yield(void) {
 }
 #define shm_sched_yield() test_sched_yield()
 
+/*
+ * Named schedule points: ring.h calls SHM_HOOK("name") at the points of its
+ * protocol where an interleaving matters.  A test thread that armed a point
+ * (hook_arm, for its own thread only, at the N-th time it passes there)
+ * parks there until the main thread lets it go (hook_wait_parked, then
+ * hook_release): a chosen interleaving, replayed every run.  Other threads,
+ * and threads that armed nothing, pass straight through.
+ */
+#include <string.h>
+typedef struct {
+    const char *point;
+    int left;          /* passes (by its thread) until it parks */
+    _Atomic int state; /* 0 armed, 1 parked, 2 released, 3 resumed */
+} hook_t;
+static _Thread_local hook_t *tl_hook;
+static void test_hook(const char *point) {
+    hook_t *h = tl_hook;
+    if (!h || strcmp(point, h->point) != 0 || --h->left > 0) return;
+    tl_hook = NULL;
+    atomic_store(&h->state, 1);
+    struct timespec a, b, d = {0, 50000};
+    (clock_gettime)(CLOCK_MONOTONIC, &a);
+    for (;;) { /* at most 10 s, whatever the main thread does */
+        if (atomic_load(&h->state) == 2) break;
+        (clock_gettime)(CLOCK_MONOTONIC, &b);
+        if (b.tv_sec - a.tv_sec > 10) break;
+        nanosleep(&d, NULL);
+    }
+    atomic_store(&h->state, 3);
+}
+#define SHM_HOOK(point) test_hook(point)
+
 /* Angle brackets on purpose: ring.h is found through -I (the build passes
  * -I src/shmeval/_core), so a build can point at another copy of the
  * header, e.g. a deliberately broken one: -I /tmp/broken. */
@@ -276,7 +308,7 @@ static void seg_make(test_seg *t, const shm_params *p) {
     t->size = l.total;
     t->mem = seg_alloc(l.total);
     CHECK_EQ(shm_init(&t->s, t->mem, t->size, p, k_spec,
-                      (uint32_t)strlen(k_spec), (int32_t)getpid()),
+                      (uint32_t)strlen(k_spec), (int32_t)getpid(), 0, 0),
              SHM_OK);
 }
 
@@ -313,6 +345,42 @@ static uint32_t word_of(shm_seg *s, uint32_t c, uint32_t k) {
 }
 static void store_word(shm_seg *s, uint32_t c, uint32_t k, uint32_t v) {
     atomic_store_explicit(shm_slot_word_at(s, c, k), v, memory_order_release);
+}
+
+/* The slot state machine as most tests drive it: each client-side step
+ * names the generation the slot has at that moment (the owner's pid, for
+ * begin), so these tests exercise the transitions; the tests of stale
+ * generations and owners (test_generations) call ring.h directly. */
+static int t_begin(shm_seg *s, uint32_t c, uint32_t k) {
+    uint32_t gen;
+    return shm_slot_begin(
+        s, c, k,
+        atomic_load_explicit(&shm_client_at(s, c)->owner_pid,
+                             memory_order_relaxed),
+        &gen);
+}
+static uint32_t gen_now(shm_seg *s, uint32_t c, uint32_t k) {
+    return shm_word_gen(shm_slot_peek(s, c, k));
+}
+static int t_wait(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
+                  uint64_t timeout_ns) {
+    return shm_slot_wait(s, c, k, gen_now(s, c, k), spin_ns, timeout_ns);
+}
+static int t_wait_ticked(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
+                         uint64_t timeout_ns, shm_ticker *t) {
+    return shm_slot_wait_ticked(s, c, k, gen_now(s, c, k), spin_ns,
+                                timeout_ns, t);
+}
+static int t_release(shm_seg *s, uint32_t c, uint32_t k) {
+    return shm_slot_release(s, c, k, gen_now(s, c, k));
+}
+static int t_register(shm_seg *s, int32_t pid, uint64_t starttime) {
+    return shm_client_register(s, pid, starttime, 0);
+}
+static int32_t t_info(shm_seg *s, uint32_t c, uint64_t *starttime,
+                      uint32_t *detached) {
+    uint64_t pid_ns;
+    return shm_client_info(s, c, starttime, &pid_ns, detached);
 }
 
 /* ------------------------------------------------------------------ */
@@ -456,7 +524,7 @@ static void test_layout(void) {
         /* shm_init refuses them too, before touching the buffer */
         shm_seg s;
         memset(scratch, 0xA5, scratch_n);
-        rc = shm_init(&s, scratch, scratch_n, &bad[i].p, "", 0, 1);
+        rc = shm_init(&s, scratch, scratch_n, &bad[i].p, "", 0, 1, 0, 0);
         CHECK_MSG(rc == SHM_E_PARAMS, "init(%s) returned %d", bad[i].what, rc);
         for (uint64_t j = 0; j < scratch_n; j++)
             CHECK_MSG((unsigned char)scratch[j] == 0xA5,
@@ -583,14 +651,14 @@ static void test_attach(void) {
     {
         shm_seg s2;
         char *b2 = seg_alloc(T);
-        CHECK_EQ(shm_init(&s2, b2, T - 1, &P, k_spec, 10, 1), SHM_E_TOO_SMALL);
-        CHECK_EQ(shm_init(&s2, b2, 0, &P, k_spec, 10, 1), SHM_E_TOO_SMALL);
+        CHECK_EQ(shm_init(&s2, b2, T - 1, &P, k_spec, 10, 1, 0, 0), SHM_E_TOO_SMALL);
+        CHECK_EQ(shm_init(&s2, b2, 0, &P, k_spec, 10, 1, 0, 0), SHM_E_TOO_SMALL);
         char *big = malloc(SHM_SPEC_MAX + 1);
         CHECK(big != NULL);
         memset(big, 'x', SHM_SPEC_MAX + 1);
-        CHECK_EQ(shm_init(&s2, b2, T, &P, big, SHM_SPEC_MAX + 1, 1), SHM_E_SPEC);
+        CHECK_EQ(shm_init(&s2, b2, T, &P, big, SHM_SPEC_MAX + 1, 1, 0, 0), SHM_E_SPEC);
         /* exactly SHM_SPEC_MAX bytes of spec is fine, and attaches */
-        CHECK_EQ(shm_init(&s2, b2, T, &P, big, SHM_SPEC_MAX, 1), SHM_OK);
+        CHECK_EQ(shm_init(&s2, b2, T, &P, big, SHM_SPEC_MAX, 1, 0, 0), SHM_OK);
         CHECK_EQ(attach_copy(b2, T, T, NULL), SHM_OK);
         uint32_t len = 0;
         const char *sp = shm_spec(&s2, &len);
@@ -879,14 +947,14 @@ static void test_state(void) {
     CHECK(shm_heartbeat(s) != 0);
     CHECK(shm_stat_get(s, ST_SERVE_START_NS) != 0);
 
-    int c = shm_client_register(s, 5001, 77);
+    int c = t_register(s, 5001, 77);
     CHECK_EQ(c, 0);
     CHECK_EQ(shm_n_attached(s), 1);
     CHECK_EQ(shm_clients_hwm(s), 1);
     {
         uint64_t stt;
         uint32_t det;
-        CHECK_EQ(shm_client_info(s, 0, &stt, &det), 5001);
+        CHECK_EQ(t_info(s, 0, &stt, &det), 5001);
         CHECK_EQU(stt, 77);
         CHECK_EQ(det, 0);
     }
@@ -901,19 +969,19 @@ static void test_state(void) {
 
     /* FREE -> WRITING -> READY -> TAKEN -> DONE -> FREE(gen+1) */
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_FREE, 0));
-    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_E_STATE); /* FREE is not final */
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    CHECK_EQ(t_release(s, 0, 0), SHM_E_STATE); /* FREE is not final */
+    CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_WRITING, 0));
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_E_STATE);
-    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_E_STATE);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_E_STATE);
+    CHECK_EQ(t_release(s, 0, 0), SHM_E_STATE);
     fill_row(in[0], IN, 1);
     memcpy(shm_slot_in(s, 0, 0), in[0], IN);
     uint64_t before_pub = shm_now_ns();
     shm_slot_publish(s, 0, 0);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, 0));
     CHECK(shm_meta(s, 0, 0)->publish_ns >= before_pub);
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_E_STATE);
-    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_E_STATE);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_E_STATE);
+    CHECK_EQ(t_release(s, 0, 0), SHM_E_STATE);
     uint32_t seq0 = atomic_load(&h->submit_seq);
     shm_notify_evaluator(s, 1);
     CHECK_EQU(atomic_load(&h->submit_seq), seq0 + 1);
@@ -925,8 +993,8 @@ static void test_state(void) {
     CHECK_EQ(taken[0].gen, 0);
     CHECK(memcmp(batch, in[0], IN) == 0);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_TAKEN, 0));
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_E_STATE);
-    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_E_STATE);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_E_STATE);
+    CHECK_EQ(t_release(s, 0, 0), SHM_E_STATE);
     {
         /* the publish -> taken histogram counted it */
         uint64_t tot = 0;
@@ -936,29 +1004,29 @@ static void test_state(void) {
 
     /* a wait that times out leaves WAITER set; TAKEN keeps it */
     t0 = shm_now_ns();
-    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 5 * MS), SHM_TIMEOUT);
+    CHECK_EQ(t_wait(s, 0, 0, 0, 5 * MS), SHM_TIMEOUT);
     CHECK(shm_now_ns() - t0 >= 5 * MS);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_TAKEN, 0) | SLOT_WAITER);
     t0 = shm_now_ns();
-    CHECK_EQ(shm_slot_wait(s, 0, 0, 1 * MS, 3 * MS), SHM_TIMEOUT); /* spin */
+    CHECK_EQ(t_wait(s, 0, 0, 1 * MS, 3 * MS), SHM_TIMEOUT); /* spin */
     CHECK(shm_now_ns() - t0 >= 3 * MS);
 
     fill_row(res[0], OUT, 101);
     CHECK_EQU(shm_complete(s, taken, 1, res[0], 7), 1);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_DONE, 0)); /* WAITER gone */
-    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 5 * MS), SLOT_DONE);
-    CHECK_EQ(shm_slot_wait(s, 0, 0, 1 * MS, 5 * MS), SLOT_DONE);
+    CHECK_EQ(t_wait(s, 0, 0, 0, 5 * MS), SLOT_DONE);
+    CHECK_EQ(t_wait(s, 0, 0, 1 * MS, 5 * MS), SLOT_DONE);
     CHECK(memcmp(shm_slot_out(s, 0, 0), res[0], OUT) == 0);
     CHECK_EQU(shm_meta(s, 0, 0)->model_version, 7);
     CHECK_EQ(shm_meta(s, 0, 0)->err_len, 0);
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_E_STATE); /* DONE is not FREE */
-    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_E_STATE); /* DONE is not FREE */
+    CHECK_EQ(t_release(s, 0, 0), SHM_OK);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_FREE, 1));
-    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_E_STATE);
+    CHECK_EQ(t_release(s, 0, 0), SHM_E_STATE);
 
     /* several slots in one batch, rows in the order of `taken` */
     for (uint32_t k = 0; k < 4; k++) {
-        CHECK_EQ(shm_slot_begin(s, 0, k), SHM_OK);
+        CHECK_EQ(t_begin(s, 0, k), SHM_OK);
         fill_row(in[k], IN, 10 + k);
         memcpy(shm_slot_in(s, 0, k), in[k], IN);
     }
@@ -987,48 +1055,48 @@ static void test_state(void) {
     CHECK_EQU(shm_complete(s, taken, (uint32_t)n, (const char *)res, 8), 4);
     for (int i = 0; i < n; i++) {
         uint32_t k = taken[i].slot;
-        CHECK_EQ(shm_slot_wait(s, 0, k, 0, 5 * MS), SLOT_DONE);
+        CHECK_EQ(t_wait(s, 0, k, 0, 5 * MS), SLOT_DONE);
         CHECK(memcmp(shm_slot_out(s, 0, k), res[i], OUT) == 0);
-        CHECK_EQ(shm_slot_release(s, 0, k), SHM_OK);
+        CHECK_EQ(t_release(s, 0, k), SHM_OK);
         CHECK_EQU(word_of(s, 0, k), shm_slot_word(SLOT_FREE, k == 0 ? 2 : 1));
     }
 
     /* failure path: FAILED with the message in the output area */
     const char *msg = "ValueError: model exploded (batch of 1)";
-    CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
     memcpy(shm_slot_in(s, 0, 1), in[1], IN);
     shm_slot_publish(s, 0, 1);
     shm_notify_evaluator(s, 1);
     CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQU(shm_fail(s, taken, 1, msg, (uint32_t)strlen(msg)), 1);
     CHECK_EQU(word_of(s, 0, 1), shm_slot_word(SLOT_FAILED, 1));
-    CHECK_EQ(shm_slot_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
+    CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
     CHECK_EQ(shm_meta(s, 0, 1)->err_len, strlen(msg));
     CHECK(memcmp(shm_slot_out(s, 0, 1), msg, strlen(msg)) == 0);
-    CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_E_STATE);
-    CHECK_EQ(shm_slot_release(s, 0, 1), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 1), SHM_E_STATE);
+    CHECK_EQ(t_release(s, 0, 1), SHM_OK);
     CHECK_EQU(word_of(s, 0, 1), shm_slot_word(SLOT_FREE, 2));
 
     /* an error text longer than the output area is cut to the area */
     {
         char longmsg[3000];
         for (size_t i = 0; i < sizeof longmsg; i++) longmsg[i] = (char)('a' + i % 26);
-        CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_OK);
+        CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
         shm_slot_publish(s, 0, 1);
         CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
         CHECK_EQU(shm_fail(s, taken, 1, longmsg, sizeof longmsg), 1);
-        CHECK_EQ(shm_slot_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
+        CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
         CHECK_EQU(shm_meta(s, 0, 1)->err_len, s->l.out_area);
         CHECK(memcmp(shm_slot_out(s, 0, 1), longmsg, s->l.out_area) == 0);
         /* DONE after a FAILED: err_len is reset */
-        CHECK_EQ(shm_slot_release(s, 0, 1), SHM_OK);
-        CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_OK);
+        CHECK_EQ(t_release(s, 0, 1), SHM_OK);
+        CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
         shm_slot_publish(s, 0, 1);
         CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
         CHECK_EQU(shm_complete(s, taken, 1, res[0], 9), 1);
-        CHECK_EQ(shm_slot_wait(s, 0, 1, 0, 5 * MS), SLOT_DONE);
+        CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_DONE);
         CHECK_EQ(shm_meta(s, 0, 1)->err_len, 0);
-        CHECK_EQ(shm_slot_release(s, 0, 1), SHM_OK);
+        CHECK_EQ(t_release(s, 0, 1), SHM_OK);
     }
 
     /* generation check in shm_finish: the word changed between collect
@@ -1036,7 +1104,7 @@ static void test_state(void) {
     uint64_t stale0 = shm_stat_get(s, ST_STALE_COMPLETIONS);
     CHECK_EQ(stale0, 0);
     uint32_t g = shm_word_gen(word_of(s, 0, 2));
-    CHECK_EQ(shm_slot_begin(s, 0, 2), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 2), SHM_OK);
     memcpy(shm_slot_in(s, 0, 2), in[2], IN);
     shm_slot_publish(s, 0, 2);
     CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
@@ -1064,14 +1132,14 @@ static void test_state(void) {
     CHECK_EQU(shm_complete(s, taken, 1, res[0], 12), 1);
     CHECK_EQU(word_of(s, 0, 2), shm_slot_word(SLOT_DONE, g));
     CHECK_EQU(shm_stat_get(s, ST_STALE_COMPLETIONS), 3);
-    CHECK_EQ(shm_slot_release(s, 0, 2), SHM_OK);
+    CHECK_EQ(t_release(s, 0, 2), SHM_OK);
     if (wrote_stale)
         printf("  note: a stale completion is refused, but shm_complete has "
                "already written the slot's output area and meta\n");
 
     /* generation wraps within 24 bits */
     store_word(s, 0, 3, shm_slot_word(SLOT_DONE, SLOT_GEN_MASK));
-    CHECK_EQ(shm_slot_release(s, 0, 3), SHM_OK);
+    CHECK_EQ(t_release(s, 0, 3), SHM_OK);
     CHECK_EQU(word_of(s, 0, 3), shm_slot_word(SLOT_FREE, 0));
 
     /* statistics helpers */
@@ -1103,7 +1171,7 @@ static void test_state(void) {
         const uint64_t fbytes[2] = {24, 8}, foff[2] = {8, 0};
         const int64_t fstride[2] = {24, 8};
         for (uint32_t k = 0; k < 2; k++) {
-            CHECK_EQ(shm_slot_begin(s, 0, k), SHM_OK);
+            CHECK_EQ(t_begin(s, 0, k), SHM_OK);
             shm_slot_publish(s, 0, k);
         }
         CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 2);
@@ -1111,18 +1179,18 @@ static void test_state(void) {
                   2);
         for (int i = 0; i < 2; i++) {
             uint32_t k = taken[i].slot;
-            CHECK_EQ(shm_slot_wait(s, 0, k, 0, 5 * MS), SLOT_DONE);
+            CHECK_EQ(t_wait(s, 0, k, 0, 5 * MS), SLOT_DONE);
             CHECK(memcmp(shm_slot_out(s, 0, k), fa[i], 8) == 0);
             CHECK(memcmp(shm_slot_out(s, 0, k) + 8, fb[i], 24) == 0);
             CHECK_EQU(shm_meta(s, 0, k)->model_version, 21);
-            CHECK_EQ(shm_slot_release(s, 0, k), SHM_OK);
+            CHECK_EQ(t_release(s, 0, k), SHM_OK);
         }
     }
 
     /* closing: CLOSING is honoured before every scan, so a READY slot is
      * not handed out any more (it stays READY) and collect says CLOSED */
     uint32_t g0 = shm_word_gen(word_of(s, 0, 0));
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     shm_slot_publish(s, 0, 0);
     shm_request_close(s);
     CHECK_EQ(shm_ev_state(s), EV_CLOSING);
@@ -1132,7 +1200,7 @@ static void test_state(void) {
     CHECK(shm_now_ns() - t0 < 500 * MS);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, g0));
     /* client side: CLOSING is not yet CLOSED, so a wait just times out */
-    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 2 * MS), SHM_TIMEOUT);
+    CHECK_EQ(t_wait(s, 0, 0, 0, 2 * MS), SHM_TIMEOUT);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, g0) | SLOT_WAITER);
     uint32_t bell0 = atomic_load(shm_done_word(s, 0));
     shm_close_and_wake(s, EV_CLOSED);
@@ -1142,7 +1210,7 @@ static void test_state(void) {
     CHECK_EQU(atomic_load(shm_done_word(s, 0)), bell0 + 1);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, g0) | SLOT_WAITER);
     t0 = shm_now_ns();
-    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 1000 * MS), SHM_CLOSED);
+    CHECK_EQ(t_wait(s, 0, 0, 0, 1000 * MS), SHM_CLOSED);
     CHECK(shm_now_ns() - t0 < 500 * MS);
     CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
              SHM_CLOSED);
@@ -1153,7 +1221,7 @@ static void test_state(void) {
     taken[0].slot = 0;
     taken[0].gen = g0;
     CHECK_EQU(shm_complete(s, taken, 1, res[0], 13), 1);
-    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 1000 * MS), SLOT_DONE);
+    CHECK_EQ(t_wait(s, 0, 0, 0, 1000 * MS), SLOT_DONE);
     /* close is sticky: CLOSED/DIED never go back to CLOSING */
     shm_request_close(s);
     CHECK_EQ(shm_ev_state(s), EV_CLOSED);
@@ -1180,28 +1248,28 @@ static void test_reclaim(void) {
     memset(res, 7, sizeof res);
     CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
 
-    int c0 = shm_client_register(s, 7001, 11);
-    int c1 = shm_client_register(s, 7002, 12);
+    int c0 = t_register(s, 7001, 11);
+    int c1 = t_register(s, 7002, 12);
     CHECK_EQ(c0, 0);
     CHECK_EQ(c1, 1);
     CHECK_EQ(shm_n_attached(s), 2);
 
     /* c0: slot 0 WRITING, slot 1 READY, slot 2 DONE (unreleased), slot 3
      * FREE after one round trip (generation 1) */
-    CHECK_EQ(shm_slot_begin(s, 0, 3), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 3), SHM_OK);
     shm_slot_publish(s, 0, 3);
     CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
-    CHECK_EQ(shm_slot_release(s, 0, 3), SHM_OK);
-    CHECK_EQ(shm_slot_begin(s, 0, 2), SHM_OK);
+    CHECK_EQ(t_release(s, 0, 3), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 2), SHM_OK);
     shm_slot_publish(s, 0, 2);
     CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
-    CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
     shm_slot_publish(s, 0, 1);
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     /* c1: one slot left READY too; it must survive c0's reclaim */
-    CHECK_EQ(shm_slot_begin(s, 1, 0), SHM_OK);
+    CHECK_EQ(t_begin(s, 1, 0), SHM_OK);
     shm_slot_publish(s, 1, 0);
 
     uint32_t before[4];
@@ -1215,7 +1283,7 @@ static void test_reclaim(void) {
     {
         uint64_t stt;
         uint32_t det;
-        CHECK_EQ(shm_client_info(s, 0, &stt, &det), 7001);
+        CHECK_EQ(t_info(s, 0, &stt, &det), 7001);
         CHECK_EQ(det, 1);
         CHECK_EQU(stt, 11);
     }
@@ -1229,7 +1297,7 @@ static void test_reclaim(void) {
     {
         uint64_t stt;
         uint32_t det;
-        CHECK_EQ(shm_client_info(s, 0, &stt, &det), 0);
+        CHECK_EQ(t_info(s, 0, &stt, &det), 0);
         CHECK_EQ(det, 0);
         CHECK_EQU(stt, 0);
     }
@@ -1246,17 +1314,17 @@ static void test_reclaim(void) {
 
     /* the entry can be registered again (lowest free index first) and its
      * slots work */
-    int c0b = shm_client_register(s, 7003, 13);
+    int c0b = t_register(s, 7003, 13);
     CHECK_EQ(c0b, 0);
     CHECK_EQ(shm_n_attached(s), 2);
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_WRITING, 1));
     shm_slot_publish(s, 0, 0);
     CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQ(taken[0].gen, 1);
     CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
-    CHECK_EQ(shm_slot_wait(s, 0, 0, 0, 10 * MS), SLOT_DONE);
-    CHECK_EQ(shm_slot_release(s, 0, 0), SHM_OK);
+    CHECK_EQ(t_wait(s, 0, 0, 0, 10 * MS), SLOT_DONE);
+    CHECK_EQ(t_release(s, 0, 0), SHM_OK);
 
     /* reclaim of a clean client counts no WRITING slot */
     shm_client_detach(s, 0);
@@ -1267,7 +1335,7 @@ static void test_reclaim(void) {
     /* register until full */
     int got = 0;
     for (;;) {
-        int c = shm_client_register(s, 8000 + got, 1);
+        int c = t_register(s, 8000 + got, 1);
         if (c == SHM_E_FULL) break;
         CHECK(c >= 0 && c < (int)P.max_clients);
         CHECK(c != 1);
@@ -1277,12 +1345,12 @@ static void test_reclaim(void) {
     CHECK_EQ(got, (int)P.max_clients - 1); /* entry 1 still belongs to c1 */
     CHECK_EQ(shm_n_attached(s), P.max_clients);
     CHECK_EQ(shm_clients_hwm(s), P.max_clients);
-    CHECK_EQ(shm_client_register(s, 9999, 1), SHM_E_FULL);
+    CHECK_EQ(t_register(s, 9999, 1), SHM_E_FULL);
     /* free one in the middle: the next register gets exactly that one */
     shm_client_detach(s, 3);
     CHECK_EQ(shm_client_reclaim(s, 3), 0);
-    CHECK_EQ(shm_client_register(s, 9999, 1), 3);
-    CHECK_EQ(shm_client_register(s, 9998, 1), SHM_E_FULL);
+    CHECK_EQ(t_register(s, 9999, 1), 3);
+    CHECK_EQ(t_register(s, 9998, 1), SHM_E_FULL);
 
     seg_free(&t);
     printf("  reclaim: slots reset with new generations, entry reusable, "
@@ -1357,7 +1425,7 @@ static void conc_housekeeping(conc_ctx *x) {
     for (uint32_t c = 0; c < hwm; c++) {
         uint64_t stt;
         uint32_t det;
-        int32_t pid = shm_client_info(s, c, &stt, &det);
+        int32_t pid = t_info(s, c, &stt, &det);
         if (pid != 0 && det) {
             int w = shm_client_reclaim(s, c);
             CHECK(w >= 0 && w <= (int)s->p.slots_per_client);
@@ -1404,7 +1472,7 @@ static void *conc_evaluator(void *arg) {
                 CHECK_EQ(taken[i].gen, (uint32_t)in[2]);
                 uint64_t stt;
                 uint32_t det;
-                CHECK_EQ(shm_client_info(s, taken[i].client, &stt, &det),
+                CHECK_EQ(t_info(s, taken[i].client, &stt, &det),
                          10000 + (int32_t)th);
                 for (uint32_t j = 6; j < NIN; j++)
                     CHECK_MSG(in[j] == in_value(th, req, j),
@@ -1463,7 +1531,7 @@ static void *conc_evaluator(void *arg) {
 
 static int register_retry(shm_seg *s, int32_t pid) {
     for (int tries = 0; tries < 20000; tries++) {
-        int c = shm_client_register(s, pid, (uint64_t)pid * 3);
+        int c = t_register(s, pid, (uint64_t)pid * 3);
         if (c >= 0) return c;
         CHECK_EQ(c, SHM_E_FULL);
         sleep_ns(100 * US); /* entries come back after the next batch */
@@ -1476,7 +1544,7 @@ static int wait_final(client_arg *a, uint32_t c, uint32_t k, uint64_t *rng) {
     conc_ctx *x = a->x;
     uint64_t spin = (rng_next(rng) & 3) == 0 ? 1 * US : 0;
     for (unsigned i = 0;; i++) {
-        int rc = shm_slot_wait(x->s, c, k, spin, x->wait_timeout_ns);
+        int rc = t_wait(x->s, c, k, spin, x->wait_timeout_ns);
         if (rc != SHM_TIMEOUT) return rc;
         a->timeouts++;
         CHECK_MSG((uint64_t)i * x->wait_timeout_ns < 20000 * MS,
@@ -1488,7 +1556,7 @@ static int wait_final(client_arg *a, uint32_t c, uint32_t k, uint64_t *rng) {
 static void submit(shm_seg *s, uint32_t th, uint32_t c, uint32_t k,
                    uint32_t req, uint32_t attempt, float *in_copy,
                    uint64_t *rng) {
-    CHECK_EQ(shm_slot_begin(s, c, k), SHM_OK);
+    CHECK_EQ(t_begin(s, c, k), SHM_OK);
     uint32_t gen = shm_word_gen(word_of(s, c, k));
     make_input(in_copy, th, req, gen, c, k, attempt);
     char *dst = shm_slot_in(s, c, k);
@@ -1583,7 +1651,7 @@ static void *conc_client(void *arg) {
                                   (double)want[3]);
                         CHECK(shm_meta(s, c, k)->model_version >= 1);
                         CHECK_EQ(shm_meta(s, c, k)->err_len, 0);
-                        CHECK_EQ(shm_slot_release(s, c, k), SHM_OK);
+                        CHECK_EQ(t_release(s, c, k), SHM_OK);
                         CHECK_EQU(word_of(s, c, k),
                                   shm_slot_word(SLOT_FREE, shm_word_gen(w) + 1));
                         a->releases++;
@@ -1595,7 +1663,7 @@ static void *conc_client(void *arg) {
                     CHECK_EQ(shm_meta(s, c, k)->err_len, strlen(k_injected));
                     CHECK(memcmp(shm_slot_out(s, c, k), k_injected,
                                  strlen(k_injected)) == 0);
-                    CHECK_EQ(shm_slot_release(s, c, k), SHM_OK);
+                    CHECK_EQ(t_release(s, c, k), SHM_OK);
                     a->releases++;
                     a->failed++;
                     /* retry the same request */
@@ -1609,7 +1677,7 @@ static void *conc_client(void *arg) {
         if (a->saw_closed) break; /* the evaluator is gone: just leave */
         if (x->allow_deaths && sess + 1 < sessions && (a->th & 1)) {
             /* "die": leave one slot mid-write and one published orphan */
-            CHECK_EQ(shm_slot_begin(s, c, 0), SHM_OK);
+            CHECK_EQ(t_begin(s, c, 0), SHM_OK);
             memset(shm_slot_in(s, c, 0), 0xEE, 40);
             if (K > 1) {
                 float tmp[NIN];
@@ -1755,7 +1823,7 @@ static void *sleeper(void *arg) {
     sleeper_arg *a = arg;
     shm_seg *s = a->s;
     for (uint32_t j = 0; j < 2; j++) {
-        CHECK_EQ(shm_slot_begin(s, (uint32_t)a->c, j), SHM_OK);
+        CHECK_EQ(t_begin(s, (uint32_t)a->c, j), SHM_OK);
         fill_row(shm_slot_in(s, (uint32_t)a->c, j), s->p.in_bytes, a->th * 2 + j);
         shm_slot_publish(s, (uint32_t)a->c, j);
     }
@@ -1767,14 +1835,14 @@ static void *sleeper(void *arg) {
         uint64_t t0 = shm_now_ns();
         int rc;
         do {
-            rc = shm_slot_wait(s, (uint32_t)a->c, (uint32_t)j, 0, 10000 * MS);
+            rc = t_wait(s, (uint32_t)a->c, (uint32_t)j, 0, 10000 * MS);
             CHECK_MSG(shm_now_ns() - t0 < 20000 * MS, "sleeper %u hangs",
                       a->th);
         } while (rc == SHM_TIMEOUT);
         a->rc[j] = rc;
         a->ret_ns[j] = shm_now_ns();
         if (rc == SLOT_DONE) {
-            CHECK_EQ(shm_slot_release(s, (uint32_t)a->c, (uint32_t)j), SHM_OK);
+            CHECK_EQ(t_release(s, (uint32_t)a->c, (uint32_t)j), SHM_OK);
         }
     }
     atomic_store(&a->waiting_on, 2);
@@ -1802,7 +1870,7 @@ static void *park_thread(void *arg) {
     tl_clock_calls = 0;
     tl_park_at = a->park_at;
     if (a->mode == PARK_WAIT) {
-        a->rc = shm_slot_wait(a->s, 0, 0, 0, a->timeout_ns);
+        a->rc = t_wait(a->s, 0, 0, 0, a->timeout_ns);
     } else {
         char batch[64];
         shm_taken taken[1];
@@ -1838,7 +1906,7 @@ static uint64_t run_parked(park_arg *a, int act) {
         shm_close_and_wake(a->s, EV_CLOSED);
         break;
     case PARK_ACT_SUBMIT:
-        CHECK_EQ(shm_slot_begin(a->s, 0, 0), SHM_OK);
+        CHECK_EQ(t_begin(a->s, 0, 0), SHM_OK);
         shm_slot_publish(a->s, 0, 0);
         shm_notify_evaluator(a->s, 1);
         break;
@@ -1863,7 +1931,7 @@ static void *racer(void *arg) {
     racer_arg *a = arg;
     atomic_store(&a->go, 1);
     while (atomic_load(&a->go) != 2) shm_cpu_relax();
-    a->rc = shm_slot_wait(a->s, 0, 0, 0, 200 * MS);
+    a->rc = t_wait(a->s, 0, 0, 0, 200 * MS);
     a->ret_ns = shm_now_ns();
     return NULL;
 }
@@ -1873,10 +1941,10 @@ static void *racer(void *arg) {
 static void one_ready_request(shm_seg *seg, char *mem, const shm_layout *l,
                               const shm_params *P) {
     memset(mem, 0, l->total);
-    CHECK_EQ(shm_init(seg, mem, l->total, P, "", 0, 1), SHM_OK);
+    CHECK_EQ(shm_init(seg, mem, l->total, P, "", 0, 1, 0, 0), SHM_OK);
     CHECK_EQ(shm_set_serving(seg, 1, 1), EV_SERVING);
-    CHECK_EQ(shm_client_register(seg, 1, 1), 0);
-    CHECK_EQ(shm_slot_begin(seg, 0, 0), SHM_OK);
+    CHECK_EQ(t_register(seg, 1, 1), 0);
+    CHECK_EQ(t_begin(seg, 0, 0), SHM_OK);
     shm_slot_publish(seg, 0, 0);
 }
 
@@ -1896,7 +1964,7 @@ static void test_close(void) {
             memset(&sa[i], 0, sizeof sa[i]);
             sa[i].s = s;
             sa[i].th = i;
-            sa[i].c = shm_client_register(s, 20000 + (int32_t)i, 1);
+            sa[i].c = t_register(s, 20000 + (int32_t)i, 1);
             CHECK_EQ(sa[i].c, (int)i);
             atomic_store(&sa[i].waiting_on, -1);
             CHECK_EQ(pthread_create(&tid[i], NULL, sleeper, &sa[i]), 0);
@@ -2054,9 +2122,9 @@ static void test_close(void) {
             for (int at = 1; at <= 5; at++) {
                 shm_seg seg;
                 memset(mem, 0, l.total);
-                CHECK_EQ(shm_init(&seg, mem, l.total, &P, "", 0, 1), SHM_OK);
+                CHECK_EQ(shm_init(&seg, mem, l.total, &P, "", 0, 1, 0, 0), SHM_OK);
                 CHECK_EQ(shm_set_serving(&seg, 1, 1), EV_SERVING);
-                CHECK_EQ(shm_client_register(&seg, 1, 1), 0);
+                CHECK_EQ(t_register(&seg, 1, 1), 0);
                 park_arg pa;
                 memset(&pa, 0, sizeof pa);
                 pa.s = &seg;
@@ -2152,7 +2220,7 @@ static void *late_publisher(void *arg) {
     atomic_store(&a->started, 1);
     sleep_ns(a->delay_ns);
     for (uint32_t k = 0; k < a->count; k++) {
-        CHECK_EQ(shm_slot_begin(a->s, a->c, k), SHM_OK);
+        CHECK_EQ(t_begin(a->s, a->c, k), SHM_OK);
         shm_slot_publish(a->s, a->c, k);
         shm_notify_evaluator(a->s, 1);
     }
@@ -2176,9 +2244,9 @@ static void drain(shm_seg *s, shm_taken *taken, int n) {
     memset(res, 3, sizeof res);
     CHECK_EQU(shm_complete(s, taken, (uint32_t)n, res, 1), (uint32_t)n);
     for (int i = 0; i < n; i++) {
-        CHECK_EQ(shm_slot_wait(s, taken[i].client, taken[i].slot, 0, 10 * MS),
+        CHECK_EQ(t_wait(s, taken[i].client, taken[i].slot, 0, 10 * MS),
                  SLOT_DONE);
-        CHECK_EQ(shm_slot_release(s, taken[i].client, taken[i].slot), SHM_OK);
+        CHECK_EQ(t_release(s, taken[i].client, taken[i].slot), SHM_OK);
     }
 }
 
@@ -2190,7 +2258,7 @@ static int collect_with_late(shm_seg *s, char *batch, shm_taken *taken,
                              uint32_t max_batch, uint64_t max_wait,
                              uint64_t timeout, uint64_t *el) {
     if (now_one) {
-        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+        CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
         shm_slot_publish(s, 0, 0);
         shm_notify_evaluator(s, 1);
     }
@@ -2210,8 +2278,8 @@ static void test_max_wait(void) {
     const shm_params P = mkparams(336, 32, 4, 4, 8);
     test_seg t;
     shm_seg *s = serving_seg(&t, &P);
-    CHECK_EQ(shm_client_register(s, 1, 1), 0);
-    CHECK_EQ(shm_client_register(s, 2, 1), 1);
+    CHECK_EQ(t_register(s, 1, 1), 0);
+    CHECK_EQ(t_register(s, 2, 1), 1);
     char batch[8 * 336];
     shm_taken taken[8];
     uint32_t cursor = 0;
@@ -2219,7 +2287,7 @@ static void test_max_wait(void) {
     int n;
 
     /* greedy: one request there -> returns at once with 1 */
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     shm_slot_publish(s, 0, 0);
     shm_notify_evaluator(s, 1);
     t0 = shm_now_ns();
@@ -2265,7 +2333,7 @@ static void test_max_wait(void) {
 
     /* max_wait with only one request: returns it after max_wait */
     {
-        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+        CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
         shm_slot_publish(s, 0, 0);
         shm_notify_evaluator(s, 1);
         t0 = shm_now_ns();
@@ -2280,7 +2348,7 @@ static void test_max_wait(void) {
 
     /* a close during max_wait returns the partial batch at once */
     {
-        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+        CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
         shm_slot_publish(s, 0, 0);
         shm_notify_evaluator(s, 1);
         closer_arg ca = {s, 30 * MS};
@@ -2330,7 +2398,7 @@ static void test_control(void) {
     const shm_params P = mkparams(336, 32, 4, 4, 8);
     test_seg t;
     shm_seg *s = serving_seg(&t, &P);
-    CHECK_EQ(shm_client_register(s, 1, 1), 0);
+    CHECK_EQ(t_register(s, 1, 1), 0);
     char batch[8 * 336];
     shm_taken taken[8];
     uint32_t cursor = 0, done = 99;
@@ -2359,7 +2427,7 @@ static void test_control(void) {
     /* a request and a control request both waiting, nothing taken yet:
      * the control request comes first and the request stays READY for
      * the next collect */
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     shm_slot_publish(s, 0, 0);
     shm_notify_evaluator(s, 1);
     CHECK_EQU(shm_request_control(s), 2);
@@ -2373,7 +2441,7 @@ static void test_control(void) {
 
     /* max_wait: a control request during the wait returns the partial
      * batch first, then SHM_CONTROL */
-    CHECK_EQ(shm_slot_begin(s, 0, 1), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
     shm_slot_publish(s, 0, 1);
     shm_notify_evaluator(s, 1);
     ca.delay_ns = 30 * MS;
@@ -2406,13 +2474,13 @@ static void test_scribbled(void) {
     const shm_params P = mkparams(336, 32, 4, 4, 8);
     test_seg t;
     shm_seg *s = serving_seg(&t, &P);
-    CHECK_EQ(shm_client_register(s, 1, 1), 0);
+    CHECK_EQ(t_register(s, 1, 1), 0);
     char batch[8 * 336];
     shm_taken taken[8];
     uint32_t cursor = 0;
     atomic_store(&shm_hdr(s)->clients_hwm, UINT32_MAX);
     CHECK_EQU(shm_clients_hwm(s), P.max_clients);
-    CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     shm_slot_publish(s, 0, 0);
     shm_notify_evaluator(s, 1);
     int n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
@@ -2449,7 +2517,7 @@ static uint64_t thread_cpu_ns(void) {
 static void *bell_sleeper(void *arg) {
     bell_arg *a = arg;
     uint64_t c0 = thread_cpu_ns();
-    a->rc = shm_slot_wait_ticked(a->s, a->c, 0, a->spin_ns, a->timeout_ns,
+    a->rc = t_wait_ticked(a->s, a->c, 0, a->spin_ns, a->timeout_ns,
                                  a->ticker);
     a->ret_ns = shm_now_ns();
     a->cpu_ns = thread_cpu_ns() - c0;
@@ -2460,7 +2528,7 @@ static void *bell_sleeper(void *arg) {
 /* Claims entries 0..n-1 for pids pid0, pid0 + 1, ... */
 static void register_clients(shm_seg *s, uint32_t n, int32_t pid0) {
     for (uint32_t c = 0; c < n; c++)
-        CHECK_EQ(shm_client_register(s, pid0 + (int32_t)c, 1), (int)c);
+        CHECK_EQ(t_register(s, pid0 + (int32_t)c, 1), (int)c);
 }
 
 static void test_doorbell(void) {
@@ -2480,7 +2548,7 @@ static void test_doorbell(void) {
         pthread_t tid[NB];
         for (int i = 0; i < NB; i++) {
             ba[i] = (bell_arg){s, order[i], 10000 * MS, 0, 0, 0, NULL, 0, 0};
-            CHECK_EQ(shm_slot_begin(s, order[i], 0), SHM_OK);
+            CHECK_EQ(t_begin(s, order[i], 0), SHM_OK);
             shm_slot_publish(s, order[i], 0);
             CHECK_EQ(pthread_create(&tid[i], NULL, bell_sleeper, &ba[i]), 0);
         }
@@ -2521,7 +2589,7 @@ static void test_doorbell(void) {
             CHECK_MSG(lat < PROMPT_NS, "client %u woke %.3f s after its answer",
                       order[i], secs(lat));
             if (lat > worst) worst = lat;
-            CHECK_EQ(shm_slot_release(s, order[i], 0), SHM_OK);
+            CHECK_EQ(t_release(s, order[i], 0), SHM_OK);
         }
         if (round == 1)
             printf("  doorbell: %d sleepers on 3 words woke %.2f ms after "
@@ -2531,7 +2599,7 @@ static void test_doorbell(void) {
     /* An endless timeout: the absolute futex deadline saturates instead of
      * wrapping (a wrapped one lies in the past: the wait would spin). */
     {
-        CHECK_EQ(shm_slot_begin(s, 3, 0), SHM_OK);
+        CHECK_EQ(t_begin(s, 3, 0), SHM_OK);
         shm_slot_publish(s, 3, 0);
         bell_arg ea = {s, 3, UINT64_MAX, 0, 0, 0, NULL, 0, 0};
         pthread_t tid;
@@ -2548,7 +2616,7 @@ static void test_doorbell(void) {
         CHECK_MSG(ea.cpu_ns < 20 * MS,
                   "an endless wait used %.1f ms of CPU in 50 ms: it spun",
                   (double)ea.cpu_ns / 1e6);
-        CHECK_EQ(shm_slot_release(s, 3, 0), SHM_OK);
+        CHECK_EQ(t_release(s, 3, 0), SHM_OK);
     }
     seg_free(&t);
 }
@@ -2574,7 +2642,7 @@ static void join_within(pthread_t tid, bell_arg *a, uint64_t limit_ns,
 /* Publishes slot 0 of a->c and starts a sleeper on it; returns once it
  * has announced WAITER and had 30 ms to fall asleep. */
 static void publish_and_sleep(bell_arg *a, pthread_t *tid) {
-    CHECK_EQ(shm_slot_begin(a->s, a->c, 0), SHM_OK);
+    CHECK_EQ(t_begin(a->s, a->c, 0), SHM_OK);
     shm_slot_publish(a->s, a->c, 0);
     CHECK_EQ(pthread_create(tid, NULL, bell_sleeper, a), 0);
     while (!(word_of(a->s, a->c, 0) & SLOT_WAITER)) sleep_ns(200 * US);
@@ -2594,7 +2662,7 @@ static void test_ticker(void) {
     for (int i = 0; i < 2; i++)
         CHECK_EQ(shm_ticker_start(&tk[i], s, cs[i], period), 0);
     for (int i = 0; i < 2; i++) {
-        CHECK_EQ(shm_slot_begin(s, cs[i], 0), SHM_OK);
+        CHECK_EQ(t_begin(s, cs[i], 0), SHM_OK);
         shm_slot_publish(s, cs[i], 0);
     }
     /* Nobody answers: each wait returns at a tick, within a period (plus
@@ -2633,8 +2701,8 @@ static void test_ticker(void) {
         CHECK_MSG(a.ret_ns - t_done < PROMPT_NS, "woke %.3f s after its answer",
                   secs(a.ret_ns - t_done));
         for (int i = 0; i < 2; i++)
-            CHECK_EQ(shm_slot_release(s, cs[i], 0), SHM_OK);
-        CHECK_EQ(shm_slot_release(s, 2, 0), SHM_OK);
+            CHECK_EQ(t_release(s, cs[i], 0), SHM_OK);
+        CHECK_EQ(t_release(s, 2, 0), SHM_OK);
     }
     /* Stopping: a waiter asleep on the slow ticker returns when it stops,
      * and one that chose it afterwards returns at once. */
@@ -2681,7 +2749,7 @@ static void test_yield(void) {
         bell_arg a = {s, 0, 10000 * MS, 0, 0, 0, NULL, 0,
                       (500 * MS) | (yield ? SHM_SPIN_YIELD : 0)};
         pthread_t tid;
-        CHECK_EQ(shm_slot_begin(s, 0, 0), SHM_OK);
+        CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
         shm_slot_publish(s, 0, 0);
         unsigned long y0 = atomic_load(&g_yields);
         CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
@@ -2701,7 +2769,7 @@ static void test_yield(void) {
         unsigned long yields = atomic_load(&g_yields) - y0;
         if (!yield)
             CHECK_MSG(yields == 0, "a plain spin yielded %lu times", yields);
-        CHECK_EQ(shm_slot_release(s, 0, 0), SHM_OK);
+        CHECK_EQ(t_release(s, 0, 0), SHM_OK);
     }
     /* not answered within a 10 ms budget: the waiter goes to sleep (it
      * announces WAITER) and its answer still wakes it */
@@ -2709,7 +2777,7 @@ static void test_yield(void) {
         bell_arg a = {s, 1, 10000 * MS, 0, 0, 0, NULL, 0,
                       (10 * MS) | SHM_SPIN_YIELD};
         pthread_t tid;
-        CHECK_EQ(shm_slot_begin(s, 1, 0), SHM_OK);
+        CHECK_EQ(t_begin(s, 1, 0), SHM_OK);
         shm_slot_publish(s, 1, 0);
         CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
         uint64_t t0 = shm_now_ns();
@@ -2726,7 +2794,7 @@ static void test_yield(void) {
             CHECK_MSG(shm_now_ns() - t0 < PROMPT_NS, "the answer did not wake it");
         CHECK_EQ(pthread_join(tid, NULL), 0);
         CHECK_EQ(a.rc, SLOT_DONE);
-        CHECK_EQ(shm_slot_release(s, 1, 0), SHM_OK);
+        CHECK_EQ(t_release(s, 1, 0), SHM_OK);
     }
     /* the evaluator: a yielding spin of 10 ms, then a sleep until its
      * 300 ms timeout; it yields, and uses far less CPU than 300 ms */
@@ -2791,6 +2859,511 @@ static void test_copy(void) {
 }
 
 /* ------------------------------------------------------------------ */
+/* Chosen interleavings (SHM_HOOK) and generations                     */
+/* ------------------------------------------------------------------ */
+
+/* Arms hook h for the calling thread: it parks at its `nth` pass through
+ * `point`. */
+static void hook_arm(hook_t *h, const char *point, int nth) {
+    h->point = point;
+    h->left = nth;
+    atomic_store(&h->state, 0);
+    tl_hook = h;
+}
+/* Waits (at most 10 s) until h's thread is parked at its point. */
+static void hook_wait_parked(hook_t *h) {
+    uint64_t t0 = shm_now_ns();
+    while (atomic_load(&h->state) != 1) {
+        CHECK_MSG(shm_now_ns() - t0 < 10000 * MS, "no thread parked at %s",
+                  h->point);
+        sleep_ns(20 * US);
+    }
+}
+/* Lets h's thread go and waits until it has resumed. */
+static void hook_release(hook_t *h) {
+    atomic_store(&h->state, 2);
+    uint64_t t0 = shm_now_ns();
+    while (atomic_load(&h->state) != 3) {
+        CHECK_MSG(shm_now_ns() - t0 < 10000 * MS, "thread at %s did not resume",
+                  h->point);
+        sleep_ns(20 * US);
+    }
+}
+
+/* The scheduler's state of thread tid of this process ('S' asleep, 'R'
+ * running, ...). */
+static char thread_state(pid_t tid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/self/task/%d/stat", (int)tid);
+    FILE *f = fopen(path, "r");
+    if (!f) return '?';
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    return p && p[1] && p[2] ? p[2] : '?';
+}
+/* Waits (at most 10 s) until thread *tid is asleep in the kernel. */
+static void wait_asleep(_Atomic pid_t *tid) {
+    uint64_t t0 = shm_now_ns();
+    while (atomic_load(tid) == 0 || thread_state(atomic_load(tid)) != 'S') {
+        CHECK_MSG(shm_now_ns() - t0 < 10000 * MS, "thread never went to sleep");
+        sleep_ns(50 * US);
+    }
+    sleep_ns(1 * MS); /* asleep in the futex, not on its way through */
+}
+
+/* Publishes one request on slot (c, k) for process pid; returns its
+ * generation. */
+static uint32_t submit_one(shm_seg *s, uint32_t c, uint32_t k, int32_t pid,
+                           unsigned char fill) {
+    uint32_t gen = UINT32_MAX;
+    CHECK_EQ(shm_slot_begin(s, c, k, pid, &gen), SHM_OK);
+    memset(shm_slot_in(s, c, k), fill, s->p.in_bytes);
+    shm_slot_publish(s, c, k);
+    shm_notify_evaluator(s, 1);
+    return gen;
+}
+
+/* Takes every ready request (at least one) and answers it with bytes
+ * `fill`. */
+static uint32_t answer_ready(shm_seg *s, unsigned char fill) {
+    char batch[8 * 64], results[8 * 32];
+    shm_taken taken[8];
+    uint32_t cursor = 0;
+    CHECK(s->p.in_bytes <= 64 && s->p.out_bytes <= 32 && s->p.max_batch <= 8);
+    int n = shm_collect(s, batch, taken, s->p.max_batch, &cursor, 0, 0,
+                        1000 * MS);
+    CHECK_MSG(n > 0, "nothing to answer (collect returned %d)", n);
+    memset(results, fill, sizeof results);
+    return shm_complete(s, taken, (uint32_t)n, results, 0);
+}
+
+/* An evaluator thread that answers until closed; with park_nth it parks at
+ * that pass between announcing a sleep and FUTEX_WAIT. */
+typedef struct {
+    shm_seg *s;
+    int park_nth;
+    hook_t hook;
+    _Atomic pid_t tid;
+    _Atomic uint32_t served;
+} ev_arg;
+
+static void *ev_loop(void *arg) {
+    ev_arg *a = arg;
+    char batch[8 * 64], results[8 * 32];
+    shm_taken taken[8];
+    uint32_t cursor = 0;
+    memset(results, 0x5A, sizeof results);
+    if (a->park_nth) hook_arm(&a->hook, "collect_before_sleep", a->park_nth);
+    atomic_store(&a->tid, (pid_t)syscall(SYS_gettid));
+    for (;;) {
+        int n = shm_collect(a->s, batch, taken, a->s->p.max_batch, &cursor, 0,
+                            0, 10000 * MS);
+        if (n == SHM_CLOSED) break;
+        if (n <= 0) continue;
+        shm_complete(a->s, taken, (uint32_t)n, results, 0);
+        atomic_fetch_add(&a->served, (uint32_t)n);
+    }
+    return NULL;
+}
+
+typedef struct {
+    shm_seg *s;
+    hook_t hook;
+    uint32_t c;
+    int32_t pid;
+    int rc;
+} client_thread_arg;
+
+/* Client A of test_lost_wakeup: parks in shm_notify_evaluator right after
+ * reading ev_sleeping, then collects its answer. */
+static void *late_notifier(void *arg) {
+    client_thread_arg *a = arg;
+    hook_arm(&a->hook, "notify_loaded", 1);
+    uint32_t gen = submit_one(a->s, a->c, 0, a->pid, 0xA1);
+    a->rc = shm_slot_wait(a->s, a->c, 0, gen, 0, 10000 * MS);
+    if (a->rc == SLOT_DONE) CHECK_EQ(shm_slot_release(a->s, a->c, 0, gen), SHM_OK);
+    return NULL;
+}
+
+/* The lost evaluator wake-up: a client reads ev_sleeping during one sleep
+ * and acts on it during the next.  Client A reads the flag while the
+ * evaluator sleeps (sleep 1) and is held there; client B wakes the
+ * evaluator, which serves both, announces sleep 2 and is held between its
+ * re-check and FUTEX_WAIT; A goes on (a wake that finds nobody), the
+ * evaluator goes to sleep; then client C publishes.  C must be answered at
+ * once: a client that cleared the flag it had read (the old protocol)
+ * cleared sleep 2's announcement, and C then waited out the evaluator's
+ * 10 s timeout. */
+static void test_lost_wakeup(void) {
+    start_test("lost_wakeup", 60);
+    const shm_params P = mkparams(64, 32, 3, 1, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    for (int i = 0; i < 3; i++)
+        CHECK_EQ(shm_client_register(s, 101 + i, 1, 0), i);
+    ev_arg ev;
+    memset(&ev, 0, sizeof ev);
+    ev.s = s;
+    ev.park_nth = 2;
+    pthread_t te, ta;
+    CHECK_EQ(pthread_create(&te, NULL, ev_loop, &ev), 0);
+    wait_asleep(&ev.tid); /* sleep 1 */
+    CHECK_EQ(atomic_load(&shm_hdr(s)->ev_sleeping), 1);
+
+    client_thread_arg a = {.s = s, .c = 0, .pid = 101};
+    CHECK_EQ(pthread_create(&ta, NULL, late_notifier, &a), 0);
+    hook_wait_parked(&a.hook); /* A read ev_sleeping == 1 */
+
+    uint32_t gb = submit_one(s, 1, 0, 102, 0xB2); /* B wakes it */
+    CHECK_EQ(shm_slot_wait(s, 1, 0, gb, 0, 5000 * MS), SLOT_DONE);
+    CHECK_EQ(shm_slot_release(s, 1, 0, gb), SHM_OK);
+    hook_wait_parked(&ev.hook); /* sleep 2 announced, not yet in the kernel */
+
+    hook_release(&a.hook); /* A's wake lands now, before sleep 2 */
+    CHECK_EQ(pthread_join(ta, NULL), 0);
+    CHECK_EQ(a.rc, SLOT_DONE);
+    hook_release(&ev.hook);
+    wait_asleep(&ev.tid); /* sleep 2, in the kernel */
+
+    uint64_t t0 = shm_now_ns();
+    uint32_t gc = submit_one(s, 2, 0, 103, 0xC3);
+    CHECK_EQ(shm_slot_wait(s, 2, 0, gc, 0, 20000 * MS), SLOT_DONE);
+    uint64_t lat = shm_now_ns() - t0;
+    CHECK_EQ(shm_slot_release(s, 2, 0, gc), SHM_OK);
+    CHECK_MSG(lat < PROMPT_NS,
+              "client C waited %.3f s: the evaluator slept through its "
+              "request (a lost wake-up)", secs(lat));
+    printf("  lost_wakeup: C answered %.3f ms after publishing, the "
+           "evaluator's sleep timeout is 10 s\n", (double)lat / 1e6);
+    shm_request_close(s);
+    CHECK_EQ(pthread_join(te, NULL), 0);
+    CHECK_EQ(atomic_load(&ev.served), 3);
+    seg_free(&t);
+}
+
+/* A waiter held after setting WAITER and before reading its doorbell. */
+typedef struct {
+    shm_seg *s;
+    hook_t hook;
+    uint32_t gen;
+    int rc;
+    uint64_t ret_ns;
+} reread_arg;
+
+static void *held_waiter(void *arg) {
+    reread_arg *a = arg;
+    hook_arm(&a->hook, "wait_before_bell", 1);
+    a->rc = shm_slot_wait(a->s, 0, 0, a->gen, 0, 10000 * MS);
+    a->ret_ns = shm_now_ns();
+    return NULL;
+}
+
+/* The client's re-read of its state word after reading its doorbell: the
+ * answer and its ring come between the waiter's WAITER CAS and its read of
+ * the doorbell, so the value it reads already includes the ring.  It must
+ * see the answer then, not sleep on that value until its timeout. */
+static void test_reread(void) {
+    start_test("reread", 60);
+    const shm_params P = mkparams(64, 32, 1, 1, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    CHECK_EQ(shm_client_register(s, 201, 1, 0), 0);
+    reread_arg a;
+    memset(&a, 0, sizeof a);
+    a.s = s;
+    a.gen = submit_one(s, 0, 0, 201, 0x11);
+    pthread_t tw;
+    CHECK_EQ(pthread_create(&tw, NULL, held_waiter, &a), 0);
+    hook_wait_parked(&a.hook);
+    CHECK(shm_slot_peek(s, 0, 0) & SLOT_WAITER);
+    CHECK_EQ(answer_ready(s, 0x22), 1); /* DONE, and the doorbell rung */
+    uint64_t t0 = shm_now_ns();
+    hook_release(&a.hook);
+    CHECK_EQ(pthread_join(tw, NULL), 0);
+    CHECK_EQ(a.rc, SLOT_DONE);
+    CHECK_MSG(a.ret_ns - t0 < PROMPT_NS,
+              "the waiter slept %.3f s on a doorbell already rung for it",
+              secs(a.ret_ns - t0));
+    CHECK_EQ(shm_slot_release(s, 0, 0, a.gen), SHM_OK);
+    seg_free(&t);
+}
+
+/* A client that got its answer and copied it, held before its release. */
+typedef struct {
+    shm_seg *s;
+    hook_t hook;
+    uint32_t gen;
+    int wait_rc, release_rc;
+    unsigned char copy[32];
+} release_arg;
+
+static void *held_releaser(void *arg) {
+    release_arg *a = arg;
+    hook_arm(&a->hook, "release_begin", 1);
+    a->wait_rc = shm_slot_wait(a->s, 0, 0, a->gen, 0, 5000 * MS);
+    memcpy(a->copy, shm_slot_out(a->s, 0, 0), sizeof a->copy);
+    a->release_rc = shm_slot_release(a->s, 0, 0, a->gen);
+    return NULL;
+}
+
+/* A release racing a reclaim: process X copied its answer and is held
+ * before its release while its entry is detached, reclaimed, claimed by
+ * process Y and Y's request answered in the same slot.  X's release must
+ * report SHM_STALE (its copy may be torn or Y's) and leave Y's answer
+ * alone; a release that did not name its generation freed Y's DONE slot,
+ * and Y then waited for ever. */
+static void test_release_race(void) {
+    start_test("release_race", 60);
+    const shm_params P = mkparams(64, 32, 1, 1, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    CHECK_EQ(shm_client_register(s, 301, 1, 0), 0);
+    release_arg x;
+    memset(&x, 0, sizeof x);
+    x.s = s;
+    x.gen = submit_one(s, 0, 0, 301, 0x31);
+    CHECK_EQ(answer_ready(s, 'X'), 1);
+    pthread_t tx;
+    CHECK_EQ(pthread_create(&tx, NULL, held_releaser, &x), 0);
+    hook_wait_parked(&x.hook);
+    CHECK_EQ(x.wait_rc, SLOT_DONE);
+    CHECK_EQ(x.copy[0], 'X');
+
+    shm_client_detach(s, 0);
+    CHECK_EQ(shm_client_reclaim(s, 0), 0);
+    CHECK_EQ(shm_client_register(s, 302, 1, 0), 0);
+    uint32_t gy = submit_one(s, 0, 0, 302, 0x32);
+    CHECK(gy != x.gen);
+    CHECK_EQ(answer_ready(s, 'Y'), 1);
+
+    hook_release(&x.hook);
+    CHECK_EQ(pthread_join(tx, NULL), 0);
+    CHECK_EQ(x.release_rc, SHM_STALE);
+    CHECK_EQU(shm_slot_peek(s, 0, 0), shm_slot_word(SLOT_DONE, gy));
+    CHECK_EQ(shm_slot_wait(s, 0, 0, gy, 0, 1000 * MS), SLOT_DONE);
+    CHECK_EQ(((unsigned char *)shm_slot_out(s, 0, 0))[0], 'Y');
+    CHECK_EQ(shm_slot_release(s, 0, 0, gy), SHM_OK);
+    seg_free(&t);
+}
+
+typedef struct {
+    shm_seg *s;
+    hook_t hook;
+    int rc;
+} begin_arg;
+
+static void *held_beginner(void *arg) {
+    begin_arg *a = arg;
+    uint32_t gen;
+    hook_arm(&a->hook, "begin_loaded", 1);
+    a->rc = shm_slot_begin(a->s, 0, 0, 401, &gen);
+    return NULL;
+}
+
+/* Two beginners of one FREE slot (two processes on one entry, which a
+ * reclaim of a closed handle's entry can produce): one is held after
+ * reading FREE, the other begins the slot.  Only one may have it. */
+static void test_begin_race(void) {
+    start_test("begin_race", 60);
+    const shm_params P = mkparams(64, 32, 1, 1, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    CHECK_EQ(shm_client_register(s, 401, 1, 0), 0);
+    begin_arg b = {.s = s};
+    pthread_t tb;
+    CHECK_EQ(pthread_create(&tb, NULL, held_beginner, &b), 0);
+    hook_wait_parked(&b.hook);
+    uint32_t gen;
+    CHECK_EQ(shm_slot_begin(s, 0, 0, 401, &gen), SHM_OK);
+    hook_release(&b.hook);
+    CHECK_EQ(pthread_join(tb, NULL), 0);
+    CHECK_MSG(b.rc == SHM_E_STATE,
+              "both beginners got the slot (the held one returned %d)", b.rc);
+    seg_free(&t);
+}
+
+typedef struct {
+    shm_seg *s;
+    hook_t hook;
+    int rc;
+} register_arg;
+
+static void *held_registrant(void *arg) {
+    register_arg *a = arg;
+    hook_arm(&a->hook, "register_claimed", 1);
+    a->rc = shm_client_register(a->s, 601, 1, 0);
+    return NULL;
+}
+
+/* A claimer killed right after its claim leaves an entry that the
+ * evaluator's housekeeping still covers: the high-water mark and the
+ * attached count already include it when the claim happens. */
+static void test_hwm_first(void) {
+    start_test("hwm_first", 60);
+    const shm_params P = mkparams(64, 32, 4, 1, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    register_arg r = {.s = s};
+    pthread_t tr;
+    CHECK_EQ(pthread_create(&tr, NULL, held_registrant, &r), 0);
+    hook_wait_parked(&r.hook);
+    CHECK_EQ(atomic_load(&shm_client_at(s, 0)->owner_pid), 601);
+    CHECK_MSG(shm_clients_hwm(s) >= 1,
+              "entry 0 is claimed but above the high-water mark: a claimer "
+              "killed now would leave it where housekeeping never looks");
+    CHECK_EQ(shm_n_attached(s), 1);
+    hook_release(&r.hook);
+    CHECK_EQ(pthread_join(tr, NULL), 0);
+    CHECK_EQ(r.rc, 0);
+    seg_free(&t);
+}
+
+/* Generations and owners: every client-side step names the generation its
+ * request began with, and an entry that was reclaimed is no longer its
+ * former owner's. */
+static void test_generations(void) {
+    start_test("generations", 60);
+    const shm_params P = mkparams(64, 32, 1, 1, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    uint32_t gen;
+    CHECK_EQ(shm_client_register(s, 501, 1, 0), 0);
+    CHECK_EQ(shm_slot_begin(s, 0, 0, 999, &gen), SHM_STALE); /* not the owner */
+    uint32_t g = submit_one(s, 0, 0, 501, 0x51);
+    /* The entry is detached and, between batches, reclaimed: the request is
+     * dropped, and its waiter learns it at once rather than at a timeout. */
+    shm_client_detach(s, 0);
+    CHECK_EQ(shm_client_reclaim(s, 0), 0);
+    uint64_t t0 = shm_now_ns();
+    CHECK_EQ(shm_slot_wait(s, 0, 0, g, 0, 10000 * MS), SHM_STALE);
+    CHECK(shm_now_ns() - t0 < PROMPT_NS);
+    CHECK_EQ(shm_slot_wait(s, 0, 0, g, 1 * MS, 10000 * MS), SHM_STALE);
+    CHECK_EQ(shm_slot_release(s, 0, 0, g), SHM_STALE);
+    /* Claimed by another process, the entry refuses its former owner. */
+    CHECK_EQ(shm_client_register(s, 502, 1, 0), 0);
+    CHECK_EQ(shm_slot_begin(s, 0, 0, 501, &gen), SHM_STALE);
+    uint32_t g2 = submit_one(s, 0, 0, 502, 0x52);
+    CHECK_EQ(g2, (g + 1) & SLOT_GEN_MASK);
+    CHECK_EQ(shm_slot_release(s, 0, 0, g2), SHM_E_STATE); /* in flight */
+    CHECK_EQ(answer_ready(s, 0x62), 1);
+    CHECK_EQ(shm_slot_release(s, 0, 0, g), SHM_STALE);
+    CHECK_EQ(shm_slot_wait(s, 0, 0, g2, 0, 1000 * MS), SLOT_DONE);
+    CHECK_EQ(shm_slot_release(s, 0, 0, g2), SHM_OK);
+    CHECK_EQ(shm_slot_release(s, 0, 0, g2), SHM_STALE); /* only once */
+    /* Reclaiming refuses an entry whose slot is in a batch in flight. */
+    uint32_t g3 = submit_one(s, 0, 0, 502, 0x53);
+    char batch[64];
+    shm_taken taken[1];
+    uint32_t cursor = 0;
+    CHECK_EQ(shm_collect(s, batch, taken, 1, &cursor, 0, 0, 100 * MS), 1);
+    shm_client_detach(s, 0);
+    uint32_t before = shm_slot_peek(s, 0, 0);
+    CHECK_EQ(shm_client_reclaim(s, 0), SHM_E_STATE);
+    CHECK_EQU(shm_slot_peek(s, 0, 0), before);
+    CHECK_EQ(atomic_load(&shm_client_at(s, 0)->owner_pid), 502);
+    char out[32];
+    memset(out, 0x63, sizeof out);
+    CHECK_EQ(shm_complete(s, taken, 1, out, 0), 1);
+    CHECK_EQ(shm_client_reclaim(s, 0), 0);
+    CHECK_EQU(shm_slot_peek(s, 0, 0), shm_slot_word(SLOT_FREE, g3 + 1));
+    seg_free(&t);
+}
+
+/* The spec is read once at attach: a peer rewriting the header afterwards
+ * (spec_len included) changes nothing this process reads. */
+static void test_spec_once(void) {
+    start_test("spec_once", 10);
+    const shm_params P = mkparams(64, 32, 1, 1, 8);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg s2;
+    CHECK_EQ(shm_attach(&s2, t.mem, t.size), SHM_OK);
+    shm_header *h = shm_hdr(&s2);
+    h->spec_len = UINT32_MAX;
+    memset(h->spec, 'z', 16);
+    uint32_t len;
+    const char *sp = shm_spec(&s2, &len);
+    CHECK_EQ(len, strlen(k_spec));
+    CHECK(memcmp(sp, k_spec, len) == 0);
+    seg_free(&t);
+}
+
+/* The hand-over of a client entry under ThreadSanitizer: process A writes
+ * its slot's input and detaches; the evaluator reclaims the entry; process
+ * B claims it and writes the same input area.  The only order between A's
+ * writes and B's is the protocol's (A's release store of detached, the
+ * evaluator's acquire load of it, its release store of owner_pid = 0, B's
+ * acquiring claim): weaken any of them and TSan reports a race on the
+ * input bytes.  The threads are all started first and wait for each other
+ * with relaxed loads only, so that thread creation and joining order
+ * nothing. */
+typedef struct {
+    shm_seg *s;
+    _Atomic int a_claimed;
+} handover_arg;
+
+static void *handover_a(void *arg) {
+    handover_arg *x = arg;
+    shm_seg *s = x->s;
+    uint32_t gen;
+    CHECK_EQ(shm_client_register(s, 701, 1, 0), 0);
+    /* MO: relaxed; see handover_b. */
+    atomic_store_explicit(&x->a_claimed, 1, memory_order_relaxed);
+    CHECK_EQ(shm_slot_begin(s, 0, 0, 701, &gen), SHM_OK);
+    memset(shm_slot_in(s, 0, 0), 0xA1, s->p.in_bytes);
+    shm_client_detach(s, 0);
+    return NULL;
+}
+
+static void *handover_b(void *arg) {
+    handover_arg *x = arg;
+    shm_seg *s = x->s;
+    uint32_t gen;
+    uint64_t t0 = shm_now_ns();
+    /* MO: relaxed: no order may come from the test itself (B waits only so
+     * that A claims the entry first). */
+    while (!atomic_load_explicit(&x->a_claimed, memory_order_relaxed)) {
+        CHECK(shm_now_ns() - t0 < 10000 * MS);
+        sched_yield();
+    }
+    int c;
+    while ((c = shm_client_register(s, 702, 1, 0)) == SHM_E_FULL) {
+        CHECK(shm_now_ns() - t0 < 10000 * MS);
+        sched_yield();
+    }
+    CHECK_EQ(c, 0);
+    CHECK_EQ(shm_slot_begin(s, 0, 0, 702, &gen), SHM_OK);
+    memset(shm_slot_in(s, 0, 0), 0xB2, s->p.in_bytes);
+    return NULL;
+}
+
+static void test_handover(void) {
+    start_test("handover", 60);
+    const shm_params P = mkparams(64, 32, 1, 1, 8);
+    for (int round = 0; round < 20; round++) {
+        test_seg t;
+        shm_seg *s = serving_seg(&t, &P);
+        handover_arg a = {.s = s};
+        pthread_t ta, tb;
+        CHECK_EQ(pthread_create(&ta, NULL, handover_a, &a), 0);
+        CHECK_EQ(pthread_create(&tb, NULL, handover_b, &a), 0);
+        uint64_t st, pid_ns, t0 = shm_now_ns();
+        uint32_t det = 0;
+        while (shm_client_info(s, 0, &st, &pid_ns, &det) != 701 || !det) {
+            CHECK(shm_now_ns() - t0 < 10000 * MS);
+            sched_yield();
+        }
+        CHECK_EQ(shm_client_reclaim(s, 0), 1); /* the slot was WRITING */
+        CHECK_EQ(pthread_join(ta, NULL), 0);
+        CHECK_EQ(pthread_join(tb, NULL), 0);
+        CHECK_EQ(((unsigned char *)shm_slot_in(s, 0, 0))[0], 0xB2);
+        seg_free(&t);
+    }
+}
+
+/* ------------------------------------------------------------------ */
 
 typedef struct {
     const char *name;
@@ -2805,6 +3378,10 @@ static const test_case k_tests[] = {
     {"scribbled", test_scribbled}, {"doorbell", test_doorbell},
     {"ticker", test_ticker},   {"copy", test_copy},
     {"yield", test_yield},
+    {"lost_wakeup", test_lost_wakeup}, {"reread", test_reread},
+    {"release_race", test_release_race}, {"begin_race", test_begin_race},
+    {"hwm_first", test_hwm_first}, {"generations", test_generations},
+    {"spec_once", test_spec_once}, {"handover", test_handover},
 };
 
 int main(int argc, char **argv) {

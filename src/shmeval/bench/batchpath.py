@@ -98,7 +98,8 @@ class BatchRig:
             self.server = _ring.Server(self.seg, self.batch)
             self.seg.set_serving(os.getpid(), 0)
             me = os.getpid()
-            self.clients = [self.seg.register(me, 0) for _ in range(self.nclients)]
+            self.clients = [self.seg.register(me, 0, 0) for _ in range(self.nclients)]
+            self.gens: dict[tuple[int, int], int] = {}  # (client, slot) -> generation posted
             # Client i's requests are i, i + clients, ...; its inputs are
             # consecutive rows of self.inputs (post takes a row range).
             self.plan: list[tuple[int, list[int], int, np.ndarray]] = []
@@ -134,7 +135,8 @@ class BatchRig:
     def post(self) -> None:
         """The clients' side: every request published (READY)."""
         for c, slots, row0, _ in self.plan:
-            self.seg.post(c, slots, self.inputs, row0)
+            gens = self.seg.post(c, slots, self.inputs, row0)
+            self.gens.update(((c, k), g) for k, g in zip(slots, gens))
 
     def collect(self) -> int:
         """The evaluator's scan + gather; returns how many it took."""
@@ -176,7 +178,7 @@ class BatchRig:
                     for k in slots:
                         timeout = 2_000
                         while not self.seg.slot_state(c, k)[1] and timeout < 100_000_000:
-                            self.seg.wait(c, k, 0, timeout, 1)
+                            self.seg.wait(c, k, self.gens[c, k], 0, timeout, 1)
                             timeout *= 4
                         marked[0] += bool(self.seg.slot_state(c, k)[1])
             except BaseException as e:  # reported by the caller
@@ -200,7 +202,7 @@ class BatchRig:
         got_v.fill(np.nan)
         for c, slots, _, reqs in self.plan:
             for k, r in zip(slots, reqs.tolist()):
-                version = self.seg.fetch(c, k, self.got, r)
+                version = self.seg.fetch(c, k, self.gens[c, k], self.got, r)
                 if version != 1:
                     raise RuntimeError(f"request {r} (client {c}, slot {k}) was answered "
                                        f"{version!r}, not by model version 1")

@@ -1,0 +1,147 @@
+"""The C tests catch what they guard: each case below puts one known bug
+back into a copy of ring.h (a protocol step removed, or a memory order
+weakened) and runs the C test that guards against it, which must then fail.
+
+On x86 a weakened memory order changes no machine code, so ThreadSanitizer
+is the only guard against those; the cases marked "tsan" show that it is one.
+Each case runs one test of one build (tests/c/run_c_tests.sh), a few seconds.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RING_H = ROOT / "src" / "shmeval" / "_core" / "ring.h"
+SCRIPT = ROOT / "tests" / "c" / "run_c_tests.sh"
+
+
+class Mutation(NamedTuple):
+    name: str
+    test: str          # ring_test.c test that must fail
+    build: str         # plain or tsan
+    edits: tuple[tuple[str, str], ...]  # (exact text of ring.h, replacement)
+
+
+HWM_RAISE = """        uint32_t hwm =
+            atomic_load_explicit(&h->clients_hwm, memory_order_relaxed);
+        /* MO: release CAS; pairs with the acquire load of clients_hwm in
+         * shm_clients_hwm (the evaluator's scans and housekeeping). */
+        while (hwm < c + 1 &&
+               !atomic_compare_exchange_weak_explicit(
+                   &h->clients_hwm, &hwm, c + 1, memory_order_release,
+                   memory_order_relaxed)) {
+        }
+"""
+
+MUTATIONS = [
+    Mutation("client clears the evaluator's sleep flag", "lost_wakeup", "plain", ((
+        "    if (sleeping) shm_futex_wake(&h->submit_seq, 1);",
+        "    if (sleeping && atomic_exchange_explicit(&h->ev_sleeping, 0,\n"
+        "                                             memory_order_seq_cst))\n"
+        "        shm_futex_wake(&h->submit_seq, 1);"),)),
+    Mutation("no re-read of the state word after the doorbell", "reread", "plain", ((
+        """        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
+        cur = atomic_load_explicit(w, memory_order_acquire);
+        if (shm_word_gen(cur) != gen) return SHM_STALE;
+        if (shm_state_is_final(shm_word_state(cur)))
+            return (int)shm_word_state(cur);
+""",
+        "        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);\n"),)),
+    Mutation("release ignores the generation", "release_race", "plain", ((
+        """    /* MO: acquire fence; see above. */
+    atomic_thread_fence(memory_order_acquire);
+    /* MO: relaxed; the CAS below decides. */
+    uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);""",
+        """    (void)gen;
+    uint32_t old = atomic_load_explicit(w, memory_order_acquire);
+    if (!shm_state_is_final(shm_word_state(old))) return SHM_E_STATE;
+    atomic_store_explicit(w, shm_slot_word(SLOT_FREE, shm_word_gen(old) + 1),
+                          memory_order_release);
+    return SHM_OK;
+    uint32_t cur = 0;"""),)),
+    Mutation("begin by load and store", "begin_race", "plain", ((
+        """    if (!atomic_compare_exchange_strong_explicit(
+            w, &old, shm_slot_word(SLOT_WRITING, shm_word_gen(old)),
+            memory_order_relaxed, memory_order_relaxed))
+        return SHM_E_STATE;""",
+        """    atomic_store_explicit(w, shm_slot_word(SLOT_WRITING, shm_word_gen(old)),
+                          memory_order_relaxed);"""),)),
+    Mutation("high-water mark raised after the claim", "hwm_first", "plain", (
+        (HWM_RAISE, ""),
+        ('            SHM_HOOK("register_claimed");\n',
+         '            SHM_HOOK("register_claimed");\n' + HWM_RAISE))),
+    Mutation("reclaim hands the entry over relaxed", "handover", "tsan", ((
+        "    atomic_store_explicit(&e->owner_pid, 0, memory_order_release);",
+        "    atomic_store_explicit(&e->owner_pid, 0, memory_order_relaxed);"),)),
+    Mutation("register claims the entry relaxed", "handover", "tsan", ((
+        """                &e->owner_pid, &expected, pid, memory_order_acq_rel,
+                memory_order_relaxed)) {""",
+        """                &e->owner_pid, &expected, pid, memory_order_relaxed,
+                memory_order_relaxed)) {"""),)),
+    Mutation("detach relaxed", "handover", "tsan", ((
+        """    atomic_store_explicit(&shm_client_at(s, c)->detached, 1,
+                          memory_order_release);""",
+        """    atomic_store_explicit(&shm_client_at(s, c)->detached, 1,
+                          memory_order_relaxed);"""),)),
+    Mutation("publish relaxed", "concurrency", "tsan", ((
+        """    atomic_store_explicit(w, shm_slot_word(SLOT_READY, shm_word_gen(old)),
+                          memory_order_release);""",
+        """    atomic_store_explicit(w, shm_slot_word(SLOT_READY, shm_word_gen(old)),
+                          memory_order_relaxed);"""),)),
+    Mutation("completion CAS relaxed", "concurrency", "tsan", ((
+        """                    w, &cur, shm_slot_word(final_state, taken[i].gen),
+                    memory_order_release, memory_order_relaxed)) {""",
+        """                    w, &cur, shm_slot_word(final_state, taken[i].gen),
+                    memory_order_relaxed, memory_order_relaxed)) {"""),)),
+]
+
+
+def mutate(dest: Path, m: Mutation) -> None:
+    text = RING_H.read_text()
+    for old, new in m.edits:
+        assert text.count(old) == 1, f"{m.name}: the text to mutate is not in ring.h " \
+                                     f"exactly once (ring.h changed? update this case):\n{old}"
+        text = text.replace(old, new)
+    (dest / "ring.h").write_text(text)
+
+
+def run_c_test(ring_dir: Path, test: str, build: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, RING_H_DIR=str(ring_dir), RING_TEST_ARGS=test,
+               RING_TEST_BUILDS=build, RUN_TIMEOUT="60",
+               # a short concurrency run is enough for TSan to see a race
+               SHM_TEST_CLIENTS="2", SHM_TEST_REQUESTS="300")
+    bash = shutil.which("bash")
+    assert bash is not None, "bash is needed to run tests/c/run_c_tests.sh"
+    return subprocess.run([bash, str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("m", MUTATIONS, ids=[m.name.replace(" ", "-") for m in MUTATIONS])
+def test_broken_ring_fails_its_test(m: Mutation, tmp_path: Path) -> None:
+    mutate(tmp_path, m)
+    r = run_c_test(tmp_path, m.test, m.build)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, f"ring_test {m.test} ({m.build}) passed with '{m.name}':\n{out}"
+    # It failed where it should: a failed check, or a reported race, not a
+    # build error.
+    assert "BUILD FAILED" not in out, out
+    assert ("FAIL [" in out or "ThreadSanitizer: data race" in out
+            or "TIMEOUT [" in out), out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("build", sorted({m.build for m in MUTATIONS}))
+def test_unbroken_ring_passes(build: str, tmp_path: Path) -> None:
+    """The same runs pass on the real ring.h (so the failures above are the
+    mutations')."""
+    shutil.copy(RING_H, tmp_path / "ring.h")
+    tests = " ".join(sorted({m.test for m in MUTATIONS if m.build == build}))
+    r = run_c_test(tmp_path, tests, build)
+    assert r.returncode == 0, r.stdout + r.stderr
