@@ -1,138 +1,114 @@
-# Declarations of the C core (_core/ring.h).  Only _ring.pyx cimports this.
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+# The classes of the Cython wrapper shmeval._ring: their C fields and their
+# cdef methods.  The bodies are in _ring.pyx; the C core it wraps is declared
+# in _core/ring.pxd.
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+
+cimport numpy as cnp
+from cpython.pythread cimport PyThread_type_lock
+
+from shmeval._core.ring cimport shm_seg, shm_taken, shm_ticker
 
 
-cdef extern from "ring.h" nogil:
-    uint64_t SHM_SPIN_YIELD
+cdef class Segment:
+    """One mapping of a shared segment in this process."""
+    cdef shm_seg seg
+    cdef char *addr
+    cdef uint64_t size
+    cdef uint32_t n_out
+    cdef uint64_t *out_off
+    cdef uint64_t *out_nbytes
+    cdef tuple out_names          # declared outputs, in order (set_outputs)
+    cdef int *out_nd              # their ranks,
+    cdef int *out_type            # NumPy type numbers,
+    cdef cnp.npy_intp *out_shape  # and shapes, back to back (_out_dims)
+    cdef Py_ssize_t *out_at       # where output j's shape starts in out_shape
+    cdef list out_float           # float or complex kind
+    cdef bint out_native          # every output a native built-in dtype
+    cdef shm_ticker *ticker       # this process's ticker (start_ticker), or NULL
+    cdef int ticker_pid           # the process that started it
+    cdef list old_tickers         # stopped ones (addresses), freed with the segment
+    cdef readonly object name
 
-    ctypedef struct shm_params:
-        uint64_t in_bytes
-        uint64_t out_bytes
-        uint32_t max_clients
-        uint32_t slots_per_client
-        uint32_t max_batch
+    cdef uint32_t _begin(self, uint32_t c, uint32_t k) except? 0xffffffff
+    cdef int _map(self, int fd, uint64_t size) except -1
+    cdef void _free_outputs(self)
+    cdef cnp.npy_intp *_out_dims(self, Py_ssize_t j) noexcept
+    cdef void _retire_ticker(self)
+    cdef shm_ticker *_ticker_for(self, uint32_t c, uint64_t timeout_ns) noexcept nogil
+    cdef int _client(self, uint32_t c) except -1
+    cdef int _slot(self, uint32_t c, uint32_t k) except -1
+    cdef uint64_t _spin(self, uint64_t spin_ns, uint32_t ncpu) noexcept nogil
+    cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
+                   uint64_t timeout_ns, uint32_t ncpu)
+    cdef object _fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
+                       bint trusted=*)
 
-    ctypedef struct shm_layout:
-        uint64_t header_bytes
-        uint64_t clients_off
-        uint64_t client_stride
-        uint64_t slots_off
-        uint64_t slot_stride
-        uint64_t in_off
-        uint64_t out_off
-        uint64_t out_area
-        uint64_t total
 
-    ctypedef struct shm_seg:
-        char *base
-        shm_layout l
-        shm_params p
+cdef class ClientPort:
+    """The hot path of Client.evaluate for one process."""
+    cdef Segment seg
+    cdef readonly uint32_t c
+    cdef readonly list free
+    cdef public int waiters
+    cdef object notify
+    cdef bint fast
+    cdef object in_dtype
+    cdef int in_nd
+    cdef cnp.npy_intp in_dims[32]
+    cdef uint64_t spin_ns
+    cdef uint64_t timeout_ns
+    cdef uint32_t ncpu
+    cdef dict last             # the previous result, reused once nobody holds it
+    cdef list last_outs
+    cdef dict prev             # the one before: a caller's `out = evaluate(s)`
+    cdef list prev_outs        # holds the previous result during the next call
+    cdef int pid               # the process this port's client entry belongs to
+    cdef public bint retired   # closed: takes no new request (see Client.close)
+    cdef public bint detached  # its client entry is detached: waiters give up
+    cdef public list abandoned # (slot, generation) of requests whose waiter gave up
 
-    ctypedef struct shm_taken:
-        uint32_t client
-        uint32_t slot
-        uint32_t gen
+    cpdef give_back(self, uint32_t k)
+    cdef object _evaluate(self, object state, bint versioned)
+    cdef object _evaluate_many(self, object states, bint versioned)
+    cdef bint _unreferenced(self, int older)
 
-    ctypedef struct shm_slot_meta:
-        uint64_t publish_ns
-        uint64_t model_version
-        uint32_t err_len
 
-    enum:
-        SHM_LAYOUT_VERSION
-        SHM_SPEC_MAX
-        SHM_HIST_BINS
-        SHM_MAX_SLOTS_PER_CLIENT
-        SHM_N_STATS
-        SHM_OK
-        SHM_E_TOO_SMALL
-        SHM_E_MAGIC
-        SHM_E_VERSION
-        SHM_E_PARAMS
-        SHM_E_SPEC
-        SHM_E_FULL
-        SHM_TIMEOUT
-        SHM_CLOSED
-        SHM_E_STATE
-        SHM_CONTROL
-        SHM_STALE
-        SLOT_FREE
-        SLOT_WRITING
-        SLOT_READY
-        SLOT_TAKEN
-        SLOT_DONE
-        SLOT_FAILED
-        SLOT_STATE_MASK
-        SLOT_WAITER
-        SLOT_GEN_SHIFT
-        EV_STARTING
-        EV_SERVING
-        EV_CLOSING
-        EV_CLOSED
-        EV_DIED
-        ST_BUSY_NS
+cdef class ClientBase:
+    """The base of shmeval.Client: its process's port in a C field."""
+    cdef public object _port
 
-    int shm_layout_compute(const shm_params *p, shm_layout *l)
-    int shm_init(shm_seg *s, char *base, uint64_t size, const shm_params *p,
-                 const char *spec, uint32_t spec_len, int32_t owner_pid,
-                 uint64_t pid_ns, uint64_t time_ns)
-    int shm_attach(shm_seg *s, char *base, uint64_t size)
-    uint64_t shm_now_ns()
 
-    int shm_client_register(shm_seg *s, int32_t pid, uint64_t starttime, uint64_t pid_ns)
-    void shm_client_detach(shm_seg *s, uint32_t c)
-    int32_t shm_client_info(shm_seg *s, uint32_t c, uint64_t *starttime, uint64_t *pid_ns,
-                            uint32_t *detached)
-    int shm_client_reclaim(shm_seg *s, uint32_t c)
+cdef class ServeGroup:
+    """The Servers of one segment serving from several threads."""
+    cdef PyThread_type_lock lock
+    cdef readonly int in_flight
+    cdef public uint64_t version
+    cdef public bint stop
+    cdef uint32_t cursor
 
-    int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k, int32_t pid, uint32_t *gen)
-    void shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k)
-    void shm_notify_evaluator(shm_seg *s, uint32_t count)
-    int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
-                      uint64_t timeout_ns)
-    ctypedef struct shm_ticker:
-        uint32_t c
-        uint64_t period_ns
-        int running
-    int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen,
-                             uint64_t spin_ns, uint64_t timeout_ns, shm_ticker *t)
-    int shm_ticker_start(shm_ticker *t, const shm_seg *s, uint32_t c, uint64_t period_ns)
-    void shm_ticker_stop(shm_ticker *t)
-    int shm_slot_release(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen)
-    uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k)
-    char *shm_slot_in(const shm_seg *s, uint32_t c, uint32_t k)
-    char *shm_slot_out(const shm_seg *s, uint32_t c, uint32_t k)
-    void shm_copy(char *dst, const char *src, size_t n)
-    shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k)
+    cdef void _acquire(self) noexcept
 
-    int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
-                    uint32_t max_batch, uint32_t *cursor, uint64_t spin_ns,
-                    uint64_t max_wait_ns, uint64_t timeout_ns)
-    uint32_t shm_complete_fields(shm_seg *s, shm_taken *taken, uint32_t n,
-                                 uint32_t nfields, const char *const *fields,
-                                 const uint64_t *field_bytes, const int64_t *field_stride,
-                                 const uint64_t *field_off, uint64_t model_version)
-    uint32_t shm_fail(shm_seg *s, shm_taken *taken, uint32_t n,
-                      const char *msg, uint32_t len)
-    void shm_record_batch(shm_seg *s, uint32_t n, uint32_t rows,
-                          uint64_t model_ns, int failed)
 
-    uint64_t shm_stat_get(shm_seg *s, uint32_t i)
-    void shm_stat_put(shm_seg *s, uint32_t i, uint64_t v)
-    void shm_stat_inc(shm_seg *s, uint32_t i, uint64_t v)
-    uint64_t shm_hist_get(shm_seg *s, uint32_t which, uint32_t b)
-    uint32_t shm_ev_state(shm_seg *s)
-    int32_t shm_ev_pid(shm_seg *s, uint64_t *starttime)
-    uint32_t shm_set_serving(shm_seg *s, int32_t pid, uint64_t starttime)
-    uint64_t shm_heartbeat(shm_seg *s)
-    uint32_t shm_n_attached(shm_seg *s)
-    uint32_t shm_clients_hwm(shm_seg *s)
-    const char *shm_spec(shm_seg *s, uint32_t *len)
-    int32_t shm_owner_pid(shm_seg *s)
-    uint64_t shm_pid_ns(shm_seg *s)
-    uint64_t shm_time_ns(shm_seg *s)
-    void shm_request_close(shm_seg *s)
-    uint32_t shm_request_control(shm_seg *s)
-    void shm_control_done(shm_seg *s, uint32_t ticket)
-    uint32_t shm_control_pending(shm_seg *s, uint32_t *done)
-    void shm_close_and_wake(shm_seg *s, uint32_t final_state)
+cdef class Server:
+    """The evaluator's side: collect a batch, then complete or fail it."""
+    cdef Segment seg
+    cdef readonly ServeGroup group
+    cdef shm_taken *taken
+    cdef char *batch
+    cdef object _keep
+    cdef uint32_t n
+    cdef uint32_t cap
+    cdef const char **fields
+    cdef int64_t *strides
+    cdef uint64_t busy_since
+    cdef list views
+    cdef bint locked
+    cdef uint32_t ncpu
+
+    cdef void _set_n(self, uint32_t n) noexcept
+    cpdef int collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
+                      uint64_t timeout_ns) except? -1000
+    cpdef end_busy(self)
+    cpdef bint finish_fast(self, object out, uint32_t rows, uint64_t model_ns, uint64_t version,
+                           bint reject_nonfinite) except -1
+    cpdef uint32_t complete(self, list arrays, uint64_t model_version) except? 0xffffffff

@@ -1,11 +1,13 @@
 # cython: language_level=3
 """Thin Cython wrappers over the C core (_core/ring.h).
 
-Arguments are checked and converted to C values first, then ``with nogil``
-wraps only the C call (a client's wait keeps the GIL when the caller is its
-process's only Python thread: ``shm_only_python_thread``).  Status codes
-become exceptions in one place, ``_check``.  No protocol logic lives here:
-it is all in ring.h.
+The classes' C fields and cdef methods are declared in _ring.pxd, the C
+they call in _core/ring.pxd; this file holds the bodies.  Arguments are
+checked and converted to C values first, then ``with nogil`` wraps only the
+C call (a client's wait keeps the GIL when the caller is its process's only
+Python thread: ``shm_only_python_thread``, _core/ring_python.h).  Status
+codes become exceptions in one place, ``_check``.  No protocol logic lives
+here: it is all in ring.h.
 """
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport calloc, free, malloc
@@ -31,26 +33,6 @@ cdef extern from "<pthread.h>" nogil:
 from posix.unistd cimport getpid
 cimport cython
 
-cdef extern from *:
-    """
-    /* True when the calling thread (which holds the GIL) is the only Python
-     * thread of the only interpreter: then no other thread can be waiting
-     * for the GIL, and a client may keep it while it waits for its answer
-     * (docs/performance.md, finding 20).  A thread that a C library
-     * attaches meanwhile (PyGILState_Ensure) waits until the answer comes;
-     * a free-threaded build has no GIL to keep. */
-    static int shm_only_python_thread(void) {
-    #ifdef Py_GIL_DISABLED
-        return 0;
-    #else
-        PyThreadState *h = PyInterpreterState_ThreadHead(PyInterpreterState_Get());
-        return h != NULL && PyThreadState_Next(h) == NULL &&
-               PyInterpreterState_Next(PyInterpreterState_Head()) == NULL;
-    #endif
-    }
-    """
-    int shm_only_python_thread()
-
 # This process's pid, kept current across fork() by an atfork handler, so the
 # hot path can tell "still the process that registered" without a getpid()
 # system call per request (glibc no longer caches the pid).
@@ -62,7 +44,7 @@ cdef void _after_fork_in_child() noexcept nogil:
 
 pthread_atfork(NULL, NULL, _after_fork_in_child)
 
-from shmeval._ring cimport *
+from shmeval._core.ring cimport *
 
 from shmeval.errors import ClientTableFull, EvaluatorClosed, SegmentError, ShmevalError
 
@@ -178,12 +160,13 @@ cdef inline uint64_t _spin_policy(uint64_t spin_ns, uint32_t processes,
       the CPU away between looks (``SHM_SPIN_YIELD``: ``sched_yield()``
       instead of ``pause``), so a waiter takes a CPU only while no other
       process wants it.  With 2 clients on 2 CPUs this took 2 workers from
-      ~100 k to 340-420 k round trips/s; sleeping instead, a CPU went idle
-      and every answer paid the wake-up of a halted CPU (finding 33);
+      ~100 k to 340-420 k round trips/s on the reference VM; sleeping
+      instead, a CPU went idle and every answer paid the wake-up of a halted
+      CPU;
     * more: no spin.  Even a yielding spin then loses: its waiters crowd the
-      run queues, the slowest worker fell to 0.14-0.66 of the mean and
-      p99.9 to 0.5-4 ms at 3-16 workers (finding 33); and a plain spin holds
-      a CPU that the process it waits for needs (finding 21)."""
+      run queues (there the slowest worker fell to 0.14-0.66 of the mean and
+      p99.9 to 0.5-4 ms at 3-16 workers), and a plain spin holds a CPU that
+      the process it waits for needs (docs/performance.md, "Which knob when")."""
     if spin_ns == 0 or processes > ncpu + 1:
         return 0
     if processes <= ncpu:
@@ -197,23 +180,6 @@ cdef class Segment:
     The mapping is released only when this object is garbage-collected, never
     by an explicit close: a thread may still be asleep on a futex word in it.
     """
-    cdef shm_seg seg
-    cdef char *addr
-    cdef uint64_t size
-    cdef uint32_t n_out
-    cdef uint64_t *out_off
-    cdef uint64_t *out_nbytes
-    cdef tuple out_names   # declared outputs, in order (set_outputs)
-    cdef int *out_nd       # their ranks,
-    cdef int *out_type     # NumPy type numbers,
-    cdef cnp.npy_intp *out_shape  # and shapes, back to back (_out_dims)
-    cdef Py_ssize_t *out_at       # where output j's shape starts in out_shape
-    cdef list out_float    # float or complex kind
-    cdef bint out_native   # every output a native built-in dtype: matched by type number
-    cdef shm_ticker *ticker  # this process's ticker (start_ticker), or NULL
-    cdef int ticker_pid      # the process that started it
-    cdef list old_tickers    # stopped ones (addresses), freed with the segment
-    cdef readonly object name
 
     def __dealloc__(self):
         self._retire_ticker()
@@ -412,7 +378,7 @@ cdef class Segment:
         shm_client_detach(&self.seg, c)
 
     # A ticker lets this process's waiters sleep without a timer (ring.h,
-    # shm_ticker; docs/performance.md finding 23).
+    # shm_ticker; docs/protocol.md, Waiting).
     def start_ticker(self, uint32_t c, uint64_t period_ns):
         """Starts a ticker thread for client c of this process, ticking every
         period_ns (any previous one is stopped first).  Waits of c with a
@@ -683,26 +649,6 @@ cdef class ClientPort:
     Python ``Client`` (single list operations are atomic under the GIL);
     ``waiters`` counts threads waiting for a slot, which ``notify`` wakes.
     """
-    cdef Segment seg
-    cdef readonly uint32_t c
-    cdef readonly list free
-    cdef public int waiters
-    cdef object notify
-    cdef bint fast
-    cdef object in_dtype
-    cdef int in_nd
-    cdef cnp.npy_intp in_dims[32]
-    cdef uint64_t spin_ns
-    cdef uint64_t timeout_ns
-    cdef uint32_t ncpu
-    cdef dict last        # the previous result, reused once nobody holds it
-    cdef list last_outs
-    cdef dict prev        # the one before: a caller's `out = evaluate(s)`
-    cdef list prev_outs   # holds the previous result during the next call
-    cdef int pid          # the process this port's client entry belongs to
-    cdef public bint retired   # closed: takes no new request (see Client.close)
-    cdef public bint detached  # its client entry is detached: waiters give up
-    cdef public list abandoned # (slot, generation) of requests whose waiter gave up early
 
     def __cinit__(self, Segment seg, uint32_t c, list free, object in_dtype, tuple in_shape,
                   uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu, object notify):
@@ -795,7 +741,7 @@ cdef class ClientPort:
         if shm_only_python_thread():
             # The process's only Python thread: no one else wants the GIL, and
             # releasing and taking it back was about 5% of a worker's CPU time
-            # with 16 workers on 2 cores (docs/performance.md, finding 20).
+            # with 16 workers on 2 cores (docs/performance.md).
             rc = _publish_and_wait(&self.seg.seg, self.c, k, gen, spin, self.timeout_ns, t)
         else:
             with nogil:
@@ -834,7 +780,7 @@ cdef class ClientPort:
         posted when the fast path does not apply.  One call instead of the
         Python of ``Client._roundtrip`` around a post and a wait per row:
         that Python was about 20 us of CPU per call with 8 workers on 2
-        cores (docs/performance.md, finding 26)."""
+        cores (docs/performance.md)."""
         cdef cnp.ndarray a
         cdef Py_ssize_t n, i, j, d
         cdef uint32_t ks[SHM_MAX_SLOTS_PER_CLIENT]
@@ -984,9 +930,7 @@ cdef class ClientBase:
     """The base of ``shmeval.Client``: its process's port in a C field, which
     ``client_evaluate`` reads without an attribute lookup.  As an attribute
     of a Python instance it was a dict lookup on every call, about 2% of the
-    machine's CPU with 16 workers on 2 cores (docs/performance.md,
-    finding 32)."""
-    cdef public object _port
+    machine's CPU with 16 workers on 2 cores (docs/performance.md)."""
 
 
 @cython.binding(True)
@@ -1031,9 +975,9 @@ cdef inline uint64_t _evaluator_spin(uint64_t spin_ns, uint32_t n_attached,
                                     uint32_t ncpu) noexcept nogil:
     """The evaluator's spin budget (_spin_policy): none once the client
     processes outnumber its CPUs, when a spinning evaluator holds a CPU that
-    the clients it waits for need (docs/performance.md, finding 21); a
-    yielding spin with as many clients as CPUs (finding 33).  Spinning at
-    all with 2 clients on 2 CPUs doubled round trips/s."""
+    the clients it waits for need; a yielding spin with as many clients as
+    CPUs (docs/performance.md, "Which knob when").  Spinning at all with 2
+    clients on 2 CPUs doubled round trips/s on the reference VM."""
     return _spin_policy(spin_ns, n_attached + 1, ncpu)
 
 
@@ -1072,40 +1016,6 @@ cdef bint _rows_ok(object x, Py_ssize_t rows, uint64_t row_bytes):
             return False
         expect *= cnp.PyArray_DIM(a, i)
     return <uint64_t>expect == row_bytes
-
-
-cdef extern from *:
-    """
-    /* No NaN or inf among n floats: an IEEE value is not finite exactly when
-     * its exponent bits are all ones, i.e. when its bits without the sign,
-     * read as a signed integer, exceed those of the largest finite value.
-     * OR-ing those comparisons has no branch in the loop, so the compiler
-     * vectorises it into a compare and an OR per vector (a scalar
-     * isfinite() test per element was the cost of checking large outputs). */
-    __attribute__((optimize("O3")))
-    static int shm_finite_f32(const uint32_t *u, Py_ssize_t n) {
-        const int32_t *s = (const int32_t *)u;
-        int32_t bad = 0;
-        for (Py_ssize_t i = 0; i < n; i++)
-            bad |= (s[i] & 0x7fffffff) > 0x7f7fffff;
-        return !bad;
-    }
-    /* A double's exponent is in its high 32 bits: the same test on them
-     * (32-bit compares vectorise on every x86-64; 64-bit ones need SSE4.2). */
-    #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-    #error "shm_finite_f64 assumes little-endian doubles"
-    #endif
-    __attribute__((optimize("O3")))
-    static int shm_finite_f64(const uint64_t *u, Py_ssize_t n) {
-        const int32_t *s = (const int32_t *)u;
-        int32_t bad = 0;
-        for (Py_ssize_t i = 0; i < n; i++)
-            bad |= (s[2 * i + 1] & 0x7fffffff) > 0x7fefffff;
-        return !bad;
-    }
-    """
-    int shm_finite_f32(const uint32_t *u, Py_ssize_t n) nogil
-    int shm_finite_f64(const uint64_t *u, Py_ssize_t n) nogil
 
 
 cdef int _finite(cnp.ndarray a, Py_ssize_t rows) except -2:
@@ -1158,11 +1068,6 @@ cdef class ServeGroup:
     updates, closing).  version stamps every batch served from now on; stop
     makes every member's serve() return SERVE_CLOSED.  All fields are read
     and written with the GIL held."""
-    cdef PyThread_type_lock lock
-    cdef readonly int in_flight
-    cdef public uint64_t version
-    cdef public bint stop
-    cdef uint32_t cursor
 
     def __cinit__(self):
         self.lock = PyThread_allocate_lock()
@@ -1202,19 +1107,6 @@ cdef class Server:
     request i came from.  Servers sharing a ServeGroup serve one segment
     from several threads (see serve()).
     """
-    cdef Segment seg
-    cdef readonly ServeGroup group
-    cdef shm_taken *taken
-    cdef char *batch
-    cdef object _keep
-    cdef uint32_t n
-    cdef uint32_t cap
-    cdef const char **fields
-    cdef int64_t *strides
-    cdef uint64_t busy_since
-    cdef list views
-    cdef bint locked
-    cdef uint32_t ncpu
 
     def __cinit__(self, Segment seg, cnp.ndarray batch, ServeGroup group=None):
         import os

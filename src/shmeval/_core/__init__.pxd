@@ -1,0 +1,1 @@
+# Makes _core a package for cimport (shmeval._core.ring); nothing here.

@@ -1,0 +1,146 @@
+# Declarations of the C core: ring.h (the protocol) and ring_python.h (the
+# wrapper's helpers that need Python.h).  Only the Cython wrappers cimport
+# this: shmeval._ring, and the benchmark extension for what it shares.
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+
+
+cdef extern from "ring.h" nogil:
+    uint64_t SHM_SPIN_YIELD
+
+    ctypedef struct shm_params:
+        uint64_t in_bytes
+        uint64_t out_bytes
+        uint32_t max_clients
+        uint32_t slots_per_client
+        uint32_t max_batch
+
+    ctypedef struct shm_layout:
+        uint64_t header_bytes
+        uint64_t clients_off
+        uint64_t client_stride
+        uint64_t slots_off
+        uint64_t slot_stride
+        uint64_t in_off
+        uint64_t out_off
+        uint64_t out_area
+        uint64_t total
+
+    ctypedef struct shm_seg:
+        char *base
+        shm_layout l
+        shm_params p
+
+    ctypedef struct shm_taken:
+        uint32_t client
+        uint32_t slot
+        uint32_t gen
+
+    ctypedef struct shm_slot_meta:
+        uint64_t publish_ns
+        uint64_t model_version
+        uint32_t err_len
+
+    enum:
+        SHM_LAYOUT_VERSION
+        SHM_SPEC_MAX
+        SHM_HIST_BINS
+        SHM_MAX_SLOTS_PER_CLIENT
+        SHM_N_STATS
+        SHM_OK
+        SHM_E_TOO_SMALL
+        SHM_E_MAGIC
+        SHM_E_VERSION
+        SHM_E_PARAMS
+        SHM_E_SPEC
+        SHM_E_FULL
+        SHM_TIMEOUT
+        SHM_CLOSED
+        SHM_E_STATE
+        SHM_CONTROL
+        SHM_STALE
+        SLOT_FREE
+        SLOT_WRITING
+        SLOT_READY
+        SLOT_TAKEN
+        SLOT_DONE
+        SLOT_FAILED
+        SLOT_STATE_MASK
+        SLOT_WAITER
+        SLOT_GEN_SHIFT
+        EV_STARTING
+        EV_SERVING
+        EV_CLOSING
+        EV_CLOSED
+        EV_DIED
+        ST_BUSY_NS
+
+    int shm_layout_compute(const shm_params *p, shm_layout *l)
+    int shm_init(shm_seg *s, char *base, uint64_t size, const shm_params *p,
+                 const char *spec, uint32_t spec_len, int32_t owner_pid,
+                 uint64_t pid_ns, uint64_t time_ns)
+    int shm_attach(shm_seg *s, char *base, uint64_t size)
+    uint64_t shm_now_ns()
+
+    int shm_client_register(shm_seg *s, int32_t pid, uint64_t starttime, uint64_t pid_ns)
+    void shm_client_detach(shm_seg *s, uint32_t c)
+    int32_t shm_client_info(shm_seg *s, uint32_t c, uint64_t *starttime, uint64_t *pid_ns,
+                            uint32_t *detached)
+    int shm_client_reclaim(shm_seg *s, uint32_t c)
+
+    int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k, int32_t pid, uint32_t *gen)
+    void shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k)
+    void shm_notify_evaluator(shm_seg *s, uint32_t count)
+    int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
+                      uint64_t timeout_ns)
+    ctypedef struct shm_ticker:
+        uint32_t c
+        uint64_t period_ns
+        int running
+    int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen,
+                             uint64_t spin_ns, uint64_t timeout_ns, shm_ticker *t)
+    int shm_ticker_start(shm_ticker *t, const shm_seg *s, uint32_t c, uint64_t period_ns)
+    void shm_ticker_stop(shm_ticker *t)
+    int shm_slot_release(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen)
+    uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k)
+    char *shm_slot_in(const shm_seg *s, uint32_t c, uint32_t k)
+    char *shm_slot_out(const shm_seg *s, uint32_t c, uint32_t k)
+    void shm_copy(char *dst, const char *src, size_t n)
+    shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k)
+
+    int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
+                    uint32_t max_batch, uint32_t *cursor, uint64_t spin_ns,
+                    uint64_t max_wait_ns, uint64_t timeout_ns)
+    uint32_t shm_complete_fields(shm_seg *s, shm_taken *taken, uint32_t n,
+                                 uint32_t nfields, const char *const *fields,
+                                 const uint64_t *field_bytes, const int64_t *field_stride,
+                                 const uint64_t *field_off, uint64_t model_version)
+    uint32_t shm_fail(shm_seg *s, shm_taken *taken, uint32_t n,
+                      const char *msg, uint32_t len)
+    void shm_record_batch(shm_seg *s, uint32_t n, uint32_t rows,
+                          uint64_t model_ns, int failed)
+
+    uint64_t shm_stat_get(shm_seg *s, uint32_t i)
+    void shm_stat_put(shm_seg *s, uint32_t i, uint64_t v)
+    void shm_stat_inc(shm_seg *s, uint32_t i, uint64_t v)
+    uint64_t shm_hist_get(shm_seg *s, uint32_t which, uint32_t b)
+    uint32_t shm_ev_state(shm_seg *s)
+    int32_t shm_ev_pid(shm_seg *s, uint64_t *starttime)
+    uint32_t shm_set_serving(shm_seg *s, int32_t pid, uint64_t starttime)
+    uint64_t shm_heartbeat(shm_seg *s)
+    uint32_t shm_n_attached(shm_seg *s)
+    uint32_t shm_clients_hwm(shm_seg *s)
+    const char *shm_spec(shm_seg *s, uint32_t *len)
+    int32_t shm_owner_pid(shm_seg *s)
+    uint64_t shm_pid_ns(shm_seg *s)
+    uint64_t shm_time_ns(shm_seg *s)
+    void shm_request_close(shm_seg *s)
+    uint32_t shm_request_control(shm_seg *s)
+    void shm_control_done(shm_seg *s, uint32_t ticket)
+    uint32_t shm_control_pending(shm_seg *s, uint32_t *done)
+    void shm_close_and_wake(shm_seg *s, uint32_t final_state)
+
+
+cdef extern from "ring_python.h" nogil:
+    int shm_only_python_thread()
+    int shm_finite_f32(const uint32_t *u, Py_ssize_t n)
+    int shm_finite_f64(const uint64_t *u, Py_ssize_t n)
