@@ -124,8 +124,8 @@ class Client(_ring.ClientBase):
                 spec.input_shape, int(self._spin_us * 1000), WAIT_TIMEOUT_NS, self._ncpu,
                 self._notify_waiters)
             # Waits then sleep without a timer; the ticker wakes them every
-            # WAIT_TIMEOUT_NS to check on the evaluator (docs/performance.md,
-            # finding 23).  Without it (no thread to be had) they use timers.
+            # WAIT_TIMEOUT_NS to check on the evaluator (docs/protocol.md,
+            # Waiting).  Without it (no thread to be had) they use timers.
             seg.start_ticker(c, WAIT_TIMEOUT_NS)
             self._c = c
             self._pid = pid

@@ -1,4 +1,4 @@
-"""Scheduling policy for worker processes (docs/performance.md, finding 21)."""
+"""Scheduling policy for worker processes."""
 from __future__ import annotations
 
 import os
@@ -12,15 +12,14 @@ def use_batch_scheduling(enable: bool = True) -> None:
 
     A ``SCHED_BATCH`` thread is scheduled like any other, with the same
     share of the CPU, but waking up does not let it preempt the thread that
-    is running.  A worker woken by its answer then no longer interrupts the
-    evaluator halfway through waking the rest of its batch.  When it was
-    introduced it raised shmeval's round trips/s with 16 workers on 2
-    cores by 20-35% (docs/performance.md, finding 21).  Since the evaluator
-    wakes a batch in one system call and clients sleep without timers
-    (findings 22, 23) the runs differ: the latest full pair on 2 cores
-    gained at every worker count from 2 to 64, with a longer tail at 32-64;
-    the pair before it lost at 8 and 16: measure (README, "Many workers on
-    few cores").  It needs no privileges.
+    is running.  A worker woken by its answer then does not interrupt the
+    evaluator halfway through waking the rest of its batch.  Whether that
+    pays depends on the machine and the load, so measure: on the 2-core
+    reference VM the null-model benchmark at 16 workers ran as fast with it
+    as without, with a much longer tail (p99 832 µs against 136 µs), while
+    the self-play demo's workers, which search between evaluations, gain
+    from it (docs/guide.md, "Many workers on few cores").  It needs no
+    privileges.
     """
     policy = os.SCHED_BATCH if enable else os.SCHED_OTHER
     os.sched_setscheduler(0, policy, os.sched_param(0))

@@ -433,9 +433,9 @@ static inline void shm_cpu_relax(void) {
  * memcpy aligns the stores, so when the two differ in their offset within a
  * line every load of the gather spans two lines.  Loading line by line and
  * storing unaligned instead was about a third faster for Go rows on the
- * development machine (bench/c/row_copy.c; docs/performance.md, finding
- * 25).  Small copies, copies whose ends share their offset in the line, and
- * CPUs without AVX2 use memcpy. */
+ * development machine (bench/c/row_copy.c; docs/performance.md).  Small
+ * copies, copies whose ends share their offset in the line, and CPUs
+ * without AVX2 use memcpy. */
 #define SHM_COPY_MIN 2048u
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -479,8 +479,8 @@ static inline void shm_copy(char *dst, const char *src, size_t n) {
 /* A spin budget with this bit set gives the CPU away between looks
  * (sched_yield() instead of pause): the waiter spins only while no other
  * task wants its CPU.  _ring.pyx's _spin_policy sets it when the clients
- * and the evaluator are one process more than the CPUs
- * (docs/performance.md, finding 33).  The bit is not part of the budget. */
+ * and the evaluator are one process more than the CPUs (docs/protocol.md,
+ * Waiting).  The bit is not part of the budget. */
 #define SHM_SPIN_YIELD (1ull << 63)
 #ifndef shm_sched_yield /* ring_test.c counts the calls */
 #define shm_sched_yield() sched_yield()
@@ -506,9 +506,9 @@ static inline void shm_futex_wake(_Atomic uint32_t *w, int n) {
 
 /* FUTEX_WAIT_BITSET: sleeps while *w == expected until a wake whose bits
  * meet `bits`, or until the CLOCK_MONOTONIC time deadline_ns.  With
- * SHM_NO_DEADLINE the kernel arms no timer at all: on this machine arming
- * and cancelling the hrtimer of every sleep cost ~10% of the round trips of
- * 16 clients on 2 cores (docs/performance.md, finding 23). */
+ * SHM_NO_DEADLINE the kernel arms no timer at all: on the development
+ * machine arming and cancelling the hrtimer of every sleep cost ~10% of the
+ * round trips of 16 clients on 2 cores (docs/protocol.md, Waiting). */
 static inline int shm_futex_wait_bits(_Atomic uint32_t *w, uint32_t expected,
                                       uint64_t deadline_ns, uint32_t bits) {
     struct timespec ts;
