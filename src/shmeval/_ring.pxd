@@ -104,6 +104,7 @@ cdef class Server:
     cdef list views
     cdef bint locked
     cdef uint32_t ncpu
+    cdef public bint extra_outputs_ok  # a dict of outputs may hold undeclared ones
 
     cdef void _set_n(self, uint32_t n) noexcept
     cpdef int collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,

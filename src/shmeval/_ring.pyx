@@ -76,6 +76,13 @@ CLOSING = EV_CLOSING
 CLOSED_STATE = EV_CLOSED
 DIED = EV_DIED
 
+# Why an evaluator stopped (stop_reason(), close_and_wake()).
+STOP_NONE = SHM_STOP_NONE
+STOP_CLOSED = SHM_STOP_CLOSED
+STOP_OWNER_DIED = SHM_STOP_OWNER_DIED
+STOP_CRASHED = SHM_STOP_CRASHED
+STOP_EXITED = SHM_STOP_EXITED
+
 STAT_NAMES = (
     "requests", "batches", "padded_rows", "failed_requests", "failed_batches",
     "model_ns", "busy_ns", "serve_start_ns", "model_version",
@@ -307,6 +314,11 @@ cdef class Segment:
     @property
     def nbytes(self):
         return self.size
+
+    @property
+    def error_bytes(self):
+        """Bytes of error text a failed request can carry (its output area)."""
+        return self.seg.l.out_area
 
     @property
     def owner_pid(self):
@@ -580,9 +592,19 @@ cdef class Segment:
     def set_serving(self, int32_t pid, uint64_t starttime):
         return shm_set_serving(&self.seg, pid, starttime)
 
-    def close_and_wake(self, uint32_t final_state):
+    def close_and_wake(self, uint32_t reason, int32_t detail=0):
+        """Records why serving stopped (STOP_*; the first reason recorded
+        wins), stores the final state it implies (CLOSED_STATE for
+        STOP_CLOSED, else DIED) and wakes every waiting client."""
         with nogil:
-            shm_close_and_wake(&self.seg, final_state)
+            shm_close_and_wake(&self.seg, reason, detail)
+
+    def stop_reason(self):
+        """(STOP_*, detail): why the evaluator stopped, once ev_state() is
+        final; detail is an exit code (or minus a signal) for STOP_EXITED."""
+        cdef int32_t detail
+        cdef uint32_t reason = shm_stop_reason(&self.seg, &detail)
+        return reason, detail
 
     def clients(self):
         """[(index, pid, starttime, pid_ns, detached)] of every claimed entry."""
@@ -1255,6 +1277,8 @@ cdef class Server:
         if not seg.out_native or self.n == 0:
             return False
         if type(out) is dict:
+            if not self.extra_outputs_ok and PyDict_Size(out) != nout:
+                return False  # the slow path warns about the undeclared ones, once
             arrays = []
             for name in seg.out_names:
                 x = (<dict>out).get(name)

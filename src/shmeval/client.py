@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, overload
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Union, overload
 
 import numpy as np
 
@@ -234,8 +234,36 @@ class Client(_ring.ClientBase):
         return result
 
     def stats(self) -> Dict[str, Any]:
-        """Evaluator statistics read from the segment (any process may ask)."""
-        return summarize(self._attach().raw_stats())
+        """Evaluator statistics read from the segment (any process may ask).
+        ``clients`` counts the processes attached now: an exited process's
+        entry is not counted, even before the evaluator reclaims it."""
+        seg = self._attach()
+        raw = seg.raw_stats()
+        raw["clients"] = live_clients(seg)
+        raw["stop"] = seg.stop_reason()
+        return summarize(raw)
+
+    def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
+                    timeout: float = 60.0) -> int:
+        """Weights are pushed from the process that created the evaluator,
+        through its :class:`~shmeval.Evaluator` object; this handle (a
+        pickled Evaluator, or :func:`shmeval.connect`) raises ShmevalError
+        saying so."""
+        raise ShmevalError(self._not_the_owner("set_weights"))
+
+    def load_weights(self, path: Union[str, "os.PathLike[str]"], *,
+                     version: Optional[int] = None, timeout: float = 60.0) -> int:
+        """As :meth:`set_weights`: only from the process that created the
+        evaluator."""
+        raise ShmevalError(self._not_the_owner("load_weights"))
+
+    def _not_the_owner(self, method: str) -> str:
+        owner = self._attach().owner_pid
+        return (f"{method}: weights are pushed from the process that created the evaluator "
+                f"(pid {owner}), through its Evaluator object; this is a handle of it in "
+                f"process {os.getpid()}.  Send the weights to that process (for example, "
+                f"let the learner that trains them own the Evaluator), or create the "
+                f"evaluator in the process that has them")
 
     def close(self, timeout: float = 10.0) -> None:
         """Detaches this process's client entry; the handle stays usable
@@ -296,9 +324,23 @@ class Client(_ring.ClientBase):
     def _check_state(self, seg: "_ring.Segment") -> None:
         st = seg.ev_state()
         if st == _ring.DIED:
-            raise EvaluatorDied(f"the evaluator serving {self._address} died")
+            raise EvaluatorDied(self._why_died(seg))
         if st >= _ring.CLOSING:
             raise EvaluatorClosed(f"the evaluator serving {self._address} is closed")
+
+    def _why_died(self, seg: "_ring.Segment") -> str:
+        """EvaluatorDied's message: what the segment says stopped it."""
+        reason, detail = seg.stop_reason()
+        who = f"the evaluator serving {self._address}"
+        if reason == _ring.STOP_OWNER_DIED:
+            return (f"{who} stopped because the process that created it (pid "
+                    f"{seg.owner_pid}) died")
+        if reason == _ring.STOP_CRASHED:
+            return f"{who} died: its serving loop raised (the traceback is on its stderr)"
+        if reason == _ring.STOP_EXITED:
+            how = f"was killed by signal {-detail}" if detail < 0 else f"exited with code {detail}"
+            return f"{who} died: its process {how}"
+        return f"{who} died"
 
     def _check_port(self, port: "_ring.ClientPort", detached: bool = False) -> None:
         """Raises EvaluatorClosed once the handle was closed in this process:
@@ -467,6 +509,16 @@ class Client(_ring.ClientBase):
         finally:
             self._give_back(port, [k for k, _ in slots[:fetched]], slots[fetched:])
         return error
+
+
+def live_clients(seg: "_ring.Segment") -> int:
+    """Client entries whose process is attached now: not detached, and alive
+    (an entry recorded from another pid namespace is counted, as it cannot
+    be judged from here)."""
+    mine = segment.namespaces().pid
+    return sum(1 for _c, pid, starttime, pid_ns, detached in seg.clients()
+               if not detached and ((pid_ns and mine and pid_ns != mine)
+                                    or segment.is_alive(pid, starttime)))
 
 
 def _detach(seg: "_ring.Segment", c: int, pid: int) -> None:

@@ -1,5 +1,10 @@
 """Exceptions.  Everything shmeval raises derives from ShmevalError, except bad
 arguments, which raise ValueError / TypeError."""
+from __future__ import annotations
+
+import os
+import re
+import traceback
 
 
 class ShmevalError(Exception):
@@ -32,3 +37,79 @@ class ModelError(ShmevalError):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+# A line of a Python stack inside an error message ('  File "x.py", line 3,
+# in f'), and the blank or source lines that follow it.
+_FRAME = re.compile(r'^\s*File "[^"]*", line \d+')
+_CUT = "\n[... {} characters cut ...]\n"
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _fits(text: str, limit: int) -> bool:
+    return len(text.encode("utf-8", "replace")) <= limit
+
+
+def _drop_frames(message: str) -> str:
+    """The message with each run of stack-frame lines in it replaced by one
+    line saying how many were cut (TensorFlow, for one, puts the stack where
+    a failed op was defined before the cause)."""
+    out: list[str] = []
+    frames = 0
+    for line in message.split("\n"):
+        if _FRAME.match(line) or (frames and (not line.strip() or line.startswith("    "))):
+            frames += _FRAME.match(line) is not None
+            continue
+        if frames:
+            out.append(f"  [{frames} stack frames cut]")
+            frames = 0
+        out.append(line)
+    if frames:
+        out.append(f"  [{frames} stack frames cut]")
+    return "\n".join(out)
+
+
+def _middle_cut(text: str, limit: int) -> str:
+    """text in at most `limit` bytes: its start and its end, the middle cut
+    and the cut said (the cause of an error is usually at one end).  A limit
+    too small for that keeps the start."""
+    def cut(keep: int) -> str:
+        head = keep // 3
+        tail = keep - head
+        return text[:head] + _CUT.format(len(text) - keep) + text[len(text) - tail:]
+
+    lo, hi = 0, min(len(text), limit)  # characters kept: the most that fit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _fits(cut(mid), limit):
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo < 2 * len(_CUT):
+        return text.encode("utf-8", "replace")[:limit].decode("utf-8", "ignore")
+    return cut(lo)
+
+
+def exception_text(e: BaseException, limit: int) -> str:
+    """The text a client gets for an exception raised in the evaluator, in at
+    most `limit` bytes of UTF-8: the exception's type and message first,
+    whole when they fit, then, as room allows, the last frames of where it
+    was raised.  A message that does not fit loses the stack frames written
+    inside it first, then its middle (its start and its end stay, so a
+    cause written after a stack, as TensorFlow writes it, survives), and
+    says what was cut."""
+    text = f"{type(e).__name__}: {e}"
+    if not _fits(text, limit):
+        text = f"{type(e).__name__}: {_drop_frames(str(e))}"
+    if not _fits(text, limit):
+        return _middle_cut(text, limit)
+    # The model's frames: not the serving loop's own.
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(_PACKAGE) and not f.filename.endswith("_ring.pyx")]
+    frames = frames[-3:]
+    if frames:
+        where = "".join(traceback.format_list(frames)).rstrip("\n")
+        more = f"\n\nWhere it was raised in the evaluator (last frames):\n{where}"
+        if _fits(text + more, limit):
+            text += more
+    return text

@@ -7,12 +7,15 @@ reclaims the client entries of dead or detached processes.
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import operator
 import os
+import pickle
 import signal
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Union
@@ -21,7 +24,7 @@ import numpy as np
 
 from . import _ring, segment
 from .client import Client, check_spin_us
-from .errors import EvaluatorDied, ModelError, ShmevalError
+from .errors import EvaluatorDied, ModelError, ShmevalError, exception_text
 from .spec import OutputsLike, ShapeLike, Spec
 
 Model = Callable[[np.ndarray], Any]
@@ -148,6 +151,8 @@ class _ServingLoop:
         self.control_until = 0  # a control message is announced but not here yet
         self.owner = seg.owner_pid
         self.pid_ns = segment.namespaces().pid
+        self.stop_reason = _ring.STOP_CLOSED  # why serving stops, unless it raises
+        self.warned_extra = False  # about outputs the spec does not declare
         self.errors: list[BaseException] = []
 
     def run(self, started: Optional[threading.Event] = None) -> None:
@@ -163,21 +168,20 @@ class _ServingLoop:
             t.start()
         if started is not None:
             started.set()
-        final = _ring.CLOSED_STATE
         try:
             self.serve(self.servers[0])
         except BaseException:
-            final = _ring.DIED
+            self.stop_reason = _ring.STOP_CRASHED
             raise
         finally:
             self.group.stop = True
             for t in others:
                 t.join(THREAD_JOIN_S)
             if self.errors:
-                final = _ring.DIED
-            # DIED (or CLOSED) wakes every waiter, including the requests of
-            # a batch the loop held when it crashed: they raise EvaluatorDied.
-            seg.close_and_wake(final)
+                self.stop_reason = _ring.STOP_CRASHED
+            # Wakes every waiter, including the requests of a batch the loop
+            # held when it crashed: they raise EvaluatorDied saying why.
+            seg.close_and_wake(self.stop_reason)
         if self.errors:
             raise self.errors[0]
 
@@ -234,6 +238,7 @@ class _ServingLoop:
                 self.reclaim_dead_clients()
                 if self.owner != me and not segment.is_alive(self.owner):
                     # Our creator is gone: nobody else will close or unlink.
+                    self.stop_reason = _ring.STOP_OWNER_DIED
                     segment.unlink(seg.name)
                     group.stop = True
                     return
@@ -333,13 +338,24 @@ class _ServingLoop:
 
     def finish_failed(self, server: "_ring.Server", e: Exception, n: int, rows: int,
                       model_ns: int) -> None:
-        error = e if isinstance(e, ModelError) else ModelError(f"{type(e).__name__}: {e}")
+        """Fails the batch's requests with the exception's text, its type and
+        message first, fitted to what a slot carries (exception_text)."""
+        limit = self.seg.error_bytes
+        text = e.message if isinstance(e, ModelError) else exception_text(e, limit)
         server.record(n, rows, model_ns, True)
-        server.fail(error.message)
+        server.fail(text if len(text.encode("utf-8", "replace")) <= limit
+                    else exception_text(e, limit))
 
     def check_outputs(self, out: Any, n: int, rows: int) -> list[np.ndarray]:
         """The model's outputs as C-contiguous arrays of the declared dtypes,
-        in declaration order; ModelError when they do not fit the spec."""
+        in declaration order; ModelError when they do not fit the spec.
+
+        The rules, the same for every model (TFModel applies them in the
+        traced function): an output whose rows hold as many values as the
+        declared shape is reshaped to it (a value head of shape (n, 1) for
+        a declared scalar ``()``, say); a dtype is cast under 'same_kind'
+        casting; a dict may hold more outputs than declared, which are
+        dropped, with one warning."""
         spec = self.spec
         names = spec.output_names
         if isinstance(out, dict):
@@ -347,6 +363,8 @@ class _ServingLoop:
             if missing:
                 raise ModelError(f"model output lacks {missing}; it returned keys "
                                  f"{sorted(map(str, out))}, expected {list(names)}")
+            if len(out) > len(names):
+                self.warn_extra_outputs(sorted(str(k) for k in out if k not in names))
             given = [out[k] for k in names]
         elif isinstance(out, (tuple, list)):
             if len(out) != len(names):
@@ -362,8 +380,13 @@ class _ServingLoop:
         for o, arr in zip(spec.outputs, given):
             a = arr if type(arr) is np.ndarray else np.asarray(arr)
             if a.shape != (rows,) + o.shape:
-                raise ModelError(f"model output {o.name!r} has shape {a.shape}, expected "
-                                 f"{(rows,) + o.shape} for a batch of {rows}")
+                if a.ndim == 0 or a.shape[0] != rows or \
+                        math.prod(a.shape[1:]) != math.prod(o.shape):
+                    raise ModelError(
+                        f"model output {o.name!r} has shape {a.shape}, expected "
+                        f"{(rows,) + o.shape} for a batch of {rows} (or any shape "
+                        f"(rows, ...) with {math.prod(o.shape)} values per row)")
+                a = a.reshape((rows,) + o.shape)
             if a.dtype != o.dtype:
                 if a.dtype.hasobject or not np.can_cast(a.dtype, o.dtype, "same_kind"):
                     raise ModelError(f"model output {o.name!r} has dtype {a.dtype}, which "
@@ -373,6 +396,17 @@ class _ServingLoop:
                 a = np.ascontiguousarray(a)
             arrays.append(a)
         return arrays
+
+    def warn_extra_outputs(self, extra: list[str]) -> None:
+        """Warns once that the model returns outputs the spec does not
+        declare, then lets the fast path take such outputs as they are."""
+        if not self.warned_extra:
+            self.warned_extra = True
+            warnings.warn(f"the model returns outputs {extra} that are not declared in "
+                          f"outputs=; they are dropped (declare them to receive them)",
+                          UserWarning, stacklevel=2)
+        for server in self.servers:
+            server.extra_outputs_ok = True
 
     def nonfinite_rows(self, arrays: list[np.ndarray], n: int) -> tuple[np.ndarray, str]:
         """Rows (< n) whose float outputs hold NaN or inf when those are
@@ -422,7 +456,7 @@ def _shutdown(seg: "_ring.Segment", address: str, owner_pid: int,
     if os.getpid() != owner_pid:
         return
     seg.request_close()
-    final = _ring.CLOSED_STATE
+    reason, detail = _ring.STOP_CLOSED, 0
     if thread is not None:
         thread.join(timeout)
     if process is not None and process.pid is not None:  # None: never started
@@ -434,11 +468,11 @@ def _shutdown(seg: "_ring.Segment", address: str, owner_pid: int,
                 process.kill()
                 process.join(1.0)
         if process.exitcode not in (0, None):
-            final = _ring.DIED
+            reason, detail = _ring.STOP_EXITED, process.exitcode
     if seg.ev_state() < _ring.CLOSED_STATE:
         # The loop did not get to it (its process was killed, or it is stuck
         # in a model call past the timeout): wake the clients ourselves.
-        seg.close_and_wake(final)
+        seg.close_and_wake(reason, detail)
     segment.unlink(address)
 
 
@@ -499,6 +533,7 @@ class Evaluator(Client):
                  name: Optional[str] = None, serving_threads: int = 1) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
+        _check_not_bootstrapping("Evaluator()")
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
                                   buckets, max_clients, slots_per_client, evaluator_spin_us,
                                   spin_us, serving_threads)
@@ -536,6 +571,9 @@ class Evaluator(Client):
         there).  Returns once the model is built and serving."""
         if not callable(factory):
             raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+        _check_not_bootstrapping("Evaluator.spawn()")
+        if mp_context != "fork":
+            _check_picklable(factory)
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
                                   buckets, max_clients, slots_per_client, evaluator_spin_us,
                                   spin_us, serving_threads)
@@ -563,8 +601,12 @@ class Evaluator(Client):
             deadline = time.monotonic() + start_timeout
             while not receiver.poll(0.05):
                 if not proc.is_alive():
-                    raise EvaluatorDied(f"the evaluator process exited with code "
-                                        f"{proc.exitcode} during start-up")
+                    raise EvaluatorDied(
+                        f"the evaluator process exited with code {proc.exitcode} during "
+                        f"start-up, before it could build the model (its error is on "
+                        f"stderr; if it says the script ran again in the new process, "
+                        f"guard the script's entry point with "
+                        f"`if __name__ == \"__main__\":`)")
                 if time.monotonic() > deadline:
                     raise EvaluatorDied(f"the evaluator did not start within {start_timeout} s")
             try:
@@ -683,6 +725,30 @@ class Evaluator(Client):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_not_bootstrapping(what: str) -> None:
+    """Refuses to create an evaluator in a process that multiprocessing's
+    spawn or forkserver start method is still starting: that is the user's
+    script running again in the child, because its entry point is not
+    guarded, and the child would create an evaluator of its own."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            f"{what} was called while this process was starting as a child process "
+            f"(multiprocessing's spawn start method runs the main script again in each "
+            f"child): guard the script's entry point with `if __name__ == \"__main__\":` "
+            f"so that the evaluator is created in the main process only")
+
+
+def _check_picklable(factory: Callable[[], Model]) -> None:
+    """The factory travels to the evaluator process by pickle."""
+    try:
+        pickle.dumps(factory)
+    except Exception as e:
+        raise TypeError(
+            f"the factory must be picklable to reach the evaluator process: a module-level "
+            f"function, or a functools.partial of one, not a lambda or a nested function "
+            f"({factory!r} cannot be pickled: {type(e).__name__}: {e})") from None
 
 
 def _serve_in_process(address: str, spec_json: bytes, factory: Callable[[], Model],

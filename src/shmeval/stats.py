@@ -9,6 +9,19 @@ from . import _ring
 
 _STATES = {_ring.STARTING: "starting", _ring.SERVING: "serving", _ring.CLOSING: "closing",
            _ring.CLOSED_STATE: "closed", _ring.DIED: "died"}
+_STOPS = {_ring.STOP_CLOSED: "closed by its owner",
+          _ring.STOP_OWNER_DIED: "the process that created it died",
+          _ring.STOP_CRASHED: "its serving loop raised",
+          _ring.STOP_EXITED: "its process ended"}
+
+
+def _stopped_because(stop: Any) -> Any:
+    """Why a stopped evaluator stopped (None while it serves)."""
+    reason, detail = stop if stop is not None else (_ring.STOP_NONE, 0)
+    if reason == _ring.STOP_EXITED:
+        return (f"its process was killed by signal {-detail}" if detail < 0
+                else f"its process exited with code {detail}")
+    return _STOPS.get(reason)
 
 
 def _bin_lo(b: int) -> float:
@@ -46,6 +59,7 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
     model = hist_percentiles(raw["hist_model"], (50, 90, 99))
     return {
         "state": _STATES.get(int(raw["ev_state"]), "unknown"),
+        "stopped_because": _stopped_because(raw.get("stop")),
         "requests": requests,
         "batches": batches,
         "mean_batch": requests / batches if batches else 0.0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -457,8 +458,8 @@ def _bad_outputs() -> list[Any]:
     return [
         f(lambda x: {"policy": np.zeros((len(x), 6), np.float32), "value": good(x)["value"]},
           "policy", "(1, 6)", "(1, 7)", id="wrong-shape"),
-        f(lambda x: {"policy": np.zeros((len(x), 7, 1), np.float32), "value": good(x)["value"]},
-          "policy", id="extra-dim"),
+        f(lambda x: {"policy": np.zeros((len(x), 7, 2), np.float32), "value": good(x)["value"]},
+          "policy", "7 values per row", id="extra-dim"),
         f(lambda x: {k: v[:-1] for k, v in good(x).items()}, "(0, 7)", id="too-few-rows"),
         f(lambda x: {k: np.concatenate([v, v]) for k, v in good(x).items()}, "(2, 7)",
           id="too-many-rows"),
@@ -573,9 +574,12 @@ def test_model_output_forms(kind: str) -> None:
             return {k: v.astype(np.float64) for k, v in out.items()}
         return {k: v.astype(np.int64) for k, v in out.items()}   # same_kind int -> float
 
-    with make_ev(model) as e:
+    with make_ev(model) as e, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         check_answer(e.evaluate(make_state(8)), 8)
         check_many(e.evaluate_many(np.stack([make_state(t) for t in (1, 2, 3)])), [1, 2, 3])
+    dropped = [str(w.message) for w in warned if "not declared" in str(w.message)]
+    assert len(dropped) == (kind == "dict-with-extra-keys"), dropped
 
 
 @pytest.mark.timeout(30)
@@ -695,7 +699,8 @@ def test_long_and_non_ascii_model_error_message() -> None:
     with make_ev(key_error) as e:
         with pytest.raises(shmeval.ModelError) as ei:
             e.evaluate(make_state(1))
-        assert ei.value.message == "KeyError: 'clé manquante'"
+        assert ei.value.message.startswith("KeyError: 'clé manquante'\n\nWhere it was raised")
+        assert "in key_error" in ei.value.message
 
 
 # ================================================================ hierarchy

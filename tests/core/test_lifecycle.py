@@ -511,7 +511,7 @@ def test_killed_owner_leaves_a_stale_segment_that_cleanup_finds(tmp_path: Any) -
         # A client of the dead owner's evaluator is told it is dead.
         c = shmeval.connect(address)
         t0 = time.monotonic()
-        with pytest.raises(shmeval.EvaluatorDied):
+        with pytest.raises(shmeval.EvaluatorDied, match="evaluator process .* is gone"):
             c.evaluate(np.ones(3, np.float32))
         assert time.monotonic() - t0 < NO_HANG
     finally:
@@ -534,6 +534,8 @@ def test_killed_evaluator_process() -> None:
             result.append(e)
         result.append(time.monotonic())
 
+    other = shmeval.connect(address)
+    check_answer(other.evaluate(make_state(6)), 6)
     try:
         assert ev.pid != os.getpid()
         th = threading.Thread(target=client)
@@ -548,7 +550,7 @@ def test_killed_evaluator_process() -> None:
         assert isinstance(result[0], shmeval.EvaluatorDied), result
         assert result[1] - t_kill < NO_HANG
         t0 = time.monotonic()
-        with pytest.raises(shmeval.EvaluatorDied):
+        with pytest.raises(shmeval.EvaluatorDied, match=rf"evaluator process {ev.pid} .* is gone"):
             ev.evaluate(make_state(2))
         assert time.monotonic() - t0 < NO_HANG
     finally:
@@ -556,6 +558,9 @@ def test_killed_evaluator_process() -> None:
         ev.close()
         assert time.monotonic() - t0 < NO_HANG
     assert not os.path.exists(seg_path(address))
+    # The close recorded how the process ended: a handle still mapped says so.
+    with pytest.raises(shmeval.EvaluatorDied, match="its process was killed by signal 9"):
+        other.evaluate(make_state(3))
     # A new evaluator can start at once, even under the same name.
     with make_ev(name=address) as ev2:
         check_answer(ev2.evaluate(make_state(5)), 5)
@@ -582,7 +587,10 @@ def test_spawned_evaluator_outlives_no_owner() -> None:
         wait_for(lambda: not os.path.exists(seg_path(address)), 10,
                  "the orphaned evaluator to remove its segment")
         wait_for(lambda: not segment.is_alive(ev_pid), 10, "the orphaned evaluator to exit")
-        with pytest.raises((shmeval.EvaluatorClosed, shmeval.EvaluatorDied)):
+        # A crash, not a shutdown: the workers are told their evaluator's
+        # creator died.
+        with pytest.raises(shmeval.EvaluatorDied,
+                           match=rf"the process that created it \(pid {owner.pid}\) died"):
             client.evaluate(make_state(4))
     finally:
         if owner.is_alive():
@@ -686,9 +694,11 @@ def test_evaluator_pickles_into_child(ctx_name: str) -> None:
         assert clients == 2                           # the owner and the child
         if ctx_name == "spawn":
             assert kind == "Client"                   # a light handle
-        # The child is gone: its entry is reclaimed (detached or dead).
-        wait_for(lambda: ev.stats()["clients"] == 1, 5, "the child's entry to be reclaimed")
-        assert ev.stats()["reclaimed_clients"] >= 1
+        # The child is gone: it is not counted, and its entry is reclaimed
+        # (detached or dead).
+        assert ev.stats()["clients"] == 1
+        wait_for(lambda: ev.stats()["reclaimed_clients"] >= 1, 5,
+                 "the child's entry to be reclaimed")
         check_answer(ev.evaluate(make_state(2)), 2)
 
 
@@ -1000,7 +1010,9 @@ def test_client_table_full_and_reclaim() -> None:
             h2.evaluate(make_state(3))
         assert ev.stats()["clients"] == 2
         h1.close()                                           # detaches entry 1
-        wait_for(lambda: ev.stats()["clients"] == 1, NO_HANG, "the detached entry's reclaim")
+        assert ev.stats()["clients"] == 1
+        wait_for(lambda: ev.stats()["reclaimed_clients"] == 1, NO_HANG,
+                 "the detached entry's reclaim")
         check_answer(h2.evaluate(make_state(3)), 3)          # gets it
         check_answer(ev.evaluate(make_state(4)), 4)
 

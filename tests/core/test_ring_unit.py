@@ -503,7 +503,7 @@ def test_request_close_stops_collect(rig: Rig) -> None:
     assert rig.collect() == _ring.CLOSED
     assert state(rig, c, 0) == (READY, False, 0)
     # request_close never moves a final state back.
-    seg.close_and_wake(_ring.CLOSED_STATE)
+    seg.close_and_wake(_ring.STOP_CLOSED)
     seg.request_close()
     assert seg.ev_state() == _ring.CLOSED_STATE
 
@@ -566,8 +566,9 @@ def test_post_wakes_a_sleeping_collect(rig: Rig) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("final", [_ring.CLOSED_STATE, _ring.DIED])
-def test_close_and_wake_releases_waiters(rig: Rig, final: int) -> None:
+@pytest.mark.parametrize("reason,final", [(_ring.STOP_CLOSED, _ring.CLOSED_STATE),
+                                          (_ring.STOP_CRASHED, _ring.DIED)])
+def test_close_and_wake_releases_waiters(rig: Rig, reason: int, final: int) -> None:
     seg = rig.seg
     rig.serve()
     c = seg.register(os.getpid(), 0, 0)
@@ -583,13 +584,13 @@ def test_close_and_wake_releases_waiters(rig: Rig, final: int) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.001)
     t0 = time.monotonic()
-    seg.close_and_wake(final)
+    seg.close_and_wake(reason)
     for th in threads:
         th.join(NO_HANG)
     assert not any(th.is_alive() for th in threads), "a waiter slept through close_and_wake"
     assert time.monotonic() - t0 < NO_HANG
     assert rcs == {0: _ring.CLOSED, 1: _ring.CLOSED}
-    assert seg.ev_state() == final
+    assert seg.ev_state() == final and seg.stop_reason() == (reason, 0)
     # Waiting again returns CLOSED at once.
     assert seg.wait(c, 0, gen(seg, c, 0), 0, 10_000 * MS, 1) == _ring.CLOSED
     # A DONE slot is still reported DONE after the close.

@@ -399,10 +399,11 @@ def test_killed_workers(kind: str) -> None:
         sent = check_reports(reports)
 
         # Every dead or departed entry is reclaimed: back to the starting count.
-        wait_for(lambda: ev.stats()["clients"] == baseline, 5.0,
-                 "the client table to return to its starting count")
-        s = ev.stats()
         registered = WORKERS + killer.kills + VICTIMS
+        wait_for(lambda: ev.stats()["reclaimed_clients"] == registered, 5.0,
+                 "every dead or departed entry to be reclaimed")
+        s = ev.stats()
+        assert s["clients"] == baseline, s
         assert s["reclaimed_clients"] == registered, (s["reclaimed_clients"], registered)
         assert s["reclaimed_writing_slots"] >= VICTIMS * VICTIM_SLOTS, s
         assert s["stale_completions"] == 0, s

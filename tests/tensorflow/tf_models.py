@@ -69,3 +69,29 @@ def worker_report(ev: Any, seed: int, conn: Any) -> None:
         conn.send({"error": f"{type(e).__name__}: {e}"})
     finally:
         conn.close()
+
+
+def checked_net() -> Any:
+    """pv_net with a TensorFlow assertion inside: every state value must be
+    at most 1 ("state out of range" otherwise)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import tensorflow as tf
+
+    class RangeCheck(keras.layers.Layer):
+        def call(self, x: Any) -> Any:
+            tf.debugging.assert_less_equal(x, 1.0, message="state out of range")
+            return x
+
+    inp = keras.Input(INPUT_SHAPE)
+    h = keras.layers.Flatten()(RangeCheck()(inp))
+    model = keras.Model(inp, {"policy": keras.layers.Dense(7)(h),
+                              "value": keras.layers.Dense(1, activation="tanh")(h)})
+    seeded_weights(model, 0)
+    return model
+
+
+def checked_factory() -> Any:
+    from shmeval.backends.tensorflow import TFModel
+
+    return TFModel(checked_net())

@@ -82,8 +82,9 @@
 #define SHM_MAX_SLOTS_PER_CLIENT 64u
 #define SHM_MAX_BATCH 65536u
 #define SHM_MAX_ROW_BYTES (1ull << 30)
-#define SHM_ERRMSG_MIN 512u      /* output area is at least this big: a
-                                    FAILED slot carries the error text there */
+#define SHM_ERRMSG_MIN 1024u     /* output area is at least this big: a
+                                    FAILED slot carries the error text there
+                                    (errors.exception_text fits it in) */
 
 /* Status codes returned by the core.  _ring.pyx maps them to exceptions in
  * one place (_check). */
@@ -153,8 +154,18 @@ enum shm_ev_state {
     EV_STARTING = 0,
     EV_SERVING = 1,
     EV_CLOSING = 2,   /* close requested: serving loop exits */
-    EV_CLOSED = 3,    /* every waiter has been woken; no more answers */
-    EV_DIED = 4,      /* serving loop crashed (set by the dying loop) */
+    EV_CLOSED = 3,    /* closed by its owner; every waiter has been woken */
+    EV_DIED = 4,      /* stopped for another reason (header.stop says why) */
+};
+
+/* Why the evaluator stopped (header.stop, with a detail). */
+enum shm_stop_reason {
+    SHM_STOP_NONE = 0,
+    SHM_STOP_CLOSED = 1,       /* its owner closed it */
+    SHM_STOP_OWNER_DIED = 2,   /* the process that created it died */
+    SHM_STOP_CRASHED = 3,      /* its serving loop raised */
+    SHM_STOP_EXITED = 4,       /* its process exited; detail: exit code, or
+                                  minus the signal that killed it */
 };
 
 /* ------------------------------------------------------------------ */
@@ -212,6 +223,9 @@ typedef struct {
      * return between batches and say how many requests are pending. */
     _Atomic uint32_t ctl_req;
     _Atomic uint32_t ctl_done;
+    /* Why it stopped: reason << 32 | (uint32_t)detail, written once by
+     * shm_close_and_wake (the first caller's reason wins). */
+    _Atomic uint64_t stop;
 
     /* --- evaluator doorbell: written by every client on every submit --- */
     _Alignas(SHM_LINE) _Atomic uint32_t submit_seq; /* futex word */
@@ -1372,6 +1386,14 @@ static inline uint32_t shm_ev_state(shm_seg *s) {
     /* MO: acquire; pairs with the release stores of ev_state. */
     return atomic_load_explicit(&shm_hdr(s)->ev_state, memory_order_acquire);
 }
+/* Why it stopped (SHM_STOP_*), and the detail; after shm_ev_state saw a
+ * final state. */
+static inline uint32_t shm_stop_reason(shm_seg *s, int32_t *detail) {
+    /* MO: relaxed; ordered by the caller's acquire load of ev_state. */
+    uint64_t w = atomic_load_explicit(&shm_hdr(s)->stop, memory_order_relaxed);
+    *detail = (int32_t)(uint32_t)w;
+    return (uint32_t)(w >> 32);
+}
 static inline int32_t shm_ev_pid(shm_seg *s, uint64_t *starttime) {
     /* MO: acquire; pairs with the release store of ev_pid in
      * shm_set_evaluator (starttime is written before it). */
@@ -1468,11 +1490,25 @@ static inline uint32_t shm_control_pending(shm_seg *s, uint32_t *done) {
     return atomic_load_explicit(&h->ctl_req, memory_order_acquire);
 }
 
-/* Final state (EV_CLOSED or EV_DIED), then wakes every sleeping client so it
- * sees the state within one futex round instead of its timeout. */
-static inline void shm_close_and_wake(shm_seg *s, uint32_t final_state) {
+/* Records why the evaluator stopped (the first caller's reason wins, so
+ * that an owner closing an evaluator that just crashed does not report a
+ * clean close), stores the final state that reason implies (EV_CLOSED for
+ * SHM_STOP_CLOSED, else EV_DIED), then wakes every sleeping client so it
+ * sees it within one futex round instead of its timeout. */
+static inline void shm_close_and_wake(shm_seg *s, uint32_t reason,
+                                      int32_t detail) {
     shm_header *h = shm_hdr(s);
-    /* MO: release; a waiter that reads a doorbell rung below sees it. */
+    uint64_t want = (uint64_t)reason << 32 | (uint32_t)detail, stop = 0;
+    /* MO: relaxed; published by the release store of ev_state below.  On
+     * failure `stop` holds the winner's word, and every caller derives the
+     * same final state from it. */
+    if (!atomic_compare_exchange_strong_explicit(
+            &h->stop, &stop, want, memory_order_relaxed, memory_order_relaxed))
+        want = stop;
+    uint32_t final_state =
+        (uint32_t)(want >> 32) == SHM_STOP_CLOSED ? EV_CLOSED : EV_DIED;
+    /* MO: release; a waiter that reads a doorbell rung below sees it, and
+     * one that reads this final state sees the stop word. */
     atomic_store_explicit(&h->ev_state, final_state, memory_order_release);
     /* Every doorbell, not only those below the clients' high-water mark: a
      * client claimed meanwhile must not sleep through the close either. */

@@ -72,6 +72,11 @@ cdef extern from "ring.h" nogil:
         EV_CLOSING
         EV_CLOSED
         EV_DIED
+        SHM_STOP_NONE
+        SHM_STOP_CLOSED
+        SHM_STOP_OWNER_DIED
+        SHM_STOP_CRASHED
+        SHM_STOP_EXITED
         ST_BUSY_NS
 
     int shm_layout_compute(const shm_params *p, shm_layout *l)
@@ -137,7 +142,8 @@ cdef extern from "ring.h" nogil:
     uint32_t shm_request_control(shm_seg *s)
     void shm_control_done(shm_seg *s, uint32_t ticket)
     uint32_t shm_control_pending(shm_seg *s, uint32_t *done)
-    void shm_close_and_wake(shm_seg *s, uint32_t final_state)
+    void shm_close_and_wake(shm_seg *s, uint32_t reason, int32_t detail)
+    uint32_t shm_stop_reason(shm_seg *s, int32_t *detail)
 
 
 cdef extern from "ring_python.h" nogil:

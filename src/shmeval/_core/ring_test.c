@@ -1203,7 +1203,7 @@ static void test_state(void) {
     CHECK_EQ(t_wait(s, 0, 0, 0, 2 * MS), SHM_TIMEOUT);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, g0) | SLOT_WAITER);
     uint32_t bell0 = atomic_load(shm_done_word(s, 0));
-    shm_close_and_wake(s, EV_CLOSED);
+    shm_close_and_wake(s, SHM_STOP_CLOSED, 0);
     CHECK_EQ(shm_ev_state(s), EV_CLOSED);
     /* close_and_wake rang the client's doorbell (a sleeper's futex wait
      * returns); the WAITER bit the timed-out wait left stays, harmless */
@@ -1522,7 +1522,7 @@ static void *conc_evaluator(void *arg) {
         /* housekeeping between batches: no slot is TAKEN now */
         conc_housekeeping(x);
     }
-    shm_close_and_wake(s, EV_CLOSED);
+    shm_close_and_wake(s, SHM_STOP_CLOSED, 0);
     free(batch);
     free(res);
     free(taken);
@@ -1903,7 +1903,7 @@ static uint64_t run_parked(park_arg *a, int act) {
     switch (act) {
     case PARK_ACT_CLOSE_AND_WAKE:
         shm_request_close(a->s);
-        shm_close_and_wake(a->s, EV_CLOSED);
+        shm_close_and_wake(a->s, SHM_STOP_CLOSED, 0);
         break;
     case PARK_ACT_SUBMIT:
         CHECK_EQ(t_begin(a->s, 0, 0), SHM_OK);
@@ -1995,7 +1995,7 @@ static void test_close(void) {
         sleep_ns(30 * MS);
         uint64_t t_close = shm_now_ns();
         shm_request_close(s);
-        shm_close_and_wake(s, EV_CLOSED);
+        shm_close_and_wake(s, SHM_STOP_CLOSED, 0);
         uint64_t worst = 0;
         for (uint32_t i = 0; i < NS; i++) {
             CHECK_EQ(pthread_join(tid[i], NULL), 0);
@@ -2182,7 +2182,7 @@ static void test_close(void) {
             atomic_store(&ra.go, 2);
             for (uint32_t q = 0; q < spins; q++) shm_cpu_relax();
             uint64_t tc = shm_now_ns();
-            shm_close_and_wake(&seg, EV_CLOSED);
+            shm_close_and_wake(&seg, SHM_STOP_CLOSED, 0);
             CHECK_EQ(pthread_join(tid, NULL), 0);
             CHECK_MSG(ra.rc == SHM_CLOSED, "race probe: rc %d", ra.rc);
             uint64_t lat = ra.ret_ns > tc ? ra.ret_ns - tc : 0;
@@ -2486,7 +2486,7 @@ static void test_scribbled(void) {
     int n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
     CHECK_EQ(n, 1);
     drain(s, taken, n);
-    shm_close_and_wake(s, EV_CLOSED);
+    shm_close_and_wake(s, SHM_STOP_CLOSED, 0);
     seg_free(&t);
 }
 
@@ -3363,6 +3363,34 @@ static void test_handover(void) {
     }
 }
 
+/* Why it stopped: the first reason recorded wins, and the final state
+ * follows from it, whoever stores it. */
+static void test_stop_reason(void) {
+    start_test("stop_reason", 10);
+    const shm_params P = mkparams(64, 32, 1, 1, 8);
+    int32_t detail;
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    CHECK_EQ(shm_stop_reason(s, &detail), SHM_STOP_NONE);
+    shm_close_and_wake(s, SHM_STOP_CRASHED, 0);
+    CHECK_EQ(shm_ev_state(s), EV_DIED);
+    shm_close_and_wake(s, SHM_STOP_CLOSED, 0); /* the owner's close, later */
+    CHECK_EQ(shm_ev_state(s), EV_DIED);
+    CHECK_EQ(shm_stop_reason(s, &detail), SHM_STOP_CRASHED);
+    seg_free(&t);
+    s = serving_seg(&t, &P);
+    shm_close_and_wake(s, SHM_STOP_EXITED, -9);
+    CHECK_EQ(shm_ev_state(s), EV_DIED);
+    CHECK_EQ(shm_stop_reason(s, &detail), SHM_STOP_EXITED);
+    CHECK_EQ(detail, -9);
+    seg_free(&t);
+    s = serving_seg(&t, &P);
+    shm_close_and_wake(s, SHM_STOP_CLOSED, 0);
+    CHECK_EQ(shm_ev_state(s), EV_CLOSED);
+    CHECK_EQ(shm_stop_reason(s, &detail), SHM_STOP_CLOSED);
+    seg_free(&t);
+}
+
 /* ------------------------------------------------------------------ */
 
 typedef struct {
@@ -3382,6 +3410,7 @@ static const test_case k_tests[] = {
     {"release_race", test_release_race}, {"begin_race", test_begin_race},
     {"hwm_first", test_hwm_first}, {"generations", test_generations},
     {"spec_once", test_spec_once}, {"handover", test_handover},
+    {"stop_reason", test_stop_reason},
 };
 
 int main(int argc, char **argv) {
