@@ -259,11 +259,13 @@ class Client(_ring.ClientBase):
 
     def _not_the_owner(self, method: str) -> str:
         owner = self._attach().owner_pid
+        where = ("this is another handle of it in the same process: call it on the "
+                 "Evaluator object" if owner == os.getpid() else
+                 f"this is a handle of it in process {os.getpid()}.  Send the weights to that "
+                 f"process (for example, let the learner that trains them own the "
+                 f"Evaluator), or create the evaluator in the process that has them")
         return (f"{method}: weights are pushed from the process that created the evaluator "
-                f"(pid {owner}), through its Evaluator object; this is a handle of it in "
-                f"process {os.getpid()}.  Send the weights to that process (for example, "
-                f"let the learner that trains them own the Evaluator), or create the "
-                f"evaluator in the process that has them")
+                f"(pid {owner}), through its Evaluator object; {where}")
 
     def close(self, timeout: float = 10.0) -> None:
         """Detaches this process's client entry; the handle stays usable

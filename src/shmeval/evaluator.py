@@ -601,18 +601,14 @@ class Evaluator(Client):
             deadline = time.monotonic() + start_timeout
             while not receiver.poll(0.05):
                 if not proc.is_alive():
-                    raise EvaluatorDied(
-                        f"the evaluator process exited with code {proc.exitcode} during "
-                        f"start-up, before it could build the model (its error is on "
-                        f"stderr; if it says the script ran again in the new process, "
-                        f"guard the script's entry point with "
-                        f"`if __name__ == \"__main__\":`)")
+                    raise EvaluatorDied(_died_starting(proc))
                 if time.monotonic() > deadline:
                     raise EvaluatorDied(f"the evaluator did not start within {start_timeout} s")
             try:
                 kind, detail = receiver.recv()
             except EOFError:
-                raise EvaluatorDied("the evaluator process exited during start-up") from None
+                proc.join(1.0)
+                raise EvaluatorDied(_died_starting(proc)) from None
             if kind != "ready":
                 raise ModelError(f"the model factory failed in the evaluator process: {detail}")
         except BaseException:
@@ -725,6 +721,14 @@ class Evaluator(Client):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _died_starting(proc: Any) -> str:
+    """Why Evaluator.spawn failed when its process died before it reported."""
+    return (f"the evaluator process exited (code {proc.exitcode}) during start-up, before "
+            f"it could build the model; its error is on stderr.  If it says the script ran "
+            f"again in the new process, guard the script's entry point with "
+            f"`if __name__ == \"__main__\":`")
 
 
 def _check_not_bootstrapping(what: str) -> None:
