@@ -25,24 +25,19 @@ What it does for the evaluator:
 """
 from __future__ import annotations
 
-import math
 import os
-import re
 import sys
 import time
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from ..errors import ModelError
 from ..spec import OutputSpec, Spec
-
-PathLike = Union[str, "os.PathLike[str]"]
-
-#: The keys a SavedModel signature gives outputs that had no name.
-_UNNAMED = re.compile(r"output_(\d+)")
+from ._contract import (PathLike, castable, check_warm_outputs, checked_weights,
+                        match_outputs, needs_reshape, npz_weights, own_buckets, serving_sizes)
 
 
 def configure(memory_growth: bool = True, memory_limit_mb: Optional[int] = None,
@@ -112,17 +107,6 @@ def _load(source: Any) -> Any:
     return source
 
 
-def _castable(have: Any, want: np.dtype[Any]) -> bool:
-    """NumPy 'same_kind' casting (the evaluator's rule), plus any float to
-    any float (bfloat16 is not a NumPy dtype)."""
-    if have.is_floating and want.kind == "f":
-        return True
-    try:
-        return bool(np.can_cast(np.dtype(have.as_numpy_dtype), want, "same_kind"))
-    except TypeError:
-        return False
-
-
 def _fit(t: Any, o: OutputSpec) -> Any:
     """One output tensor, reshaped to ``[rows, *o.shape]`` when it holds as
     many values per row, and cast to the declared dtype (traced code)."""
@@ -133,19 +117,14 @@ def _fit(t: Any, o: OutputSpec) -> Any:
                          f"row of shape {o.shape}")
     per_row = t.shape[1:]
     if per_row.is_fully_defined():
-        have = tuple(per_row.as_list())
-        if have != o.shape:
-            if math.prod(have) != math.prod(o.shape):
-                raise ModelError(f"model output {o.name!r} has shape {have} per row "
-                                 f"({math.prod(have)} values), the spec declares {o.shape} "
-                                 f"({math.prod(o.shape)} values)")
+        if needs_reshape(o.name, tuple(per_row.as_list()), o.shape):
             t = tf.reshape(t, [tf.shape(t)[0], *o.shape])
     elif not per_row.is_compatible_with(o.shape):
         # Unknown dimensions: reshape; the warm-up run shows whether it fits.
         t = tf.reshape(t, [tf.shape(t)[0], *o.shape])
     want = o.dtype.newbyteorder("=")
     if t.dtype != tf.as_dtype(want):
-        if not _castable(t.dtype, want):
+        if not castable(t.dtype.as_numpy_dtype, want, t.dtype.is_floating):
             raise ModelError(f"model output {o.name!r} has dtype {t.dtype.name}, which cannot "
                              f"be cast to the declared {o.dtype} under 'same_kind' casting")
         t = tf.cast(t, want)
@@ -153,32 +132,10 @@ def _fit(t: Any, o: OutputSpec) -> Any:
 
 
 def _arrange(out: Any, outputs: Sequence[OutputSpec], model_names: Sequence[str]) -> tuple[Any, ...]:
-    """The model's outputs in declaration order, fitted (traced code).
-
-    By name when the model names its outputs (dict keys, Keras
-    ``output_names``) with exactly the declared names; by order otherwise
-    (a list/tuple, or the ``output_0``, ``output_1``... keys a SavedModel
-    signature gives unnamed outputs).
-    """
-    declared = [o.name for o in outputs]
-    if isinstance(out, Mapping):
-        keys = [str(k) for k in out]
-        if sorted(keys) == sorted(declared):
-            given = [out[k] for k in declared]
-        elif all(_UNNAMED.fullmatch(k) for k in keys):
-            given = [out[k] for k in sorted(keys, key=lambda k: int(k[7:]))]
-        else:
-            raise ModelError(f"the model's outputs are named {sorted(keys)}, the spec "
-                             f"declares {declared}")
-    elif isinstance(out, (list, tuple)):
-        given = list(out)
-        if len(model_names) == len(given) and sorted(model_names) == sorted(declared):
-            given = [given[list(model_names).index(k)] for k in declared]
-    else:
-        given = [out]
-    if len(given) != len(declared):
-        raise ModelError(f"the model gives {len(given)} output(s), the spec declares "
-                         f"{len(declared)} ({', '.join(declared)})")
+    """The model's outputs in declaration order (matched by
+    :func:`~shmeval.backends._contract.match_outputs`), fitted (traced
+    code)."""
+    given = match_outputs(out, [o.name for o in outputs], model_names)
     return tuple(_fit(t, o) for t, o in zip(given, outputs))
 
 
@@ -315,11 +272,6 @@ class FrozenGraph:
         self.session.close()
 
 
-def _pow2(max_batch: int) -> tuple[int, ...]:
-    return tuple(sorted({1 << i for i in range(max_batch.bit_length())
-                         if 1 << i < max_batch} | {max_batch}))
-
-
 class TFModel:
     """A TensorFlow model as a shmeval evaluator model.
 
@@ -360,11 +312,7 @@ class TFModel:
             raise ValueError("TFModel(bfloat16=True) needs freeze=True without jit_compile "
                              "(the frozen graph's session does the rewrite)")
         configure(memory_growth, memory_limit_mb, intra_op_threads, inter_op_threads)
-        self.buckets: Optional[tuple[int, ...]] = None
-        if buckets is not None:
-            self.buckets = tuple(sorted({int(x) for x in buckets}))
-            if not self.buckets or self.buckets[0] < 1:
-                raise ValueError(f"TFModel buckets must be positive ints, got {buckets!r}")
+        self.buckets = own_buckets(buckets, "TFModel")
         self.jit_compile = bool(jit_compile)
         self.freeze = bool(freeze)
         self.bfloat16 = bool(bfloat16)
@@ -490,12 +438,7 @@ class TFModel:
         when the evaluator has none: its own, or with ``jit_compile`` powers
         of two up to max_batch."""
         t0 = time.perf_counter()
-        sizes = tuple(buckets) if buckets else self.buckets
-        if sizes is None and self.jit_compile:
-            sizes = _pow2(spec.max_batch)
-        if sizes is not None and max(sizes) < spec.max_batch:
-            raise ModelError(f"TFModel buckets {sizes}: the largest must be >= max_batch "
-                             f"({spec.max_batch})")
+        sizes = serving_sizes(spec, buckets, self.buckets, self.jit_compile, "TFModel")
         self.spec = spec
         self._names = tuple(o.name for o in spec.outputs)
         self._build(spec.input_shape, spec.input_dtype)
@@ -519,11 +462,7 @@ class TFModel:
         except tf.errors.OpError as e:
             raise ModelError(f"the model failed on a batch of {rows} zero states: "
                              f"{type(e).__name__}: {e.message}") from e
-        for o in self.spec.outputs:
-            a = out[o.name]
-            if a.shape != (rows, *o.shape):
-                raise ModelError(f"model output {o.name!r} has shape {a.shape} for a batch "
-                                 f"of {rows}, expected {(rows, *o.shape)}")
+        check_warm_outputs(out, self.spec, rows)
 
     def __call__(self, batch: np.ndarray) -> Any:
         """Evaluates ``batch [rows, *input_shape]``.  After ``prepare``: a dict
@@ -590,20 +529,10 @@ class TFModel:
         shapes and dtypes are checked first: a bad update raises ValueError
         and leaves every weight as it was."""
         variables = self._variables()
-        if len(weights) != len(variables):
-            raise ValueError(f"set_weights: got {len(weights)} arrays, the model has "
-                             f"{len(variables)} weights")
-        arrays = []
-        for i, (v, w) in enumerate(zip(variables, weights)):
-            want = np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype))  # Keras 3: a str
-            a = np.asarray(w)
-            if a.shape != tuple(v.shape):
-                raise ValueError(f"set_weights: weight {i} ({v.name}) has shape "
-                                 f"{tuple(v.shape)}, got an array of shape {a.shape}")
-            if a.dtype != want and not np.can_cast(a.dtype, want, "same_kind"):
-                raise ValueError(f"set_weights: weight {i} ({v.name}) is {want}, got "
-                                 f"{a.dtype}, which cannot be cast to it")
-            arrays.append(a.astype(want, copy=False))
+        arrays = checked_weights(weights, [
+            (v.name, tuple(v.shape),
+             np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype)))  # Keras 3: a str
+            for v in variables])
         old = self.get_weights() if self.freeze else None
         self._assign(variables, arrays)
         if old is not None:
@@ -627,14 +556,7 @@ class TFModel:
         failed load leaves the old weights in place."""
         path = os.fspath(path)
         if path.endswith(".npz"):
-            with np.load(path) as z:
-                keys = sorted(z.files, key=lambda k: (len(k), k))
-                expected = [f"arr_{i}" for i in range(len(keys))]
-                if keys != expected:
-                    raise ValueError(f"load_weights: {path} holds {sorted(z.files)}, expected "
-                                     "arr_0, arr_1, ... (np.savez(path, *weights))")
-                arrays = [z[k] for k in keys]
-            self.set_weights(arrays)
+            self.set_weights(npz_weights(path))
         elif self.keras:
             old = self.model.get_weights()
             try:

@@ -1,0 +1,155 @@
+"""What every framework backend (``TFModel``, ``TorchModel``, ``JaxModel``)
+checks the same way, without importing a framework: the batch sizes a
+model is prepared for, how its outputs are matched to the declared ones
+and fitted to them, and the checks of a weight update.
+
+The rules are those of the evaluator (docs/guide.md, *The model*): outputs
+matched by name when the model names them, by order otherwise; an output
+whose rows hold as many values as the declared shape is reshaped to it; a
+dtype is cast under NumPy's 'same_kind' casting (and any float to any
+float, since bfloat16 is no NumPy dtype).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from ..errors import ModelError
+from ..spec import Spec
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: The keys a TensorFlow SavedModel signature gives outputs that had no name.
+_UNNAMED = re.compile(r"output_(\d+)")
+
+
+def pow2_buckets(max_batch: int) -> tuple[int, ...]:
+    """Powers of two below ``max_batch``, and ``max_batch``."""
+    return tuple(sorted({1 << i for i in range(max_batch.bit_length())
+                         if 1 << i < max_batch} | {max_batch}))
+
+
+def own_buckets(buckets: Optional[Sequence[int]], who: str) -> Optional[tuple[int, ...]]:
+    """A backend's ``buckets=`` argument, sorted, or None."""
+    if buckets is None:
+        return None
+    sizes = tuple(sorted({int(x) for x in buckets}))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"{who} buckets must be positive ints, got {buckets!r}")
+    return sizes
+
+
+def serving_sizes(spec: Spec, evaluator_buckets: Optional[Sequence[int]],
+                  own: Optional[tuple[int, ...]], static_shapes: bool,
+                  who: str) -> Optional[tuple[int, ...]]:
+    """The batch sizes a model serves: the evaluator's buckets, else the
+    backend's own, else (for a backend that compiles one program per
+    shape) powers of two up to max_batch; None means any size."""
+    sizes = tuple(evaluator_buckets) if evaluator_buckets else own
+    if sizes is None and static_shapes:
+        sizes = pow2_buckets(spec.max_batch)
+    if sizes is not None and max(sizes) < spec.max_batch:
+        raise ModelError(f"{who} buckets {sizes}: the largest must be >= max_batch "
+                         f"({spec.max_batch})")
+    return sizes
+
+
+def match_outputs(out: Any, declared: Sequence[str], model_names: Sequence[str] = ()) -> list[Any]:
+    """The model's outputs in declaration order.
+
+    By name when the model names them (dict keys; ``model_names`` for a
+    list or tuple, such as Keras ``output_names`` or a named tuple's
+    fields) with exactly the declared names; by order otherwise (a list or
+    tuple, or the ``output_0``, ``output_1``... keys a SavedModel signature
+    gives unnamed outputs); one output as it is.
+    """
+    if isinstance(out, Mapping):
+        keys = [str(k) for k in out]
+        if sorted(keys) == sorted(declared):
+            given = [out[k] for k in declared]
+        elif all(_UNNAMED.fullmatch(k) for k in keys):
+            given = [out[k] for k in sorted(keys, key=lambda k: int(k[7:]))]
+        else:
+            raise ModelError(f"the model's outputs are named {sorted(keys)}, the spec "
+                             f"declares {list(declared)}")
+    elif isinstance(out, (list, tuple)):
+        given = list(out)
+        if len(model_names) == len(given) and sorted(model_names) == sorted(declared):
+            given = [given[list(model_names).index(k)] for k in declared]
+    else:
+        given = [out]
+    if len(given) != len(declared):
+        raise ModelError(f"the model gives {len(given)} output(s), the spec declares "
+                         f"{len(declared)} ({', '.join(declared)})")
+    return given
+
+
+def needs_reshape(name: str, per_row: tuple[int, ...], declared: tuple[int, ...]) -> bool:
+    """Whether an output of ``per_row`` values per row must be reshaped to
+    the declared shape; ModelError when it holds another number of values."""
+    if per_row == declared:
+        return False
+    if math.prod(per_row) != math.prod(declared):
+        raise ModelError(f"model output {name!r} has shape {per_row} per row "
+                         f"({math.prod(per_row)} values), the spec declares {declared} "
+                         f"({math.prod(declared)} values)")
+    return True
+
+
+def castable(have: Any, want: np.dtype[Any], is_float: bool) -> bool:
+    """NumPy 'same_kind' casting from ``have`` (anything ``np.dtype``
+    takes) to ``want``, plus any float to any float (``is_float``: ``have``
+    is a floating type, which bfloat16 is without being a NumPy float)."""
+    if is_float and want.kind == "f":
+        return True
+    try:
+        return bool(np.can_cast(np.dtype(have), want, "same_kind"))
+    except TypeError:
+        return False
+
+
+def check_warm_outputs(out: Mapping[str, Any], spec: Spec, rows: int) -> None:
+    """The outputs of a warm-up batch of ``rows`` have the declared shapes."""
+    for o in spec.outputs:
+        shape = tuple(out[o.name].shape)
+        if shape != (rows, *o.shape):
+            raise ModelError(f"model output {o.name!r} has shape {shape} for a batch "
+                             f"of {rows}, expected {(rows, *o.shape)}")
+
+
+def checked_weights(weights: Sequence[Any],
+                    expected: Sequence[tuple[str, tuple[int, ...], np.dtype[Any]]]
+                    ) -> list[np.ndarray]:
+    """``weights`` as arrays of the expected (name, shape, dtype), checked
+    all before any is used: ValueError naming the first that does not fit
+    (its count, a shape, a dtype that 'same_kind' casting cannot reach)."""
+    if len(weights) != len(expected):
+        raise ValueError(f"set_weights: got {len(weights)} arrays, the model has "
+                         f"{len(expected)} weights")
+    arrays = []
+    for i, ((name, shape, want), w) in enumerate(zip(expected, weights)):
+        a = np.asarray(w)
+        if a.shape != shape:
+            raise ValueError(f"set_weights: weight {i} ({name}) has shape {shape}, got an "
+                             f"array of shape {a.shape}")
+        if a.dtype != want and not np.can_cast(a.dtype, want, "same_kind"):
+            raise ValueError(f"set_weights: weight {i} ({name}) is {want}, got {a.dtype}, "
+                             "which cannot be cast to it")
+        arrays.append(a.astype(want, copy=False))
+    return arrays
+
+
+def npz_weights(path: PathLike) -> list[np.ndarray]:
+    """The arrays of a ``.npz`` file written by ``np.savez(path, *weights)``,
+    in order (``arr_0, arr_1, ...``)."""
+    path = os.fspath(path)
+    with np.load(path) as z:
+        keys = sorted(z.files, key=lambda k: (len(k), k))
+        if keys != [f"arr_{i}" for i in range(len(keys))]:
+            raise ValueError(f"load_weights: {path} holds {sorted(z.files)}, expected "
+                             "arr_0, arr_1, ... (np.savez(path, *weights))")
+        return [z[k] for k in keys]
