@@ -1,4 +1,6 @@
-"""The ``shmeval`` command: ``selfplay``, ``bench``, ``demo``, ``stats``, ``cleanup``."""
+"""The ``shmeval`` command: ``selfplay``, ``bench``, ``demo``, ``ls``, ``stats``,
+``cleanup``.  A shmeval error ends any of them with one line on stderr and
+exit code 1, not a traceback."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +13,11 @@ from types import ModuleType
 from typing import Any, List, Optional
 
 from . import segment
+from .errors import ShmevalError
+
+DESCRIPTION = ("Batched neural-network evaluation for many processes over shared memory: "
+               "the self-play demo, the benchmark suite, and tools to look at and clean up "
+               "running evaluators.")
 
 
 @dataclass(frozen=True)
@@ -96,9 +103,56 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    if args.address is None:
+        return cmd_ls(args)
     from .client import connect
 
     _print_json(connect(args.address).stats())
+    return 0
+
+
+def live_evaluators() -> list[dict[str, Any]]:
+    """This user's evaluators whose owner is alive, each with its address,
+    owner, serving process, state, uptime, clients and requests; a segment
+    that cannot be read says why under "error"."""
+    import os
+
+    from .client import connect
+
+    found = []
+    for s in segment.list_segments():
+        if s["uid"] != os.geteuid() or not s["owner_alive"]:
+            continue
+        row: dict[str, Any] = {"address": s["address"], "owner_pid": s["owner_pid"]}
+        try:
+            client = connect(str(s["address"]))
+            st = client.stats()
+            row.update(pid=client._attach().ev_pid()[0] or None, state=st["state"],
+                       uptime_s=st["uptime_s"], clients=st["clients"],
+                       requests=st["requests"], mean_batch=st["mean_batch"])
+        except ShmevalError as e:
+            row["error"] = str(e)
+        found.append(row)
+    return found
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = live_evaluators()
+    if getattr(args, "json", False):
+        _print_json(rows)
+        return 0
+    if not rows:
+        print("no running evaluator of this user")
+        return 0
+    print(f"{'address':<38} {'owner':>7} {'pid':>7} {'state':<8} {'uptime':>9} "
+          f"{'clients':>7} {'requests':>12} {'mean batch':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['address']:<38} {r['owner_pid']:>7}  cannot read it: {r['error']}")
+            continue
+        print(f"{r['address']:<38} {r['owner_pid']:>7} {r['pid'] or '-':>7} {r['state']:<8} "
+              f"{r['uptime_s']:>8.0f}s {r['clients']:>7} {r['requests']:>12,} "
+              f"{r['mean_batch']:>10.1f}")
     return 0
 
 
@@ -124,29 +178,49 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in APPLICATIONS:
-        return run_application(argv[0], argv[1:])
-    p = argparse.ArgumentParser(prog="shmeval", description=__doc__)
+    try:
+        if argv and argv[0] in APPLICATIONS:
+            return run_application(argv[0], argv[1:])
+        args = parser().parse_args(argv)
+        return int(args.func(args))
+    except ShmevalError as e:
+        name = argv[0] if argv else ""
+        print(f"shmeval {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand but the applications', which parse
+    their own arguments (run_application)."""
+    p = argparse.ArgumentParser(prog="shmeval", description=DESCRIPTION)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, app in APPLICATIONS.items():
         # Listed for `shmeval --help`; their arguments are parsed by
         # run_application, above.
         sub.add_parser(name, help=app.help)
     d = sub.add_parser("demo", help="round trips through a NumPy model from N processes")
-    d.add_argument("--workers", type=int, default=8)
-    d.add_argument("--seconds", type=float, default=5.0)
-    d.add_argument("--max-batch", type=int, default=256)
-    d.add_argument("--json", metavar="PATH")
+    d.add_argument("--workers", type=int, default=8, help="worker processes (default 8)")
+    d.add_argument("--seconds", type=float, default=5.0,
+                   help="how long the workers send requests (default 5)")
+    d.add_argument("--max-batch", type=int, default=256,
+                   help="most requests per model call (default 256)")
+    d.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     d.set_defaults(func=cmd_demo)
-    s = sub.add_parser("stats", help="print an evaluator's statistics")
-    s.add_argument("address")
+    ls = sub.add_parser("ls", help="list this user's running evaluators: owner, serving process, "
+                        "state, uptime, clients, requests")
+    ls.add_argument("--json", action="store_true", help="print them as JSON")
+    ls.set_defaults(func=cmd_ls)
+    s = sub.add_parser("stats", help="print an evaluator's statistics as JSON (without an "
+                       "address: list the running evaluators, as ls does)")
+    s.add_argument("address", nargs="?",
+                   help="the evaluator's address, e.g. /shmeval-4242-9f0c1e2d3b4a5968 "
+                   "(ev.address; see shmeval ls)")
     s.set_defaults(func=cmd_stats)
     c = sub.add_parser("cleanup", help="list shmeval segments in /dev/shm and remove those "
                        "of dead owners (the only named objects shmeval creates)")
-    c.add_argument("--dry-run", action="store_true")
+    c.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     c.set_defaults(func=cmd_cleanup)
-    args = p.parse_args(argv)
-    return int(args.func(args))
+    return p
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the workers reach the net (default shmeval)")
     p.add_argument("--compare", action="store_true",
                    help=f"run {', '.join(COMPARE_MODES)} one after the other, same settings")
-    p.add_argument("--workers", type=int, default=d.workers, help=f"(default {d.workers})")
+    p.add_argument("--workers", type=int, default=d.workers,
+                   help=f"worker processes playing games (default {d.workers})")
     p.add_argument("--games-per-worker", type=int, default=d.games_per_worker,
                    help=f"games each worker plays at once, leaves evaluated together "
                         f"(default {d.games_per_worker})")
@@ -38,36 +39,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds of play before the window opens (default {d.warmup:g})")
     p.add_argument("--seed", type=int, default=d.seed, help="initial weights and games (default 0)")
     p.add_argument("--evaluator-threads", type=int, default=d.evaluator_threads,
-                   help="TensorFlow intra/inter-op threads of the central evaluators (shmeval "
-                        "and queue; 0 = TensorFlow's default of one per core). Default: each "
-                        "mode's best on a 2-core machine: 1 for shmeval (its serving threads "
-                        "use the cores), TensorFlow's default for queue (its one evaluator "
-                        "thread needs TensorFlow's pool to use both)")
+                   help="TensorFlow intra- and inter-op threads of the central evaluators "
+                        "(0: TensorFlow's default; default: each mode's own, see "
+                        "docs/selfplay.md)")
     p.add_argument("--serving-threads", type=int, default=d.serving_threads,
-                   help="shmeval mode: model calls the evaluator runs at once (Evaluator("
-                        "serving_threads=...)): while one batch is computed the next is "
-                        f"gathered and computed on another core (default {d.serving_threads})")
+                   help="shmeval mode: model calls the evaluator runs at once "
+                        f"(default {d.serving_threads})")
     p.add_argument("--worker-sched", choices=("auto", "normal", "batch"), default=d.worker_sched,
-                   help="scheduling policy of every mode's workers: batch puts them under "
-                        "SCHED_BATCH (shmeval.use_batch_scheduling: a woken worker does not "
-                        "preempt the running evaluator or model), normal leaves the default. "
-                        "Default auto: batch when the workers outnumber the CPUs")
+                   help="the workers' scheduling policy: batch is SCHED_BATCH, auto (the "
+                        "default) batch when the workers outnumber the CPUs")
     p.add_argument("--no-freeze", action="store_true",
-                   help="every mode: run the net with its weights in variables instead of "
-                        "folded into the graph as constants and run in the calling thread "
-                        "(TFModel(freeze=True), a FrozenGraph in the queue and local modes: "
-                        "cheaper calls; bench/tf_model_cost.py --net selfplay --freeze)")
+                   help="keep the net's weights in variables instead of folding them into "
+                        "the graph (slower calls; see docs/selfplay.md)")
     p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default=d.precision,
-                   help="what every mode's frozen net computes in: bfloat16 lets TensorFlow's "
-                        "oneDNN rewrite run the convolutions in bfloat16 (19-33%% less per "
-                        "row from 16 rows on, on CPUs with native bfloat16; outputs move by "
-                        "about 1e-3; CPU only). Default auto: bfloat16 on such CPUs "
-                        "(avx512_bf16 or amx_bf16) when no GPU is visible, for every mode but "
-                        "local, whose one-row calls are faster in float32")
+                   help="what the frozen net computes in; auto (the default) picks bfloat16 "
+                        "for batched calls on CPUs with native bfloat16 (docs/selfplay.md)")
     p.add_argument("--pin", action="store_true",
-                   help="give the central evaluator (shmeval, queue) a CPU of its own and "
-                        "keep the workers on the others (needs 2+ CPUs; local modes are not "
-                        "pinned)")
+                   help="give the central evaluator a CPU of its own, the workers the others")
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help=f"most rows per model call of the central evaluators (default {d.max_batch})")
     p.add_argument("--blocks", type=int, default=n.blocks, help=f"residual blocks (default {n.blocks})")
@@ -85,10 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer-size", type=int, default=d.buffer_size,
                    help=f"replay buffer samples (default {d.buffer_size:,})")
     p.add_argument("--sample-reuse", type=float, default=d.sample_reuse,
-                   help=f"the learner trains while each sample added has been drawn fewer "
-                        f"than this many times on average (default {d.sample_reuse:g})")
+                   help=f"the learner trains while the samples have been drawn fewer than "
+                        f"this many times on average (default {d.sample_reuse:g})")
     p.add_argument("--learning-rate", type=float, default=n.learning_rate,
-                   help=f"Adam (default {n.learning_rate:g})")
+                   help=f"the learner's Adam learning rate (default {n.learning_rate:g})")
     p.add_argument("--load-games", metavar="PATH.npz",
                    help="seed the replay buffer with games saved by --games")
 
