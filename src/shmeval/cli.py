@@ -85,7 +85,7 @@ def _print_json(obj: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from .bench import demo
 
     print(f"shmeval demo: {args.workers} worker processes -> one evaluator (TinyNet, NumPy), "
           f"{args.seconds:g} s ...", flush=True)

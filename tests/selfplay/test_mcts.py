@@ -446,7 +446,7 @@ def test_evaluator_fn_adapter(logits: bool) -> None:
 def test_search_through_an_shmeval_evaluator() -> None:
     """The adapter on a real evaluator (thread mode) with the demo's net."""
     import shmeval
-    from shmeval.demo import OUTPUTS, TinyNet
+    from shmeval.bench.demo import OUTPUTS, TinyNet
 
     with shmeval.Evaluator(TinyNet(), input_shape=c4.INPUT_SHAPE, outputs=OUTPUTS,
                            max_batch=64) as ev:
