@@ -1,7 +1,7 @@
 """Shared fixtures (the /dev/shm leak guard) and the markers by subject.
 
 Every test gets the marker of its folder (core, stress, c, tensorflow,
-selfplay, bench).  Folders whose tests take seconds each are also marked
+torch, jax, selfplay, bench).  Folders whose tests take seconds each are also marked
 ``slow`` as a whole; in core, single tests that take seconds carry
 ``@pytest.mark.slow`` themselves.  ``pytest -m "not slow"`` checks a core
 change in under a minute; plain ``pytest`` runs everything.
@@ -16,8 +16,8 @@ from typing import Iterator
 import pytest
 
 HERE = Path(__file__).resolve().parent
-SUBJECTS = ("core", "stress", "c", "tensorflow", "selfplay", "bench")
-SLOW_SUBJECTS = {"stress", "c", "tensorflow", "selfplay", "bench"}
+SUBJECTS = ("core", "stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench")
+SLOW_SUBJECTS = {"stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
