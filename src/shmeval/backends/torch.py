@@ -1,0 +1,497 @@
+"""PyTorch backend: ``TorchModel`` serves an ``nn.Module``, a TorchScript
+file or an exported program (``torch.export``) to a shmeval evaluator.
+
+Import this module only in the process that runs the model (it imports
+PyTorch)::
+
+    def factory():
+        from shmeval.backends.torch import TorchModel
+        return TorchModel("net.pt2")
+
+    ev = shmeval.Evaluator.spawn(factory, input_shape=..., outputs=...,
+                                 serving_threads=2)
+
+What it does for the evaluator:
+
+* ``prepare(spec, buckets)`` compiles the model for every batch size it
+  will serve (``torch.compile`` and CUDA graphs are optional), runs each
+  size once, and checks the outputs against the declared ones (matched by
+  name, else by order; reshaped and cast as the evaluator's rules say), so
+  that a mismatch raises ``ModelError`` at start-up and serving never
+  compiles again;
+* ``__call__(batch)`` runs the model under ``torch.inference_mode`` and
+  returns ``{name: ndarray}`` with exactly the declared dtypes and shapes;
+  on a GPU the batch travels through a page-locked staging buffer on a
+  CUDA stream of its own, and the outputs come back into page-locked
+  buffers that the evaluator reads directly;
+* ``set_weights`` / ``load_weights`` copy new values into the parameters
+  and buffers in place (compiled code and CUDA graphs keep serving them).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..errors import ModelError
+from ..spec import Spec
+from ._contract import (PathLike, castable, check_warm_outputs, checked_weights,
+                        match_outputs, needs_reshape, npz_weights, own_buckets, serving_sizes)
+
+#: Autocast dtypes ``dtype=`` accepts.
+_AUTOCAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _device(device: Union[None, str, torch.device]) -> torch.device:
+    """The device to serve on; ValueError when this machine has no such
+    device (a CUDA index beyond the GPUs, or CUDA without a GPU)."""
+    d = _default_device() if device is None else torch.device(device)
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"TorchModel: device {str(d)!r} is not available here "
+                             "(torch.cuda.is_available() is False)")
+        d = torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index)
+        if d.index >= torch.cuda.device_count():
+            raise ValueError(f"TorchModel: device {str(d)!r} is not available here "
+                             f"({torch.cuda.device_count()} CUDA device(s))")
+    elif d.type != "cpu":
+        raise ValueError(f"TorchModel serves on a CPU or a CUDA device, got {str(d)!r}")
+    return d
+
+
+def _load(source: Any, device: torch.device) -> Any:
+    """The module to serve, on ``device``: ``source`` itself, or what a path
+    holds (``.pt2``: an exported program, else a TorchScript file)."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if path.endswith(".pt2"):
+            source = torch.export.load(path)
+        else:
+            try:
+                return torch.jit.load(path, map_location=device)
+            except (RuntimeError, ValueError) as e:
+                raise ValueError(f"TorchModel: {path!r} is neither an exported program "
+                                 "(torch.export.save, a .pt2 file) nor a TorchScript file "
+                                 f"(torch.jit.save): {e}") from None
+    if isinstance(source, torch.export.ExportedProgram):
+        from torch.export.passes import move_to_device_pass
+
+        return move_to_device_pass(source, device).module()
+    if isinstance(source, torch.nn.Module):
+        return source.to(device)
+    raise TypeError(f"TorchModel needs an nn.Module, an ExportedProgram, a TorchScript file "
+                    f"or a .pt2 file, got {type(source).__name__}")
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(dtype: Any) -> Optional[np.dtype[Any]]:
+    """The NumPy dtype of a torch dtype (None for bfloat16 and others
+    NumPy lacks)."""
+    try:
+        found: np.dtype[Any] = torch.empty(0, dtype=dtype).numpy().dtype
+    except (TypeError, RuntimeError):
+        return None
+    return found
+
+
+def _torch_dtype(dtype: np.dtype[Any], what: str) -> Any:
+    try:
+        return torch.from_numpy(np.empty(0, dtype.newbyteorder("="))).dtype
+    except TypeError:
+        raise ModelError(f"TorchModel: PyTorch has no dtype for the {what} {dtype}") from None
+
+
+def _as_array(w: Any) -> np.ndarray:
+    """A weight as an ndarray: a tensor on any device (bfloat16 as
+    float32), or anything NumPy takes."""
+    if isinstance(w, torch.Tensor):
+        t = w.detach().cpu()
+        if _numpy_dtype(t.dtype) is None:
+            t = t.float()
+        return np.asarray(t.numpy())
+    return np.asarray(w)
+
+
+@dataclass
+class _Lane:
+    """What one CUDA call in flight needs: its stream, page-locked staging
+    buffers for the batch and the outputs, the batch's device buffer, and
+    with CUDA graphs one graph per batch size, with its output tensors."""
+
+    stream: Any
+    host_in: Any
+    host_in_np: np.ndarray
+    device_in: Any
+    host_out: list[Any]
+    host_out_np: list[np.ndarray]
+    graphs: dict[int, tuple[Any, list[Any]]] = field(default_factory=dict)
+    pool: Any = None
+
+
+class TorchModel:
+    """A PyTorch model as a shmeval evaluator model.
+
+    ``module_or_path``: an ``nn.Module`` (moved to ``device`` and put in
+    eval mode), a ``torch.export.ExportedProgram``, a TorchScript file
+    (``torch.jit.save``) or an exported program's ``.pt2`` file
+    (``torch.export.save``).  Its forward takes one tensor ``[rows,
+    *input_shape]`` and returns a tensor, a tuple or list (a named tuple's
+    fields name its entries) or a dict of tensors.
+
+    ``device``: where it runs (default the first CUDA device if there is
+    one, else the CPU).  ``compile``: ``True`` compiles the forward with
+    ``torch.compile`` (inductor), a string names another ``torch.compile``
+    backend; once per batch size, so batches are padded to buckets.
+    ``cuda_graphs`` (default: on a CUDA device): capture one CUDA graph per
+    batch size and replay it, which saves the launch cost of every kernel;
+    needs buckets too, and a model that CUDA graphs can capture (no
+    synchronisation with the host inside).  ``dtype``: ``"float16"`` or
+    ``"bfloat16"`` runs the forward under ``torch.autocast`` (for the GPU;
+    outputs are cast back to the declared dtypes).  ``buckets``: batch
+    sizes to pad to when the evaluator has none; with ``compile`` or
+    ``cuda_graphs`` and no buckets anywhere, powers of two up to
+    ``max_batch``.  ``lanes`` (CUDA only, default 2): calls that may run at
+    once, each on its own CUDA stream with its own page-locked buffers and
+    graphs: give the evaluator as many ``serving_threads``, so that one
+    batch is copied to the GPU while the previous one computes.
+    ``intra_op_threads``: ``torch.set_num_threads`` for the CPU (a
+    process-wide setting; None leaves PyTorch's default, one per core).
+
+    After ``prepare``: ``compile_count`` (graphs ``torch.compile``
+    produced; constant while serving), ``graph_captures`` (CUDA graphs
+    captured) and ``warmup_s`` (seconds ``prepare`` took).
+    """
+
+    def __init__(self, module_or_path: Any, *, device: Union[None, str, Any] = None,
+                 compile: Union[bool, str] = False, cuda_graphs: Optional[bool] = None,
+                 dtype: Union[None, str, Any] = None, buckets: Optional[Sequence[int]] = None,
+                 lanes: int = 2, intra_op_threads: Optional[int] = None) -> None:
+        self.device = _device(device)
+        cuda = self.device.type == "cuda"
+        self.cuda_graphs = cuda if cuda_graphs is None else bool(cuda_graphs)
+        if self.cuda_graphs and not cuda:
+            raise ValueError(f"TorchModel(cuda_graphs=True) needs a CUDA device, not "
+                             f"{str(self.device)!r}")
+        self.autocast: Any = None
+        if dtype is not None:
+            name = str(dtype).removeprefix("torch.")
+            if name not in _AUTOCAST:
+                raise ValueError(f"TorchModel dtype must be float16 or bfloat16 (autocast), "
+                                 f"got {dtype!r}")
+            self.autocast = _AUTOCAST[name]
+        if type(lanes) is not int or lanes < 1:
+            raise ValueError(f"TorchModel lanes must be a positive int, got {lanes!r}")
+        self.lanes = lanes
+        if intra_op_threads is not None:
+            torch.set_num_threads(int(intra_op_threads))
+        self.buckets = own_buckets(buckets, "TorchModel")
+        self.compile: Union[bool, str] = compile
+        self.module = _load(module_or_path, self.device)
+        with contextlib.suppress(NotImplementedError):  # an exported program's module
+            self.module.eval()
+        self.compile_count = 0
+        self.graph_captures = 0
+        self.warmup_s = 0.0
+        self.spec: Optional[Spec] = None
+        self._forward: Callable[[Any], Any] = self.module
+        if compile:
+            backend = "inductor" if compile is True else str(compile)
+            self._forward = torch.compile(self.module, backend=self._counting(backend),
+                                          dynamic=False)
+        self._want: list[Any] = []       # the declared output dtypes, as torch dtypes
+        self._input_dtype: Any = None
+        self._sizes: Optional[tuple[int, ...]] = None
+        self._lanes: Optional[queue.SimpleQueue[_Lane]] = None
+
+    def _counting(self, backend: str) -> Callable[..., Any]:
+        """``backend`` (a torch.compile backend's name), counting the graphs
+        it compiles in ``compile_count``."""
+        from torch._dynamo import lookup_backend
+
+        compile_graph = lookup_backend(backend)
+
+        def counted(graph: Any, example_inputs: Any) -> Any:
+            self.compile_count += 1
+            return compile_graph(graph, example_inputs)
+
+        return counted
+
+    # -- running the model ----------------------------------------------------------
+
+    def _autocast(self) -> Any:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        # No cached casts of the weights: a CUDA graph must read the
+        # parameters themselves, which weight updates overwrite in place.
+        return torch.autocast(self.device.type, dtype=self.autocast, cache_enabled=False)
+
+    def _fitted(self, x: Any) -> list[Any]:
+        """The model's outputs for ``x``, in declaration order, each reshaped
+        to ``[rows, *declared shape]`` and cast to the declared dtype, on
+        the model's device; ModelError when one does not fit."""
+        assert self.spec is not None
+        with self._autocast():
+            out = self._forward(x)
+        rows = x.shape[0]
+        given = match_outputs(out, self.spec.output_names, getattr(out, "_fields", ()))
+        fitted = []
+        for t, o, want in zip(given, self.spec.outputs, self._want):
+            if not isinstance(t, torch.Tensor):
+                raise ModelError(f"model output {o.name!r} is a {type(t).__name__}, not a "
+                                 "tensor")
+            if t.device != self.device:
+                raise ModelError(f"model output {o.name!r} is on {t.device}, the model "
+                                 f"serves on {self.device}: the model moves its work to "
+                                 "another device")
+            if t.dim() == 0 or t.shape[0] != rows:
+                raise ModelError(f"model output {o.name!r} has shape {tuple(t.shape)} for "
+                                 f"a batch of {rows}, expected {(rows, *o.shape)}")
+            if needs_reshape(o.name, tuple(t.shape[1:]), o.shape):
+                t = t.reshape(rows, *o.shape)
+            if t.dtype != want:
+                if not castable(_numpy_dtype(t.dtype) or str(t.dtype), o.dtype,
+                                t.dtype.is_floating_point):
+                    raise ModelError(f"model output {o.name!r} has dtype {t.dtype}, which "
+                                     f"cannot be cast to the declared {o.dtype} under "
+                                     "'same_kind' casting")
+                t = t.to(want)
+            fitted.append(t)
+        return fitted
+
+    def __call__(self, batch: np.ndarray) -> Any:
+        """Evaluates ``batch [rows, *input_shape]``.  After ``prepare``: a dict
+        ``{name: ndarray}`` of the declared dtypes and shapes; on a CUDA
+        device its arrays are views of page-locked buffers that the next
+        call on the same lane overwrites (the evaluator copies them into
+        the slots first).  Before it (a standalone call): the model's
+        outputs as new ndarrays, in the model's structure (dict, tuple or
+        one array)."""
+        if type(batch) is not np.ndarray:
+            batch = np.asarray(batch)
+        if self.spec is None:
+            return self._standalone(batch)
+        if batch.shape[1:] != self.spec.input_shape or batch.dtype != self.spec.input_dtype:
+            raise ValueError(f"TorchModel was prepared for batches of shape "
+                             f"[n, *{self.spec.input_shape}] {self.spec.input_dtype}, "
+                             f"got {batch.shape} {batch.dtype}")
+        try:
+            with torch.inference_mode():
+                if self._lanes is None:
+                    return self._call_cpu(batch)
+                return self._call_cuda(batch)
+        except torch.cuda.OutOfMemoryError as e:
+            # What this batch allocated is free again; the next, smaller or
+            # not, may fit.  The evaluator fails this batch only.
+            torch.cuda.empty_cache()
+            raise ModelError(f"out of memory on {self.device} for a batch of {len(batch)} "
+                             f"rows (lower max_batch, or the buckets): {e}") from e
+
+    def _standalone(self, batch: np.ndarray) -> Any:
+        with torch.inference_mode(), self._autocast():
+            out = self._forward(torch.from_numpy(batch.astype(batch.dtype.newbyteorder("=")))
+                                .to(self.device))
+
+        def array(t: Any) -> Any:
+            return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t
+
+        if isinstance(out, Mapping):
+            return {str(k): array(v) for k, v in out.items()}
+        if isinstance(out, (list, tuple)):
+            return tuple(array(v) for v in out)
+        return array(out)
+
+    def _call_cpu(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        assert self.spec is not None
+        if not batch.dtype.isnative:  # PyTorch takes native byte order only
+            batch = batch.astype(batch.dtype.newbyteorder("="))
+        # The tensor shares the batch's memory: nothing is copied in.
+        out = self._fitted(torch.from_numpy(batch))
+        return {name: t.numpy() for name, t in zip(self.spec.output_names, out)}
+
+    def _call_cuda(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        assert self.spec is not None and self._lanes is not None
+        rows = len(batch)
+        lane = self._lanes.get()  # waits while every lane has a call in flight
+        try:
+            np.copyto(lane.host_in_np[:rows], batch, casting="same_kind")
+            with torch.cuda.stream(lane.stream):
+                x = lane.device_in[:rows]
+                x.copy_(lane.host_in[:rows], non_blocking=True)
+                graph = lane.graphs.get(rows)
+                if graph is not None:
+                    graph[0].replay()
+                    out = graph[1]
+                else:
+                    out = self._fitted(x)
+                for host, t in zip(lane.host_out, out):
+                    host[:rows].copy_(t, non_blocking=True)
+            # Releases the GIL while it waits: another serving thread's batch
+            # is gathered and copied meanwhile.
+            lane.stream.synchronize()
+            return {name: a[:rows] for name, a in zip(self.spec.output_names, lane.host_out_np)}
+        finally:
+            self._lanes.put(lane)
+
+    # -- start-up -------------------------------------------------------------------
+
+    def prepare(self, spec: Spec, buckets: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:
+        """Checks the outputs against the spec, compiles for every batch
+        size the evaluator will use and runs each once (each bucket, or 1
+        and max_batch without buckets).  Returns the buckets this model
+        wants when the evaluator has none: its own, or with ``compile`` or
+        ``cuda_graphs`` powers of two up to max_batch."""
+        t0 = time.perf_counter()
+        sizes = serving_sizes(spec, buckets, self.buckets,
+                              bool(self.compile) or self.cuda_graphs, "TorchModel")
+        self.spec = spec
+        self._sizes = sizes
+        self._input_dtype = _torch_dtype(spec.input_dtype, "input dtype")
+        self._want = [_torch_dtype(o.dtype, f"dtype of output {o.name!r}") for o in spec.outputs]
+        if self.compile:
+            # One graph per batch size (dynamic=False).  torch.compile keeps at
+            # most recompile_limit graphs per code object (the forward method,
+            # shared by every model of its class in this process), then runs
+            # the code eagerly: make room for this model's graphs.
+            import torch._dynamo
+
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, getattr(config, name) + len(sizes or ()))
+        warm = sizes or tuple(sorted({1, spec.max_batch}))
+        if self.device.type == "cuda":
+            self._lanes = None  # built below; a failed prepare leaves none
+            lanes: queue.SimpleQueue[_Lane] = queue.SimpleQueue()
+            for _ in range(self.lanes):
+                lanes.put(self._lane(max(warm), sizes or ()))
+            self._lanes = lanes
+        for rows in warm:
+            self._warm_up(rows)
+        self.warmup_s = time.perf_counter() - t0
+        return None if buckets else sizes
+
+    def _warm_up(self, rows: int) -> None:
+        """Runs a batch of zeros through ``__call__`` and checks the exact
+        output shapes."""
+        assert self.spec is not None
+        batch = np.zeros((rows, *self.spec.input_shape), self.spec.input_dtype)
+        try:
+            out = self(batch)
+        except ModelError:
+            raise
+        except Exception as e:
+            raise ModelError(f"the model failed on a batch of {rows} zero states: "
+                             f"{type(e).__name__}: {e}") from e
+        check_warm_outputs(out, self.spec, rows)
+
+    def _lane(self, rows: int, graph_sizes: Sequence[int]) -> _Lane:
+        """A lane for batches of up to ``rows``, with a CUDA graph per size
+        in ``graph_sizes`` when ``cuda_graphs`` is on (largest first, all
+        in one memory pool: they never run at once)."""
+        assert self.spec is not None
+        with torch.inference_mode():
+            host_in = torch.empty((rows, *self.spec.input_shape), dtype=self._input_dtype,
+                                  pin_memory=True)
+            host_out = [torch.empty((rows, *o.shape), dtype=want, pin_memory=True)
+                        for o, want in zip(self.spec.outputs, self._want)]
+            lane = _Lane(stream=torch.cuda.Stream(self.device), host_in=host_in,
+                         host_in_np=host_in.numpy(),
+                         device_in=torch.zeros_like(host_in, device=self.device),
+                         host_out=host_out, host_out_np=[t.numpy() for t in host_out])
+            if self.cuda_graphs:
+                for n in sorted(graph_sizes, reverse=True):
+                    lane.graphs[n] = self._capture(lane, n)
+        return lane
+
+    def _capture(self, lane: _Lane, rows: int) -> tuple[Any, list[Any]]:
+        """One CUDA graph of the fitted forward for ``rows`` rows of the
+        lane's device buffer, and the tensors it writes its outputs to."""
+        x = lane.device_in[:rows]
+        with torch.cuda.stream(lane.stream):
+            # Warm-up runs before capture: lazy initialisation, cuDNN's choice
+            # of algorithms and torch.compile happen outside the graph.
+            for _ in range(2):
+                self._fitted(x)
+        lane.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=lane.pool, stream=lane.stream):
+                out = self._fitted(x)
+        except ModelError:
+            raise
+        except Exception as e:
+            raise ModelError(f"TorchModel could not capture the model in a CUDA graph for a "
+                             f"batch of {rows} ({type(e).__name__}: {e}); serve it with "
+                             "cuda_graphs=False") from e
+        if lane.pool is None:
+            lane.pool = graph.pool()
+        self.graph_captures += 1
+        return graph, out
+
+    # -- weights --------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        """The parameters and buffers by name, in state_dict order (tensors
+        sharing the module's storage)."""
+        return dict(self.module.state_dict())
+
+    def get_weights(self) -> list[np.ndarray]:
+        """Copies of the parameters and buffers in ``state_dict`` order
+        (bfloat16 ones as float32)."""
+        return [np.array(_as_array(t)) for t in self._state().values()]
+
+    def set_weights(self, weights: Union[Sequence[Any], Mapping[str, Any]]) -> None:
+        """Copies new values into the parameters and buffers in place: a
+        list of arrays in ``state_dict`` order (``get_weights()``), or a
+        state dict (the same names).  Everything is checked, and moved to
+        the device, before anything is overwritten: a bad update raises
+        ValueError (a failed move, its error) and leaves every weight as it
+        was.  Compiled code and CUDA graphs read the new values; nothing is
+        compiled again."""
+        state = self._state()
+        if isinstance(weights, Mapping):
+            missing = [k for k in state if k not in weights]
+            unexpected = [str(k) for k in weights if k not in state]
+            if missing or unexpected:
+                raise ValueError(f"set_weights: the state dict lacks {missing} and has "
+                                 f"unexpected {unexpected}")
+            weights = [weights[k] for k in state]
+        expected = [(name, tuple(t.shape), _numpy_dtype(t.dtype) or np.dtype(np.float32))
+                    for name, t in state.items()]
+        arrays = checked_weights([_as_array(w) for w in weights], expected)
+        with torch.inference_mode():
+            new = [torch.from_numpy(np.require(a, requirements="C")).to(t.device, t.dtype)
+                   for a, t in zip(arrays, state.values())]
+        with torch.no_grad():
+            for t, value in zip(state.values(), new):
+                t.copy_(value)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def load_weights(self, path: PathLike) -> None:
+        """Loads weights from a state dict file (``torch.save(module.
+        state_dict(), path)``, read with ``weights_only=True``) or a
+        ``.npz`` file of arrays in ``state_dict`` order (``np.savez(path,
+        *model.get_weights())``).  A failed load leaves the old weights."""
+        path = os.fspath(path)
+        if path.endswith(".npz"):
+            self.set_weights(npz_weights(path))
+            return
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, Mapping):
+            raise ValueError(f"load_weights: {path} holds a {type(state).__name__}, not a "
+                             "state dict")
+        self.set_weights(state)
+
+
+__all__ = ["TorchModel"]

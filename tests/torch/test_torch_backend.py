@@ -1,0 +1,378 @@
+"""The PyTorch backend, ``shmeval.backends.torch``, on the CPU.
+
+- outputs served through an Evaluator equal the model called directly, for
+  every kind of model TorchModel accepts (nn.Module with dict, tuple,
+  named tuple and single outputs; TorchScript file; exported program and
+  its file; torch.compile; bfloat16 autocast; two serving threads), at
+  many batch sizes; nothing compiles again while serving;
+- mismatches between the outputs and the spec fail at Evaluator
+  construction with a ModelError; bad arguments fail at TorchModel();
+- buckets: padding never leaks into results, one compiled graph per size;
+- set_weights / get_weights / load_weights (state dict file, .npz), bad
+  updates leave the weights alone; the same through the evaluator, and
+  under load from spawn workers that never import torch;
+- a batch that raises, returns an output on another device, the wrong
+  shape or dtype, NaN, or runs out of memory fails alone.
+
+PyTorch is imported by fixtures, not at module import, so collecting the
+suite does not load it into the pytest process (other tests fork).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmeval
+import torch_models
+from backend_contract import (INPUT_SHAPE, OUTPUTS, TIMEOUT, hot_swap_under_load,
+                              random_states, serve_and_compare, serves_after_bad_batches)
+from helpers import own_segments
+from shmeval.spec import Spec
+from torch_models import pv_net, reference
+
+F32 = "float32"
+
+# TorchScript is deprecated, and still what many saved models are.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def torch() -> Any:
+    import torch
+
+    torch.set_num_threads(1)  # the machine is shared; batches are small
+    return torch
+
+
+@pytest.fixture(scope="module")
+def backend(torch: Any) -> Any:
+    from shmeval.backends import torch as backend
+
+    return backend
+
+
+def traced(torch: Any, net: Any) -> Any:
+    """The net as a TorchScript module (dict outputs need strict=False)."""
+    return torch.jit.trace(net, torch.zeros(2, *INPUT_SHAPE), strict=False)
+
+
+def make_case(kind: str, torch: Any, tmp: Any) -> tuple[Any, dict[str, Any], Any, dict[str, Any]]:
+    """(what to give TorchModel, declared outputs, reference, TorchModel keywords)."""
+    if kind == "module_dict":
+        m = pv_net(1, "dict")
+        return m, OUTPUTS, reference(m), {}
+    if kind == "tuple_by_order":  # (value, policy), unnamed: by order
+        m = pv_net(2, "tuple")
+        ref = reference(m)
+        return m, {"v": ((), F32), "p": ((7,), F32)}, \
+            lambda x: {"v": ref(x)["value"], "p": ref(x)["policy"]}, {}
+    if kind == "named_tuple_by_name":  # (value, policy) named: by name
+        m = pv_net(3, "named")
+        return m, OUTPUTS, reference(m), {}
+    if kind == "one_output":
+        m = pv_net(4, "policy")
+        return m, {"policy": ((7,), F32)}, reference(m), {}
+    if kind == "torchscript_file":
+        m = pv_net(5, "dict")
+        path = tmp / "pv.ts"
+        traced(torch, m).save(str(path))
+        return str(path), OUTPUTS, reference(m), {}
+    if kind in ("exported_program", "exported_file"):
+        m = pv_net(6, "dict")
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        ep = torch.export.export(m, (torch.zeros(2, *INPUT_SHAPE),),
+                                 dynamic_shapes=({0: batch},))
+        if kind == "exported_program":
+            return ep, OUTPUTS, reference(m), {}
+        torch.export.save(ep, str(tmp / "pv.pt2"))
+        return tmp / "pv.pt2", OUTPUTS, reference(m), {}
+    if kind == "compiled":
+        m = pv_net(7, "dict")
+        return m, OUTPUTS, reference(m), {"compile": "aot_eager"}
+    if kind == "bfloat16":
+        m = pv_net(8, "dict")
+        return m, OUTPUTS, reference(m), {"dtype": "bfloat16"}
+    raise AssertionError(kind)
+
+
+KINDS = ["module_dict", "tuple_by_order", "named_tuple_by_name", "one_output",
+         "torchscript_file", "exported_program", "exported_file", "compiled", "bfloat16"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_served_outputs_equal_direct_call(kind: str, torch: Any, backend: Any,
+                                          tmp_path: Any) -> None:
+    source, outputs, ref, kwargs = make_case(kind, torch, tmp_path)
+    tm = backend.TorchModel(source, **kwargs)
+    assert tm.device == torch.device("cpu")
+    atol = 3e-2 if kind == "bfloat16" else 1e-5
+    with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=outputs, max_batch=64,
+                           max_clients=4, slots_per_client=32) as ev:
+        compiled = tm.compile_count
+        assert tm.warmup_s > 0
+        if kind == "compiled":
+            # One graph per batch size: powers of two up to max_batch.
+            assert compiled == 7
+        serve_and_compare(ev, ref, tuple(outputs), atol=atol)
+        serve_and_compare(ev, ref, tuple(outputs), seed=100, atol=atol)
+        assert tm.compile_count == compiled, "serving compiled the model again"
+        assert ev.stats()["failed_requests"] == 0
+    if kind == "bfloat16":
+        x = random_states(16, 3)
+        moved = max(float(np.abs(tm(x)[k] - ref(x)[k]).max()) for k in outputs)
+        assert moved > 0, "dtype='bfloat16' computed exactly float32's answers"
+
+
+def test_two_serving_threads(torch: Any, backend: Any) -> None:
+    m = pv_net(9, "dict")
+    with shmeval.Evaluator(backend.TorchModel(m), input_shape=INPUT_SHAPE, outputs=OUTPUTS,
+                           max_batch=64, max_clients=4, slots_per_client=32,
+                           serving_threads=2) as ev:
+        serve_and_compare(ev, reference(m), tuple(OUTPUTS))
+        assert ev.stats()["failed_requests"] == 0
+
+
+def test_cast_to_declared_dtype(torch: Any, backend: Any) -> None:
+    """float32 outputs served as declared float16 / float64."""
+    m = pv_net(10, "dict")
+    tm = backend.TorchModel(m)
+    spec = Spec.build(INPUT_SHAPE, F32, {"policy": ((7,), "float16"), "value": ((), "float64")},
+                      8, 1, 1)
+    assert tm.prepare(spec, None) is None
+    x = random_states(5, 1)
+    out, expect = tm(x), reference(m)(x)
+    assert out["policy"].dtype == np.float16 and out["value"].dtype == np.float64
+    np.testing.assert_allclose(out["value"], expect["value"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out["policy"], expect["policy"], rtol=1e-3, atol=1e-3)
+
+
+def test_standalone_call_keeps_the_models_structure(torch: Any, backend: Any) -> None:
+    x = random_states(3, 2)
+    out = backend.TorchModel(pv_net(11, "tuple"))(x)
+    assert isinstance(out, tuple) and [o.shape for o in out] == [(3, 1), (3, 7)]
+    out = backend.TorchModel(pv_net(11, "dict"))(x)
+    np.testing.assert_allclose(out["policy"], reference(pv_net(11))(x)["policy"], atol=1e-6)
+
+
+MISMATCHES = {
+    # id: (model outputs kind, declared outputs, words the message must hold)
+    "too_few_declared": ("tuple", {"policy": ((7,), F32)}, ["2 output(s)", "declares 1"]),
+    "too_many_declared": ("tuple", {"a": ((1,), F32), "b": ((7,), F32), "c": ((), F32)},
+                          ["2 output(s)", "declares 3"]),
+    "dict_names": ("dict", {"pi": ((7,), F32), "v": ((), F32)},
+                   ["['policy', 'value']", "['pi', 'v']"]),
+    "per_row_shape": ("dict", {"policy": ((8,), F32), "value": ((), F32)},
+                      ["'policy'", "(7,)", "(8,)"]),
+    "uncastable_dtype": ("dict", {"policy": ((7,), F32), "value": ((), "int32")},
+                         ["'value'", "torch.float32", "int32"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_mismatch_fails_at_construction(case: str, torch: Any, backend: Any) -> None:
+    what, outputs, words = MISMATCHES[case]
+    with pytest.raises(shmeval.ModelError) as info:
+        shmeval.Evaluator(backend.TorchModel(pv_net(0, what)), input_shape=INPUT_SHAPE,
+                          outputs=outputs, max_batch=8)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert not own_segments()
+
+
+def test_a_model_that_fails_at_start_up(torch: Any, backend: Any) -> None:
+    """The warm-up batch of zeros already fails: ModelError from the
+    constructor, naming the batch and the model's error."""
+    class Broken(torch.nn.Module):  # type: ignore[misc, name-defined]
+        def forward(self, x: Any) -> Any:
+            raise RuntimeError("weights missing")
+
+    with pytest.raises(shmeval.ModelError, match="batch of 1 zero states: RuntimeError: "
+                                                 "weights missing"):
+        shmeval.Evaluator(backend.TorchModel(Broken()), input_shape=INPUT_SHAPE,
+                          outputs=OUTPUTS, max_batch=8)
+    assert not own_segments()
+
+
+def test_bad_arguments(torch: Any, backend: Any, tmp_path: Any) -> None:
+    m = pv_net(0)
+    with pytest.raises(ValueError, match="is not available here"):
+        backend.TorchModel(m, device="cuda")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        backend.TorchModel(m, cuda_graphs=True)
+    with pytest.raises(ValueError, match="CPU or a CUDA device"):
+        backend.TorchModel(m, device="meta")
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        backend.TorchModel(m, dtype="int8")
+    with pytest.raises(ValueError, match="lanes"):
+        backend.TorchModel(m, lanes=0)
+    with pytest.raises(ValueError, match="buckets must be positive"):
+        backend.TorchModel(m, buckets=[0, 4])
+    with pytest.raises(ValueError, match="neither an exported program"):
+        backend.TorchModel(str(tmp_path / "missing.pt"))
+    with pytest.raises(TypeError, match="got int"):
+        backend.TorchModel(3)
+    tm = backend.TorchModel(m, buckets=[4])
+    with pytest.raises(shmeval.ModelError, match="largest must be >= max_batch"):
+        shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=8)
+    assert not own_segments()
+
+
+@pytest.mark.parametrize("where", ["evaluator", "torchmodel"])
+def test_bucket_padding_never_leaks(where: str, torch: Any, backend: Any) -> None:
+    """Batches padded to buckets (the evaluator's, or the ones TorchModel's
+    prepare returns): stale rows of an earlier, larger batch fill the
+    padding; every real row is still its own state's answer, and one graph
+    was compiled per bucket, none while serving."""
+    m = pv_net(12, "dict")
+    buckets = [4, 16, 64]
+    tm = backend.TorchModel(m, compile="aot_eager",
+                            buckets=buckets if where == "torchmodel" else None)
+    with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
+                           buckets=buckets if where == "evaluator" else None,
+                           max_clients=4, slots_per_client=64) as ev:
+        assert tm.compile_count == len(buckets)
+        serve_and_compare(ev, reference(m), tuple(OUTPUTS), sizes=(64, 3, 1, 17, 5, 64, 2))
+        assert ev.stats()["padded_rows"] > 0
+        # Any other batch size would have compiled a graph of its own.
+        assert tm.compile_count == len(buckets)
+
+
+def test_bad_batches_fail_alone(torch: Any, backend: Any) -> None:
+    """Each failure fails its batch with a ModelError saying why; the
+    evaluator answers the next request."""
+    tm = backend.TorchModel(torch_models.misbehaving_net())
+    with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=8,
+                           max_clients=2, slots_per_client=4) as ev:
+        serves_after_bad_batches(ev, {
+            1: ["RuntimeError: state out of range"],
+            2: ["'policy' is on meta", "serves on cpu"],
+            3: ["RuntimeError", "meta"],
+            4: ["'policy'", "(5,) per row", "declares (7,)"],
+            5: ["'value' holds NaN"],
+            6: ["out of memory on cpu for a batch of 1 rows", "Tried to allocate 2 GiB"],
+            7: ["'policy'", "torch.complex64", "cannot be cast"],
+        })
+        assert ev.stats()["failed_requests"] == 7
+
+
+def version_weights(version: int) -> list[np.ndarray]:
+    """The weights of version v: pv_net(seed=v)'s, in state_dict order."""
+    return [t.numpy() for t in pv_net(version).state_dict().values()]
+
+
+def assert_weights_equal(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("source", ["module", "torchscript"])
+def test_weights(source: str, torch: Any, backend: Any, tmp_path: Any) -> None:
+    net = pv_net(1)
+    given: Any = net
+    if source == "torchscript":
+        traced(torch, net).save(str(tmp_path / "pv.ts"))
+        given = str(tmp_path / "pv.ts")
+    tm = backend.TorchModel(given, compile="aot_eager" if source == "module" else False)
+    tm.prepare(Spec.build(INPUT_SHAPE, F32, OUTPUTS, 8, 1, 1), None)
+    compiled = tm.compile_count
+    x = random_states(8, 5)
+    w1 = tm.get_weights()
+    assert [w.dtype for w in w1].count(np.int64) == 1  # the batch norm's counter
+    first = {k: v.copy() for k, v in tm(x).items()}
+
+    def check(seed: int) -> None:
+        out, expect = tm(x), reference(pv_net(seed))(x)
+        for k in OUTPUTS:
+            np.testing.assert_allclose(out[k], expect[k], rtol=1e-5, atol=1e-5)
+
+    w2 = pv_net(2).state_dict()
+    tm.set_weights(w2)  # a state dict
+    check(2)
+    tm.set_weights(version_weights(3))  # a list
+    check(3)
+    w3 = tm.get_weights()
+    # Bad updates raise before anything changes.
+    bad = [w.copy() for w in w1]
+    bad[0] = np.zeros(bad[0].shape + (2,), np.float32)
+    with pytest.raises(ValueError, match="shape"):
+        tm.set_weights(bad)
+    with pytest.raises(ValueError, match=f"got {len(w1) - 1} arrays"):
+        tm.set_weights(w1[:-1])
+    complex_w = [w.astype(np.complex64) if w.dtype == np.float32 else w for w in w1]
+    with pytest.raises(ValueError, match="cannot be cast"):
+        tm.set_weights(complex_w)
+    partial = dict(w2)
+    partial.pop("conv.weight")
+    partial["extra"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"lacks \['conv.weight'\].*unexpected \['extra'\]"):
+        tm.set_weights(partial)
+    assert_weights_equal(tm.get_weights(), w3)
+    # A state dict file; a bad one (another architecture) leaves them alone.
+    torch.save(pv_net(4).state_dict(), tmp_path / "four.pt")
+    tm.load_weights(tmp_path / "four.pt")
+    check(4)
+    w4 = tm.get_weights()
+    torch.save(torch.nn.Linear(3, 2).state_dict(), tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="lacks"):
+        tm.load_weights(tmp_path / "other.pt")
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(ValueError, match="not a state dict"):
+        tm.load_weights(tmp_path / "list.pt")
+    assert_weights_equal(tm.get_weights(), w4)
+    # .npz in state_dict order; a bad one is refused.
+    np.savez(tmp_path / "one.npz", *w1)
+    tm.load_weights(tmp_path / "one.npz")
+    for k in OUTPUTS:
+        np.testing.assert_array_equal(tm(x)[k], first[k])
+    np.savez(tmp_path / "bad.npz", *bad)
+    with pytest.raises(ValueError, match="shape"):
+        tm.load_weights(tmp_path / "bad.npz")
+    assert_weights_equal(tm.get_weights(), w1)
+    assert tm.compile_count == compiled, "a weight update compiled the model again"
+
+
+def test_hot_swap_through_evaluator(torch: Any, backend: Any, tmp_path: Any) -> None:
+    """ev.set_weights / ev.load_weights reach TorchModel between batches: the
+    answers follow the new weights, a refused update changes nothing."""
+    tm = backend.TorchModel(pv_net(1), compile="aot_eager")
+    with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
+                           max_clients=4, slots_per_client=32) as ev:
+        compiled = tm.compile_count
+        serve_and_compare(ev, reference(pv_net(1)), tuple(OUTPUTS), sizes=(3, 40))
+        assert ev.set_weights(version_weights(2)) == 1
+        state = random_states(1, 9)
+        out, version = ev.evaluate(state[0], return_version=True)
+        assert version == 1
+        np.testing.assert_allclose(out["policy"], reference(pv_net(2))(state)["policy"][0],
+                                   rtol=1e-5, atol=1e-5)
+        torch.save(pv_net(3).state_dict(), tmp_path / "three.pt")
+        assert ev.load_weights(tmp_path / "three.pt") == 2
+        three = reference(pv_net(3))
+        serve_and_compare(ev, three, tuple(OUTPUTS), sizes=(3, 40))
+        with pytest.raises(shmeval.ModelError, match="set_weights: got 1 arrays"):
+            ev.set_weights([np.zeros(3, np.float32)])
+        assert ev.model_version == 2
+        serve_and_compare(ev, three, tuple(OUTPUTS), sizes=(3, 40))
+        assert tm.compile_count == compiled
+
+
+@pytest.mark.timeout(240)
+def test_torch_hot_swap_under_load(torch: Any) -> None:
+    """A spawned evaluator (pv_factory) under load from spawn workers that
+    never import torch; 8 weight updates; every answer matches its version."""
+    hot_swap_under_load(torch_models.pv_factory,
+                        [version_weights(v) for v in range(9)],
+                        lambda v, states: reference(pv_net(v))(states))
+
+
+def test_backends_package_does_not_import_torch() -> None:
+    code = ("import sys, shmeval, shmeval.backends, shmeval.backends._contract; "
+            "assert not {'torch', 'jax', 'tensorflow'} & set(sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr

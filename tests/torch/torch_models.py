@@ -1,0 +1,128 @@
+"""Small PyTorch models for the backend tests, and the factories spawned
+evaluators call.  Importable without PyTorch (it is imported inside the
+functions), so that a spawn worker that unpickles something of this
+module's never loads it."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from backend_contract import TRIGGER
+
+
+def seeded_weights(module: Any, seed: int) -> list[np.ndarray]:
+    """Weights for ``module`` in state_dict order, a fixed function of
+    seed (integer buffers, such as a batch norm's counter, stay 0)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, t in module.state_dict().items():
+        if not t.is_floating_point():
+            out.append(np.zeros(tuple(t.shape), np.int64))
+            continue
+        a = rng.uniform(-0.3, 0.3, tuple(t.shape))
+        if name.endswith("running_var"):  # a variance is positive
+            a = np.abs(a) + 0.5
+        out.append(a.astype(np.float32))
+    return out
+
+
+def pv_net(seed: int = 0, outputs: str = "dict") -> Any:
+    """A policy-value net: conv, batch norm, a 7-way policy head and a
+    tanh value head of shape (n, 1) (served as a declared scalar).
+    outputs: "dict" ({"policy", "value"}), "tuple" ((value, policy),
+    unnamed), "named" (a named tuple (value, policy)) or "policy" (the
+    policy tensor alone)."""
+    import collections
+
+    import torch
+
+    named = collections.namedtuple("PV", ["value", "policy"])
+
+    class PVNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+            self.norm = torch.nn.BatchNorm2d(4)
+            self.policy = torch.nn.Linear(168, 7)
+            self.value = torch.nn.Linear(168, 1)
+
+        def forward(self, x: Any) -> Any:
+            h = torch.relu(self.norm(self.conv(x.permute(0, 3, 1, 2)))).flatten(1)
+            p, v = self.policy(h), torch.tanh(self.value(h))
+            if outputs == "dict":
+                return {"policy": p, "value": v}
+            if outputs == "tuple":
+                return v, p
+            if outputs == "named":
+                return named(v, p)
+            return p
+
+    net = PVNet()
+    state = net.state_dict()
+    net.load_state_dict({k: torch.from_numpy(w) for k, w in zip(state, seeded_weights(net, seed))})
+    return net.eval()
+
+
+def reference(net: Any) -> Any:
+    """The net called directly: its outputs as declared (dict, value a scalar)."""
+    import torch
+
+    def ref(x: np.ndarray) -> dict[str, np.ndarray]:
+        with torch.no_grad():
+            out = net(torch.from_numpy(x))
+        if isinstance(out, dict):
+            p, v = out["policy"], out["value"]
+        elif isinstance(out, tuple):
+            v, p = out
+        else:
+            return {"policy": out.numpy()}
+        return {"policy": p.numpy(), "value": v.numpy()[:, 0]}
+
+    return ref
+
+
+def pv_factory() -> Any:
+    """Evaluator.spawn's factory: runs in the evaluator process only."""
+    import torch
+
+    from shmeval.backends.torch import TorchModel
+
+    torch.set_num_threads(1)
+    return TorchModel(pv_net(seed=0))
+
+
+def misbehaving_net() -> Any:
+    """pv_net (dict outputs) that fails when the first value of a state is
+    TRIGGER * k: k=1 raises, 2 returns an output on another device, 3 adds
+    a tensor of another device, 4 returns a policy of 5 values, 5 a NaN
+    value, 6 raises CUDA's out-of-memory error, 7 a complex policy."""
+    import torch
+
+    net = pv_net(0, "dict")
+
+    class Misbehaving(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: Any) -> Any:
+            out = self.net(x)
+            kind = int(x[:, 0, 0, 0].max().item() // TRIGGER)
+            if kind == 1:
+                raise RuntimeError("state out of range")
+            if kind == 2:
+                out["policy"] = out["policy"].to("meta")
+            if kind == 3:
+                out["value"] = out["value"] + torch.zeros(1, device="meta")
+            if kind == 4:
+                out["policy"] = out["policy"][:, :5]
+            if kind == 5:
+                out["value"] = out["value"] * float("nan")
+            if kind == 6:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+            if kind == 7:
+                out["policy"] = out["policy"].to(torch.complex64)
+            return out
+
+    return Misbehaving().eval()
