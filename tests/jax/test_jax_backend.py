@@ -1,0 +1,240 @@
+"""The JAX backend, ``shmeval.backends.jax``, on the CPU.
+
+- outputs served through an Evaluator equal apply_fn called directly, for
+  dict, tuple, named tuple and single outputs and bfloat16 params, at many
+  batch sizes; one trace per batch size, none while serving;
+- mismatches between the outputs and the spec fail at Evaluator
+  construction with a ModelError; bad arguments fail at JaxModel();
+- buckets: padding never leaks into results;
+- set_weights / get_weights / load_weights (list, pytree, .npz): bad
+  updates leave the params alone, nothing is traced again; the same
+  through the evaluator, and under load from spawn workers that never
+  import JAX;
+- a batch whose host callback raises, or that gives NaN, fails alone.
+
+JAX is imported by fixtures, not at module import, so collecting the suite
+does not load it into the pytest process (other tests fork).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import jax_models
+import shmeval
+from backend_contract import (INPUT_SHAPE, OUTPUTS, TIMEOUT, hot_swap_under_load,
+                              random_states, serve_and_compare, serves_after_bad_batches)
+from helpers import own_segments
+from jax_models import apply_fn, params_of, reference
+from shmeval.spec import Spec
+
+F32 = "float32"
+#: Powers of two up to max_batch 64: the batch sizes compiled by default.
+POW2 = 7
+
+
+@pytest.fixture(scope="module")
+def jax() -> Any:
+    import jax
+
+    return jax
+
+
+@pytest.fixture(scope="module")
+def backend(jax: Any) -> Any:
+    from shmeval.backends import jax as backend
+
+    return backend
+
+
+CASES = {
+    # kind: (outputs of apply_fn, declared outputs, params dtype)
+    "dict": ("dict", OUTPUTS, np.float32),
+    "named_tuple_by_name": ("named", OUTPUTS, np.float32),
+    "one_output": ("policy", {"policy": ((7,), F32)}, np.float32),
+    "bfloat16_params": ("dict", OUTPUTS, "bfloat16"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_served_outputs_equal_direct_call(kind: str, jax: Any, backend: Any) -> None:
+    what, outputs, dtype = CASES[kind]
+    if dtype == "bfloat16":
+        dtype = jax.numpy.bfloat16
+    params = params_of(1, dtype)
+    jm = backend.JaxModel(apply_fn(what), params)
+    atol = 3e-2 if kind == "bfloat16_params" else 1e-5
+    with shmeval.Evaluator(jm, input_shape=INPUT_SHAPE, outputs=outputs, max_batch=64,
+                           max_clients=4, slots_per_client=32) as ev:
+        assert jm.trace_count == POW2 and jm.warmup_s > 0
+        serve_and_compare(ev, reference(what, params), tuple(outputs), atol=atol)
+        serve_and_compare(ev, reference(what, params), tuple(outputs), seed=100, atol=atol)
+        assert jm.trace_count == POW2, "serving traced the model again"
+        assert ev.stats()["failed_requests"] == 0
+
+
+def test_tuple_outputs_by_order(jax: Any, backend: Any) -> None:
+    """(value, policy) without names: matched by order to declared (v, p)."""
+    params = params_of(2)
+    ref = reference("tuple", params)
+    with shmeval.Evaluator(backend.JaxModel(apply_fn("tuple"), params),
+                           input_shape=INPUT_SHAPE, outputs={"v": ((), F32), "p": ((7,), F32)},
+                           max_batch=64, max_clients=4, slots_per_client=32) as ev:
+        serve_and_compare(ev, lambda x: {"v": ref(x)["value"], "p": ref(x)["policy"]},
+                          ("v", "p"), sizes=(1, 5, 64))
+
+
+def test_cast_to_declared_dtype(jax: Any, backend: Any) -> None:
+    jm = backend.JaxModel(apply_fn("dict"), params_of(3))
+    spec = Spec.build(INPUT_SHAPE, F32, {"policy": ((7,), "float16"), "value": ((), F32)},
+                      8, 1, 1)
+    assert jm.prepare(spec, None) == (1, 2, 4, 8)
+    x = random_states(4, 1)
+    out = jm(x)
+    assert out["policy"].dtype == np.float16
+    np.testing.assert_allclose(out["policy"], reference("dict", params_of(3))(x)["policy"],
+                               rtol=1e-3, atol=1e-3)
+
+
+MISMATCHES = {
+    "too_few_declared": ("tuple", {"policy": ((7,), F32)}, ["2 output(s)", "declares 1"]),
+    "too_many_declared": ("tuple", {"a": ((1,), F32), "b": ((7,), F32), "c": ((), F32)},
+                          ["2 output(s)", "declares 3"]),
+    "dict_names": ("dict", {"pi": ((7,), F32), "v": ((), F32)},
+                   ["['policy', 'value']", "['pi', 'v']"]),
+    "per_row_shape": ("dict", {"policy": ((8,), F32), "value": ((), F32)},
+                      ["'policy'", "(7,)", "(8,)"]),
+    "uncastable_dtype": ("dict", {"policy": ((7,), F32), "value": ((), "int32")},
+                         ["'value'", "float32", "int32"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_mismatch_fails_at_construction(case: str, jax: Any, backend: Any) -> None:
+    what, outputs, words = MISMATCHES[case]
+    with pytest.raises(shmeval.ModelError) as info:
+        shmeval.Evaluator(backend.JaxModel(apply_fn(what), params_of(0)),
+                          input_shape=INPUT_SHAPE, outputs=outputs, max_batch=8)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert not own_segments()
+
+
+def test_bad_arguments(jax: Any, backend: Any) -> None:
+    with pytest.raises(TypeError, match="callable apply_fn"):
+        backend.JaxModel(3, params_of(0))
+    with pytest.raises(ValueError, match="no 'tpu' device"):
+        backend.JaxModel(apply_fn(), params_of(0), device="tpu")
+    with pytest.raises(ValueError, match="buckets must be positive"):
+        backend.JaxModel(apply_fn(), params_of(0), buckets=[0])
+    jm = backend.JaxModel(apply_fn(), params_of(0), buckets=[4])
+    with pytest.raises(shmeval.ModelError, match="largest must be >= max_batch"):
+        shmeval.Evaluator(jm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=8)
+    jm.prepare(Spec.build(INPUT_SHAPE, F32, OUTPUTS, 4, 1, 1), None)
+    with pytest.raises(ValueError, match=r"compiled for batches of \[4\] rows, got 3"):
+        jm(random_states(3, 0))
+    assert not own_segments()
+
+
+@pytest.mark.parametrize("where", ["evaluator", "jaxmodel"])
+def test_bucket_padding_never_leaks(where: str, jax: Any, backend: Any) -> None:
+    params = params_of(4)
+    buckets = [4, 16, 64]
+    jm = backend.JaxModel(apply_fn(), params, buckets=buckets if where == "jaxmodel" else None)
+    with shmeval.Evaluator(jm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
+                           buckets=buckets if where == "evaluator" else None,
+                           max_clients=4, slots_per_client=64) as ev:
+        assert jm.trace_count == len(buckets)
+        serve_and_compare(ev, reference("dict", params), tuple(OUTPUTS),
+                          sizes=(64, 3, 1, 17, 5, 64, 2))
+        assert ev.stats()["padded_rows"] > 0
+        assert jm.trace_count == len(buckets)
+
+
+def test_bad_batches_fail_alone(jax: Any, backend: Any) -> None:
+    jm = backend.JaxModel(jax_models.misbehaving_apply(), params_of(0))
+    with shmeval.Evaluator(jm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=8,
+                           max_clients=2, slots_per_client=4) as ev:
+        serves_after_bad_batches(ev, {1: ["state out of range"], 5: ["'value' holds NaN"]})
+        assert ev.stats()["failed_requests"] == 2
+
+
+def test_weights(jax: Any, backend: Any, tmp_path: Any) -> None:
+    jm = backend.JaxModel(apply_fn(), params_of(1))
+    jm.prepare(Spec.build(INPUT_SHAPE, F32, OUTPUTS, 8, 1, 1), None)
+    traces = jm.trace_count
+    x = random_states(8, 5)
+    w1 = jm.get_weights()
+    assert len(w1) == 6
+
+    def check(seed: int) -> None:
+        out, expect = jm(x), reference("dict", params_of(seed))(x)
+        for k in OUTPUTS:
+            np.testing.assert_allclose(out[k], expect[k], rtol=1e-5, atol=1e-5)
+
+    jm.set_weights(params_of(2))  # a pytree
+    check(2)
+    jm.set_weights(jax.tree_util.tree_leaves(params_of(3)))  # a list
+    check(3)
+    w3 = jm.get_weights()
+    bad = [w.copy() for w in w1]
+    bad[0] = np.zeros(bad[0].shape + (2,), np.float32)
+    with pytest.raises(ValueError, match="shape"):
+        jm.set_weights(bad)
+    with pytest.raises(ValueError, match=f"got {len(w1) - 1} arrays"):
+        jm.set_weights(w1[:-1])
+    with pytest.raises(ValueError, match="cannot be cast"):
+        jm.set_weights([w.astype(np.complex64) for w in w1])
+    other = params_of(2)
+    other["extra"] = {"w": np.zeros(1, np.float32)}
+    with pytest.raises(ValueError, match="structure"):
+        jm.set_weights(other)
+    for a, b in zip(jm.get_weights(), w3):
+        np.testing.assert_array_equal(a, b)
+    check(3)
+    np.savez(tmp_path / "one.npz", *w1)
+    jm.load_weights(tmp_path / "one.npz")
+    check(1)
+    np.savez(tmp_path / "bad.npz", *bad)
+    with pytest.raises(ValueError, match="shape"):
+        jm.load_weights(tmp_path / "bad.npz")
+    check(1)
+    assert jm.trace_count == traces, "a weight update traced the model again"
+
+
+def test_hot_swap_through_evaluator(jax: Any, backend: Any, tmp_path: Any) -> None:
+    jm = backend.JaxModel(apply_fn(), params_of(1))
+    with shmeval.Evaluator(jm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
+                           max_clients=4, slots_per_client=32) as ev:
+        traces = jm.trace_count
+        serve_and_compare(ev, reference("dict", params_of(1)), tuple(OUTPUTS), sizes=(3, 40))
+        assert ev.set_weights(jax.tree_util.tree_leaves(params_of(2))) == 1
+        serve_and_compare(ev, reference("dict", params_of(2)), tuple(OUTPUTS), sizes=(3, 40))
+        np.savez(tmp_path / "three.npz", *jax.tree_util.tree_leaves(params_of(3)))
+        assert ev.load_weights(tmp_path / "three.npz") == 2
+        with pytest.raises(shmeval.ModelError, match="set_weights: got 1 arrays"):
+            ev.set_weights([np.zeros(3, np.float32)])
+        assert ev.model_version == 2
+        serve_and_compare(ev, reference("dict", params_of(3)), tuple(OUTPUTS), sizes=(3, 40))
+        assert jm.trace_count == traces
+
+
+@pytest.mark.timeout(240)
+def test_jax_hot_swap_under_load(jax: Any) -> None:
+    """A spawned evaluator (pv_factory) under load from spawn workers that
+    never import JAX; 8 weight updates; every answer matches its version."""
+    hot_swap_under_load(jax_models.pv_factory,
+                        [jax.tree_util.tree_leaves(params_of(v)) for v in range(9)],
+                        lambda v, states: reference("dict", params_of(v))(states))
+
+
+def test_backends_package_does_not_import_jax() -> None:
+    code = ("import sys, shmeval, shmeval.backends, shmeval.backends._contract; "
+            "assert not {'jax', 'jaxlib', 'torch', 'tensorflow'} & set(sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
