@@ -618,6 +618,17 @@ cdef class Segment:
                 out.append((c, pid, st, pid_ns, bool(det)))
         return out
 
+    def client_requests(self):
+        """{index: requests published so far} of every claimed entry
+        (statistics: per-client request rates)."""
+        cdef uint32_t c, det
+        cdef uint64_t st, pid_ns
+        out = {}
+        for c in range(shm_clients_hwm(&self.seg)):
+            if shm_client_info(&self.seg, c, &st, &pid_ns, &det) != 0:
+                out[c] = shm_client_requests(&self.seg, c)
+        return out
+
     def reclaim(self, uint32_t c):
         """Evaluator only, with no batch in flight: frees a dead or detached
         client's entry and slots; returns how many slots were stranded

@@ -793,3 +793,19 @@ def test_large_states_cross_intact() -> None:
             odd[...] = rows[::-1]
             np.testing.assert_array_equal(ev.evaluate_many(odd)["echo"], rows[::-1])
             np.testing.assert_array_equal(ev.evaluate(odd[3])["echo"], rows[-4])
+
+
+@pytest.mark.timeout(30)
+def test_client_requests_are_counted_per_entry(rig: Rig) -> None:
+    seg = rig.seg
+    rig.serve()
+    c0 = seg.register(os.getpid(), 0, 0)
+    c1 = seg.register(os.getpid(), 0, 0)
+    rig.post(c0, [0, 1], [1, 2])
+    rig.post(c1, [0], [3])
+    assert seg.client_requests() == {c0: 2, c1: 1}
+    assert rig.collect() == 3
+    rig.server.complete(rig.results(3), 0)
+    seg.detach(c1)
+    assert seg.reclaim(c1) == 0
+    assert seg.client_requests() == {c0: 2}

@@ -260,7 +260,8 @@ typedef struct {
     _Atomic uint32_t detached;        /* 1 = owner left; evaluator reclaims */
     _Atomic uint64_t starttime;       /* owner's start time (pid reuse) */
     _Atomic uint64_t pid_ns;          /* owner's pid namespace, 0 = unknown */
-    char _pad[SHM_LINE - 24];
+    _Atomic uint64_t requests;        /* published by this entry's owner(s) */
+    char _pad[SHM_LINE - 32];
     /* _Atomic uint32_t state[K], on the next cache line(s) */
 } shm_client;
 
@@ -640,6 +641,13 @@ static inline void shm_client_detach(shm_seg *s, uint32_t c) {
                           memory_order_release);
 }
 
+/* Requests published through entry c so far (statistics). */
+static inline uint64_t shm_client_requests(shm_seg *s, uint32_t c) {
+    /* MO: relaxed; a statistic. */
+    return atomic_load_explicit(&shm_client_at(s, c)->requests,
+                                memory_order_relaxed);
+}
+
 /* Reads an entry for the evaluator's housekeeping. */
 static inline int32_t shm_client_info(shm_seg *s, uint32_t c,
                                       uint64_t *starttime, uint64_t *pid_ns,
@@ -692,6 +700,7 @@ static inline int shm_client_reclaim(shm_seg *s, uint32_t c) {
     atomic_store_explicit(&e->detached, 0, memory_order_relaxed);
     atomic_store_explicit(&e->starttime, 0, memory_order_relaxed);
     atomic_store_explicit(&e->pid_ns, 0, memory_order_relaxed);
+    atomic_store_explicit(&e->requests, 0, memory_order_relaxed);
     /* MO: relaxed; a hint (clients fetch_add it too, hence atomic RMW). */
     atomic_fetch_sub_explicit(&h->n_attached, 1, memory_order_relaxed);
     shm_stat_add(&h->st[ST_RECLAIMED_CLIENTS], 1);
@@ -746,6 +755,10 @@ static inline int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k,
 static inline void shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k) {
     _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
     shm_slot_meta_at(s, c, k)->publish_ns = shm_now_ns();
+    /* MO: relaxed; a statistic, on the client's own line (the threads of a
+     * process share the entry, hence an atomic add). */
+    atomic_fetch_add_explicit(&shm_client_at(s, c)->requests, 1,
+                              memory_order_relaxed);
     uint32_t old = atomic_load_explicit(w, memory_order_relaxed);
     SHM_ASSERT(shm_word_state(old) == SLOT_WRITING);
     /* MO: release; pairs with the acquire fence after the scan's load in

@@ -91,6 +91,7 @@ cdef extern from "ring.h" nogil:
     int32_t shm_client_info(shm_seg *s, uint32_t c, uint64_t *starttime, uint64_t *pid_ns,
                             uint32_t *detached)
     int shm_client_reclaim(shm_seg *s, uint32_t c)
+    uint64_t shm_client_requests(shm_seg *s, uint32_t c)
 
     int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k, int32_t pid, uint32_t *gen)
     void shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k)
