@@ -15,6 +15,9 @@ reference, batchpath
 _timing
     The timing in C (an extension of its own, with pingpong.h): the
     workers' timed loop and the futex ping-pong reference.
+demo
+    ``shmeval demo``: round trips through a small NumPy net from N
+    processes, the shortest look at the core at work.
 
 :data:`METHODS` maps each method's name to a factory of a fresh method object;
 a factory takes an optional ``model`` (a picklable ``policy_size -> model``,
