@@ -16,8 +16,8 @@ from typing import Iterator
 import pytest
 
 HERE = Path(__file__).resolve().parent
-SUBJECTS = ("core", "stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench")
-SLOW_SUBJECTS = {"stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench"}
+SUBJECTS = ("core", "stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench", "monitor")
+SLOW_SUBJECTS = {"stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench", "monitor"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
