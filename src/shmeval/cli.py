@@ -1,6 +1,6 @@
-"""The ``shmeval`` command: ``selfplay``, ``bench``, ``demo``, ``ls``, ``stats``,
-``cleanup``.  A shmeval error ends any of them with one line on stderr and
-exit code 1, not a traceback."""
+"""The ``shmeval`` command: ``selfplay``, ``bench``, ``metrics``, ``plot``,
+``demo``, ``ls``, ``stats``, ``cleanup``.  A shmeval error ends any of them
+with one line on stderr and exit code 1, not a traceback."""
 from __future__ import annotations
 
 import argparse
@@ -51,7 +51,20 @@ APPLICATIONS = {
         "a lock-and-semaphore server, with the machine's reference figures",
         description="Round trips through every method, the machine's reference figures and the "
         "evaluator's batch path; 'shmeval bench --quick' takes under a minute."),
+    "metrics": Application(
+        "shmeval.monitor.prometheus", "main", "monitor", ("prometheus_client",),
+        help="serve a running evaluator's counters and histograms to Prometheus over HTTP",
+        description="Serves the evaluator's counters, histograms and gauges in Prometheus' text "
+        "format, read from its segment at each scrape, until Ctrl-C or the evaluator stops."),
+    "plot": Application(
+        "shmeval.monitor.plot", "main", "monitor", ("matplotlib",),
+        help="draw the time series of a 'shmeval selfplay --json' run to a PNG"),
 }
+
+#: ``shmeval stats ADDRESS --watch``: the live view, behind the same extra as
+#: the other monitoring commands.
+WATCH = Application("shmeval.monitor.watch", "watch", "monitor", ("rich",),
+                    help="a live view of a running evaluator")
 
 
 def _install_hint(app: Application, missing: str) -> str:
@@ -104,7 +117,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.address is None:
+        if args.watch:
+            sys.exit("shmeval stats: --watch needs an evaluator's address (see shmeval ls)")
         return cmd_ls(args)
+    if args.watch:
+        if not args.interval > 0:
+            sys.exit(f"shmeval stats: --interval must be > 0, got {args.interval:g}")
+        return int(getattr(_import_application(WATCH), WATCH.entry)(args.address, args.interval))
     from .client import connect
 
     _print_json(connect(args.address).stats())
@@ -215,6 +234,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("address", nargs="?",
                    help="the evaluator's address, e.g. /shmeval-4242-9f0c1e2d3b4a5968 "
                    "(ev.address; see shmeval ls)")
+    s.add_argument("--watch", action="store_true",
+                   help="show a live view, redrawn every interval, until Ctrl-C or the "
+                   "evaluator stops (needs the [monitor] extra)")
+    s.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                   help="with --watch: seconds between two views (default 1)")
     s.set_defaults(func=cmd_stats)
     c = sub.add_parser("cleanup", help="list shmeval segments in /dev/shm and remove those "
                        "of dead owners (the only named objects shmeval creates)")
