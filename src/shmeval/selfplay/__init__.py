@@ -9,7 +9,9 @@ Finished games go to the main process, which can save them to an ``.npz``
 (:func:`save_games` / :func:`load_games`) and, with ``train``, feeds them to
 a learner that trains the same net on a replay buffer (:class:`ReplayBuffer`,
 left-right mirror augmentation) and pushes its weights into the running
-evaluator with ``Evaluator.set_weights``.
+evaluator with ``Evaluator.set_weights``; with ``eval_every`` an arena
+process plays the current net against a plain MCTS with random rollouts
+and records the win rate.
 
 The package does not import TensorFlow; only the processes that run the net
 do (the evaluator, the queue evaluator, the local workers, and the main
@@ -26,6 +28,8 @@ process when it trains).
 ``records``            finished games: checked, stored, saved, loaded
 ``replay_buffer``      the learner's samples, mirrored when drawn
 ``learner``            ``--train``: trains and pushes weights
+``arena``              ``--eval-every``: the net against a rollout MCTS
+``series``             the per-second time series of ``--json``
 ``report``             medians over runs, ratios, the summary table
 ``runner``             :func:`run`: the modes in turn, summary, files
 ``cli``                :func:`add_arguments`, :func:`main`

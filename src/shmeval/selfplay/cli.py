@@ -79,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the learner's Adam learning rate (default {n.learning_rate:g})")
     p.add_argument("--load-games", metavar="PATH.npz",
                    help="seed the replay buffer with games saved by --games")
+    p.add_argument("--eval-every", type=float, default=d.eval_every, metavar="SECONDS",
+                   help="with --train: every this many seconds, play the current net against "
+                        "a plain MCTS with random rollouts and record the win rate (default: "
+                        "never)")
+    p.add_argument("--eval-games", type=int, default=d.eval_games,
+                   help=f"games per --eval-every match, the net first in half of them "
+                        f"(default {d.eval_games})")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -92,7 +99,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     freeze=not args.no_freeze, precision=args.precision,
                     max_batch=args.max_batch, pin=args.pin, net=net, train=args.train,
                     push_every=args.push_every, batch_size=args.batch_size,
-                    buffer_size=args.buffer_size, sample_reuse=args.sample_reuse)
+                    buffer_size=args.buffer_size, sample_reuse=args.sample_reuse,
+                    eval_every=args.eval_every, eval_games=args.eval_games)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

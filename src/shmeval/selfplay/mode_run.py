@@ -18,6 +18,7 @@ import numpy as np
 from .._util.children import start_process
 from .._util.display import Display
 from .._util.procstat import cpu_s, machine_busy_s, rss_mb
+from .arena import arena_main
 from .errors import WorkerError
 from .learner import Learner
 from .modes import MODE_CLASSES, Snapshot
@@ -25,9 +26,10 @@ from .pinning import cpu_split
 from .records import GameStore
 from .replay_buffer import ReplayBuffer
 from .report import fmt_rate
+from .series import TimeSeries
 from .settings import Settings
-from .worker import (CALLS, EVAL_CPU_NS, EVAL_WALL_NS, EVALS, GAMES, MOVES, N_FLAGS, NF, STOP,
-                     worker_main)
+from .worker import (ARENA_STOP, CALLS, EVAL_CPU_NS, EVAL_WALL_NS, EVALS, GAMES, MOVES, N_FLAGS,
+                     NF, STOP, worker_main)
 
 READY_TIMEOUT_S = 600.0
 TICK_S = 0.5
@@ -73,6 +75,10 @@ class ModeRun:
         self._phase = ""
         self.pinned = False
         self.startup_s = 0.0
+        #: The arena process (``--eval-every``) and its matches' results.
+        self.arena: Optional[Any] = None
+        self.win_rate: List[Dict[str, Any]] = []
+        self.series: Optional[TimeSeries] = None
 
     # -- messages from the workers ------------------------------------------------
 
@@ -87,8 +93,11 @@ class ModeRun:
             self.infos[wid] = msg[2]
         elif kind == "done":
             self.done[wid] = msg[2]
+        elif kind == "arena":
+            self.win_rate.append(msg[2])
         elif kind == "error":
-            raise WorkerError(f"{self.name} worker {wid} failed:\n{msg[2]}")
+            who = f"worker {wid}" if isinstance(wid, int) else wid
+            raise WorkerError(f"{self.name} {who} failed:\n{msg[2]}")
 
     def _drain(self, timeout: float = 0.0) -> None:
         """Handles every queued message; waits up to ``timeout`` for the first."""
@@ -108,6 +117,9 @@ class ModeRun:
                 self._drain()  # its error message may be queued
                 if i not in self.done:
                     raise WorkerError(f"{self.name} worker {i} exited with code {p.exitcode}")
+        if self.arena is not None and not self.arena.is_alive():
+            self._drain()  # its error message may be queued
+            raise WorkerError(f"{self.name}: the arena exited with code {self.arena.exitcode}")
         self.mode.check_alive()
 
     # -- start ----------------------------------------------------------------------
@@ -169,8 +181,21 @@ class ModeRun:
             loss = self.learner.loss
             text += f"  loss {loss:.3f}" if loss is not None else "  loss -"
             text += f"  buffer {len(self.learner.buffer):,}"
+        if self.s.eval_every:
+            m = self.win_rate[-1] if self.win_rate else None
+            text += f"  win rate {m['score']:.2f} (v{m['version_max']})" if m else "  win rate -"
         self.display.status(text, force=phase != self._phase)
         self._phase = phase
+
+    def _record(self, snap: Snapshot) -> Snapshot:
+        """Adds a point to the time series when one is due; returns ``snap``."""
+        series = self.series
+        if series is not None and series.due(snap["t"]):
+            learner = self.learner
+            series.add(snap, self.mode.mean_batch(series.last, snap),
+                       learner.loss if learner is not None else None,
+                       len(learner.buffer) if learner is not None else None)
+        return snap
 
     def measure(self) -> Dict[str, Any]:
         s = self.s
@@ -178,12 +203,17 @@ class ModeRun:
         if self.learner is not None:
             self.learner.start(self.mode.weights_receiver())
         self.go.set()
+        if s.eval_every:
+            self.arena = start_process(
+                self.ctx, arena_main, f"selfplay-{self.name}-arena",
+                (s, self.mode.arena_evaluator(), self.flags, self.out_q, self.t_go))
         start = self._snapshot()
+        self.series = TimeSeries(start)
         warm_end = self.t_go + s.warmup
         while time.monotonic() < warm_end:
             self._drain(min(TICK_S, max(0.0, warm_end - time.monotonic())))
             self._check_alive()
-            self._live("warm-up", start, self._snapshot())
+            self._live("warm-up", start, self._record(self._snapshot()))
         games_before = self.games_total
         a = self._snapshot()
         t_end = a["t"] + s.seconds
@@ -206,8 +236,10 @@ class ModeRun:
                 if self.mode.evaluator_pid:
                     _sample_rss(self.mode.evaluator_pid, server_rss)
                 _sample_rss(os.getpid(), main_rss)
-            self._live("measuring", a, self._snapshot())
+            self._live("measuring", a, self._record(self._snapshot()))
         b = self._snapshot()
+        # A match that would end after the window belongs to no point of it.
+        np.frombuffer(self.flags, dtype=np.int64)[ARENA_STOP] = 1
         if not any(rss.values()):  # a very short window: sample once now
             for pid, samples in rss.items():
                 _sample_rss(pid, samples)
@@ -271,6 +303,10 @@ class ModeRun:
             },
         }
         r.update(self.mode.result(d, dt))
+        if self.series is not None:
+            r["series"] = self.series.to_json()
+        if s.eval_every:
+            r["win_rate"] = self.win_rate
         if train is not None:
             r["train"] = train
             r["pushes"] = train["pushes"]
@@ -301,8 +337,9 @@ class ModeRun:
         np.frombuffer(self.flags, dtype=np.int64)[STOP] = 1
         self.go.set()
         deadline = t0 + (1.5 if abort else 20.0)
+        children = self.procs + ([self.arena] if self.arena is not None else [])
         try:
-            while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            while any(p.is_alive() for p in children) and time.monotonic() < deadline:
                 if interrupted:
                     deadline = min(deadline, time.monotonic() + 1.5)
                 try:
@@ -311,11 +348,11 @@ class ModeRun:
                     if not abort:
                         raise
         finally:
-            for p in self.procs:
+            for p in children:
                 if p.is_alive():
                     killed.append(p.name)
                     p.terminate()
-            for p in self.procs:
+            for p in children:
                 p.join(1.0)
                 if p.is_alive():
                     p.kill()

@@ -109,6 +109,10 @@ class Mode:
         """What the learner pushes its weights into."""
         raise WorkerError(f"--train needs the shmeval mode, not {self.name}")
 
+    def arena_evaluator(self) -> Any:
+        """The handle through which the arena's net evaluates (``--eval-every``)."""
+        raise WorkerError(f"--eval-every needs the shmeval mode, not {self.name}")
+
     def stop(self, abort: bool) -> List[str]:
         """Stops the evaluator; returns the names of the processes it had to kill."""
         return []
@@ -201,6 +205,9 @@ class ShmevalMode(_CentralMode):
         return {**super().result(d, dt), "model_version": int(self._stats()["model_version"])}
 
     def weights_receiver(self) -> Any:
+        return self.ev
+
+    def arena_evaluator(self) -> Any:
         return self.ev
 
     def stop(self, abort: bool) -> List[str]:

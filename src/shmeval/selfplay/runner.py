@@ -36,6 +36,21 @@ from .settings import MODES, Settings
 OTHER_LOAD_WARN = 0.2
 
 
+def win_rate_line(matches: List[Dict[str, Any]]) -> str:
+    """The summary of ``--eval-every``: the net's first and last score
+    against the rollout MCTS (wins plus half the draws, per game)."""
+    if not matches:
+        return "arena: no match finished (a match takes longer than the run?)"
+    first, last = matches[0], matches[-1]
+
+    def score(m: Dict[str, Any]) -> str:
+        return (f"{m['score']:.2f} ({m['wins']}-{m['draws']}-{m['losses']}, model "
+                f"v{m['version_max']}, at {m['t_s']:.0f} s)")
+
+    return (f"arena: {len(matches)} matches of {first['games']} games against a plain MCTS "
+            f"with random rollouts; the net's score {score(first)} -> {score(last)}")
+
+
 def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         games_path: Optional[str] = None, load_games_path: Optional[str] = None,
         json_path: Optional[str] = None) -> Dict[str, Any]:
@@ -81,6 +96,10 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
                      f"{s.batch_size}, pushes weights every {s.push_every:g} s; replay buffer "
                      f"seeded with {len(buffer):,} samples")
         learner = Learner(s, buffer)
+        if s.eval_every:
+            display.line(f"arena: every {s.eval_every:g} s, {s.eval_games} games of the current "
+                         f"net against a plain MCTS with uniform priors and random rollouts, "
+                         f"{s.simulations} simulations/move each")
     runs: Dict[str, List[Dict[str, Any]]] = {m: [] for m in modes}
     for round_ in range(s.repeats):
         if s.repeats > 1:
@@ -120,6 +139,8 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         elif mode == "shmeval":
             display.line(f"shmeval workers that imported TensorFlow: "
                          f"{r['tensorflow_in_workers']} of {s.workers}")
+        if "win_rate" in r:
+            display.line(win_rate_line(r["win_rate"]))
     out: Dict[str, Any] = {
         "settings": {**asdict(s), "modes": list(modes)}, "machine": machine,
         "modes": results, "ratios": shm_ratios, "round_ratios": paired, "wall_s": wall,

@@ -45,6 +45,9 @@ class Settings:
     buffer_size: int = 100_000
     sample_reuse: float = 4.0
     learner_threads: int = 1
+    # the arena (train=True): 0 plays no match
+    eval_every: float = 0.0
+    eval_games: int = 40
 
     def worker_policy(self, cpus: Optional[int] = None) -> str:
         """Scheduling policy of every mode's workers, "batch" (``SCHED_BATCH``,
@@ -103,3 +106,7 @@ class Settings:
             raise ValueError("need push_every > 0, batch_size >= 1, buffer_size >= batch_size")
         if self.sample_reuse <= 0:
             raise ValueError("sample_reuse must be > 0")
+        if self.eval_every < 0 or self.eval_games < 1:
+            raise ValueError("need eval_every >= 0 and eval_games >= 1")
+        if self.eval_every and not self.train:
+            raise ValueError("--eval-every measures the learner's progress: use it with --train")

@@ -23,8 +23,10 @@ from .settings import Settings
 # Per-worker counters (int64 each) in one shared array, NF slots per worker.
 MOVES, EVALS, CALLS, GAMES, EVAL_WALL_NS, EVAL_CPU_NS = range(6)
 NF = 8
-# Flags shared by all workers.
+# Flags shared by all workers (and the arena).
 STOP = 0
+#: The measured window is over: the arena starts no more matches.
+ARENA_STOP = 1
 N_FLAGS = 4
 
 
