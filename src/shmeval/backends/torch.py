@@ -33,7 +33,9 @@ import contextlib
 import functools
 import os
 import queue
+import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -139,6 +141,14 @@ class _Lane:
     pool: Any = None
 
 
+class _ThreadLane(threading.local):
+    """The lane a thread calls the model on: each serving thread keeps one,
+    so that the page-locked outputs it returned are not overwritten by
+    another thread before the evaluator has copied them into the slots."""
+
+    lane: Optional[_Lane] = None
+
+
 class TorchModel:
     """A PyTorch model as a shmeval evaluator model.
 
@@ -161,10 +171,12 @@ class TorchModel:
     outputs are cast back to the declared dtypes).  ``buckets``: batch
     sizes to pad to when the evaluator has none; with ``compile`` or
     ``cuda_graphs`` and no buckets anywhere, powers of two up to
-    ``max_batch``.  ``lanes`` (CUDA only, default 2): calls that may run at
-    once, each on its own CUDA stream with its own page-locked buffers and
-    graphs: give the evaluator as many ``serving_threads``, so that one
-    batch is copied to the GPU while the previous one computes.
+    ``max_batch``.  ``lanes`` (CUDA only, default 2): lanes built at
+    start-up, each a CUDA stream with its own page-locked buffers and
+    graphs, kept by the first thread that calls on it: give the evaluator
+    as many ``serving_threads``, so that one batch is copied to the GPU
+    while the previous one computes (a thread beyond them builds a lane
+    of its own at its first call, while serving, with a warning).
     ``intra_op_threads``: ``torch.set_num_threads`` for the CPU (a
     process-wide setting; None leaves PyTorch's default, one per core).
 
@@ -211,8 +223,11 @@ class TorchModel:
                                           dynamic=False)
         self._want: list[Any] = []       # the declared output dtypes, as torch dtypes
         self._input_dtype: Any = None
-        self._sizes: Optional[tuple[int, ...]] = None
-        self._lanes: Optional[queue.SimpleQueue[_Lane]] = None
+        # CUDA: lanes no thread has taken yet, and what a lane is built for.
+        self._free_lanes: Optional[queue.SimpleQueue[_Lane]] = None
+        self._lane_rows = 0
+        self._graph_sizes: tuple[int, ...] = ()
+        self._thread = _ThreadLane()
 
     def _counting(self, backend: str) -> Callable[..., Any]:
         """``backend`` (a torch.compile backend's name), counting the graphs
@@ -273,7 +288,7 @@ class TorchModel:
         """Evaluates ``batch [rows, *input_shape]``.  After ``prepare``: a dict
         ``{name: ndarray}`` of the declared dtypes and shapes; on a CUDA
         device its arrays are views of page-locked buffers that the next
-        call on the same lane overwrites (the evaluator copies them into
+        call from the same thread overwrites (the evaluator copies them into
         the slots first).  Before it (a standalone call): the model's
         outputs as new ndarrays, in the model's structure (dict, tuple or
         one array)."""
@@ -287,7 +302,7 @@ class TorchModel:
                              f"got {batch.shape} {batch.dtype}")
         try:
             with torch.inference_mode():
-                if self._lanes is None:
+                if self._free_lanes is None:
                     return self._call_cpu(batch)
                 return self._call_cuda(batch)
         except torch.cuda.OutOfMemoryError as e:
@@ -320,28 +335,38 @@ class TorchModel:
         return {name: t.numpy() for name, t in zip(self.spec.output_names, out)}
 
     def _call_cuda(self, batch: np.ndarray) -> dict[str, np.ndarray]:
-        assert self.spec is not None and self._lanes is not None
+        assert self.spec is not None
         rows = len(batch)
-        lane = self._lanes.get()  # waits while every lane has a call in flight
+        lane = self._thread.lane or self._take_lane()
+        np.copyto(lane.host_in_np[:rows], batch, casting="same_kind")
+        with torch.cuda.stream(lane.stream):
+            x = lane.device_in[:rows]
+            x.copy_(lane.host_in[:rows], non_blocking=True)
+            graph = lane.graphs.get(rows)
+            if graph is not None:
+                graph[0].replay()
+                out = graph[1]
+            else:
+                out = self._fitted(x)
+            for host, t in zip(lane.host_out, out):
+                host[:rows].copy_(t, non_blocking=True)
+        # Releases the GIL while it waits: another serving thread's batch is
+        # gathered and copied meanwhile.
+        lane.stream.synchronize()
+        return {name: a[:rows] for name, a in zip(self.spec.output_names, lane.host_out_np)}
+
+    def _take_lane(self) -> _Lane:
+        """A lane for this thread, kept by it from now on."""
+        assert self._free_lanes is not None
         try:
-            np.copyto(lane.host_in_np[:rows], batch, casting="same_kind")
-            with torch.cuda.stream(lane.stream):
-                x = lane.device_in[:rows]
-                x.copy_(lane.host_in[:rows], non_blocking=True)
-                graph = lane.graphs.get(rows)
-                if graph is not None:
-                    graph[0].replay()
-                    out = graph[1]
-                else:
-                    out = self._fitted(x)
-                for host, t in zip(lane.host_out, out):
-                    host[:rows].copy_(t, non_blocking=True)
-            # Releases the GIL while it waits: another serving thread's batch
-            # is gathered and copied meanwhile.
-            lane.stream.synchronize()
-            return {name: a[:rows] for name, a in zip(self.spec.output_names, lane.host_out_np)}
-        finally:
-            self._lanes.put(lane)
+            lane = self._free_lanes.get_nowait()
+        except queue.Empty:
+            warnings.warn(f"TorchModel: more threads call the model than it has lanes "
+                          f"({self.lanes}); building another one while serving (pass "
+                          "lanes=serving_threads)", RuntimeWarning, stacklevel=2)
+            lane = self._lane()
+        self._thread.lane = lane
+        return lane
 
     # -- start-up -------------------------------------------------------------------
 
@@ -355,7 +380,6 @@ class TorchModel:
         sizes = serving_sizes(spec, buckets, self.buckets,
                               bool(self.compile) or self.cuda_graphs, "TorchModel")
         self.spec = spec
-        self._sizes = sizes
         self._input_dtype = _torch_dtype(spec.input_dtype, "input dtype")
         self._want = [_torch_dtype(o.dtype, f"dtype of output {o.name!r}") for o in spec.outputs]
         if self.compile:
@@ -370,13 +394,18 @@ class TorchModel:
             setattr(config, name, getattr(config, name) + len(sizes or ()))
         warm = sizes or tuple(sorted({1, spec.max_batch}))
         if self.device.type == "cuda":
-            self._lanes = None  # built below; a failed prepare leaves none
+            self._thread.lane = None
+            self._lane_rows, self._graph_sizes = max(warm), sizes or ()
             lanes: queue.SimpleQueue[_Lane] = queue.SimpleQueue()
             for _ in range(self.lanes):
-                lanes.put(self._lane(max(warm), sizes or ()))
-            self._lanes = lanes
+                lanes.put(self._lane())
+            self._free_lanes = lanes
         for rows in warm:
             self._warm_up(rows)
+        if self._free_lanes is not None and self._thread.lane is not None:
+            # The warm-up's lane goes back: serving threads take the lanes.
+            self._free_lanes.put(self._thread.lane)
+            self._thread.lane = None
         self.warmup_s = time.perf_counter() - t0
         return None if buckets else sizes
 
@@ -394,11 +423,13 @@ class TorchModel:
                              f"{type(e).__name__}: {e}") from e
         check_warm_outputs(out, self.spec, rows)
 
-    def _lane(self, rows: int, graph_sizes: Sequence[int]) -> _Lane:
-        """A lane for batches of up to ``rows``, with a CUDA graph per size
-        in ``graph_sizes`` when ``cuda_graphs`` is on (largest first, all
-        in one memory pool: they never run at once)."""
+    def _lane(self) -> _Lane:
+        """A lane for batches of up to ``_lane_rows``, with a CUDA graph per
+        size in ``_graph_sizes`` when ``cuda_graphs`` is on (largest first,
+        all in one memory pool: a lane runs one at a time, and its outputs
+        are copied out before the next)."""
         assert self.spec is not None
+        rows = self._lane_rows
         with torch.inference_mode():
             host_in = torch.empty((rows, *self.spec.input_shape), dtype=self._input_dtype,
                                   pin_memory=True)
@@ -409,7 +440,7 @@ class TorchModel:
                          device_in=torch.zeros_like(host_in, device=self.device),
                          host_out=host_out, host_out_np=[t.numpy() for t in host_out])
             if self.cuda_graphs:
-                for n in sorted(graph_sizes, reverse=True):
+                for n in sorted(self._graph_sizes, reverse=True):
                     lane.graphs[n] = self._capture(lane, n)
         return lane
 
@@ -417,6 +448,8 @@ class TorchModel:
         """One CUDA graph of the fitted forward for ``rows`` rows of the
         lane's device buffer, and the tensors it writes its outputs to."""
         x = lane.device_in[:rows]
+        # The buffers were zeroed on the current stream.
+        lane.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(lane.stream):
             # Warm-up runs before capture: lazy initialisation, cuDNN's choice
             # of algorithms and torch.compile happen outside the graph.
