@@ -1,0 +1,73 @@
+"""The Ray actor that owns one node's evaluator.
+
+:class:`~shmeval.ray.ClusterEvaluator` places one :class:`NodeEvaluator`
+on each node, pinned there, under the name :func:`actor_name`; it calls
+``Evaluator.spawn(factory, **evaluator_kwargs)``, so the model and its
+framework live in the spawned evaluator process and nowhere else.  The
+actor only starts, updates, reports and closes it: no evaluation passes
+through Ray.  When the actor dies (its node left, or its owner, the
+driver, exited), the spawned evaluator sees its creator gone, removes its
+segment and exits.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from ..errors import ShmevalError
+from ..evaluator import Evaluator
+
+
+def actor_name(name: str, node_id: str) -> str:
+    """The Ray name of cluster evaluator ``name``'s actor on node ``node_id``:
+    a worker finds its own node's evaluator by its node id, since nodes may
+    share an address (several nodes of one machine)."""
+    return f"{name}:{node_id}"
+
+
+class NodeEvaluator:
+    """One node's evaluator, as a Ray actor (the class is wrapped with
+    ``ray.remote`` where it is placed).  A failed start-up is kept and
+    raised by :meth:`ready`, so that the driver gets the evaluator's own
+    exception (``ModelError``, ``EvaluatorDied``, ``ValueError``, ...)."""
+
+    def __init__(self, factory: Callable[[], Any], evaluator_kwargs: Dict[str, Any],
+                 weights: Optional[Sequence[Any]], version: int) -> None:
+        self._ev: Optional[Evaluator] = None
+        self._error: Optional[BaseException] = None
+        try:
+            self._ev = Evaluator.spawn(factory, **evaluator_kwargs)
+            if weights is not None:
+                # Before the address is handed out: this node's workers never
+                # see the weights it started with once others are serving.
+                self._ev.set_weights(weights, version=version)
+        except Exception as e:
+            self._error = e
+            if self._ev is not None:
+                self._ev.close()
+                self._ev = None
+
+    def _serving(self) -> Evaluator:
+        if self._error is not None:
+            raise self._error
+        if self._ev is None:
+            raise ShmevalError("this node's evaluator is closed")
+        return self._ev
+
+    def ready(self) -> str:
+        """The evaluator's address, once it serves; its start-up error otherwise."""
+        return self._serving().address
+
+    def set_weights(self, weights: Sequence[Any], version: int, timeout: float) -> int:
+        """Applies ``weights`` (the driver's one object-store copy, resolved
+        by Ray on this node) as ``version``; returns it."""
+        return self._serving().set_weights(weights, version=version, timeout=timeout)
+
+    def stats(self) -> Dict[str, Any]:
+        ev = self._serving()
+        return {"address": ev.address, "pid": ev.pid, **ev.stats()}
+
+    def close(self, timeout: float) -> None:
+        """Stops serving and removes the segment (idempotent)."""
+        if self._ev is not None:
+            self._ev.close(timeout)
+            self._ev = None

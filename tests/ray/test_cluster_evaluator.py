@@ -1,0 +1,197 @@
+"""shmeval.ray on a real Ray cluster of two nodes simulated on this machine
+(``simulated_cluster``): the nodes share /dev/shm and the IP address, so a
+worker must find its own node's evaluator by Ray's node id.
+
+- one evaluator per node; each worker evaluates through its own node's
+  evaluator, with no Ray call per evaluation (counted in the worker);
+- weights reach every node through one object-store copy, in order: no
+  worker sees versions go backwards;
+- a node that joins gets an evaluator serving the latest weights; a node
+  removed under load takes its workers with it, the others keep playing;
+- bad input fails at start-up, leaving no actor and no segment behind.
+
+One cluster serves the whole module (a Ray node takes seconds to start):
+about 60-90 s on 2 cores.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import cluster_parts  # noqa: E402
+import shmeval  # noqa: E402
+from cluster_parts import SPEC, Player  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+from shmeval.ray import ClusterEvaluator, simulated_cluster  # noqa: E402
+
+TIMEOUT = 60.0
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """Two nodes; each evaluator process and Ray worker can import
+    cluster_parts.  Shut down with the module: later test folders fork,
+    which a process with Ray's threads must not."""
+    here = str(Path(cluster_parts.__file__).parent)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved) if p)
+    try:
+        with simulated_cluster(2) as c:
+            yield c
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
+    """Polls ``check`` until it returns something true; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def on_node(node_id: str, handle: Any) -> Any:
+    return Player.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(handle)
+
+
+def alive_nodes() -> list[str]:
+    return [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+
+
+def segment_exists(address: str) -> bool:
+    return os.path.exists("/dev/shm" + address)
+
+
+def test_each_worker_uses_its_own_nodes_evaluator_without_ray_calls(cluster: Any) -> None:
+    with ClusterEvaluator(cluster_parts.pid_net, **SPEC) as ce:
+        stats = ce.stats()
+        nodes = alive_nodes()
+        assert sorted(stats) == sorted(nodes) and len(nodes) == 2
+        players = [on_node(n, ce) for n in nodes for _ in range(2)]
+        results = ray.get([p.evaluate_counting.remote(200) for p in players], timeout=TIMEOUT)
+        for r in results:
+            own = stats[r["node_id"]]
+            assert r["address"] == own["address"]
+            assert r["pids"] == [own["pid"]]          # answered by its node's evaluator only
+            assert r["ray_calls_connect"] > 0         # the counter sees Ray calls ...
+            assert r["ray_calls_evaluating"] == 0     # ... and evaluations make none
+        after = ce.stats()
+        for n in nodes:
+            assert after[n]["requests"] - stats[n]["requests"] == 400
+        addresses = [s["address"] for s in stats.values()]
+        assert all(segment_exists(a) for a in addresses)
+        for p in players:
+            ray.kill(p)
+    assert not any(segment_exists(a) for a in addresses)
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(ce.name)]
+
+
+def test_weights_reach_every_node_once_and_in_order(cluster: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value: puts.append(1) or real_put(value))
+    with ClusterEvaluator(cluster_parts.pid_net, **SPEC) as ce:
+        players = [on_node(n, ce) for n in alive_nodes()]
+        playing = [p.play.remote() for p in players]
+        wait_for("every player to evaluate", lambda: all(
+            ray.get([p.progress.remote() for p in players], timeout=TIMEOUT)))
+        for v in range(1, 6):
+            assert ce.set_weights([np.float32(v)]) == v
+        assert len(puts) == 5                         # one copy per update, for both nodes
+        assert ce.set_weights([np.float32(10)], version=10) == 10
+        with pytest.raises(ValueError, match="larger than the current model version 10"):
+            ce.set_weights([np.float32(9)], version=9)
+        assert {s["model_version"] for s in ce.stats().values()} == {10}
+        before = ray.get([p.progress.remote() for p in players], timeout=TIMEOUT)
+        wait_for("evaluations with the last weights", lambda: all(
+            a > b for a, b in zip(ray.get([p.progress.remote() for p in players],
+                                          timeout=TIMEOUT), before)))
+        reports = ray.get([p.halt.remote() for p in players], timeout=TIMEOUT)
+        ray.get(playing, timeout=TIMEOUT)
+        for r in reports:
+            assert r["error"] is None and r["versions_backwards"] == 0
+            assert r["weights_seen"] == sorted(r["weights_seen"])
+            assert r["weights_seen"][-1] == 10.0
+        for p in players:
+            ray.kill(p)
+
+
+def test_node_joins_and_leaves_under_load(cluster: Any) -> None:
+    with ClusterEvaluator(cluster_parts.pid_net, watch_s=0.2, **SPEC) as ce:
+        ce.set_weights([np.float32(2.0)])
+        joined = cluster.add_node(num_cpus=1)
+        new = joined.node_id
+        # The new node's evaluator starts with the latest weights.
+        wait_for("the new node's evaluator", lambda: new in ce.addresses())
+        address = ce.addresses()[new]
+        assert ce.stats()[new]["model_version"] == 1
+        players = {n: on_node(n, ce) for n in alive_nodes()}
+        assert len(players) == 3
+        playing = {n: p.play.remote() for n, p in players.items()}
+        wait_for("every player to evaluate", lambda: all(
+            ray.get([p.progress.remote() for p in players.values()], timeout=TIMEOUT)))
+        cluster.remove_node(joined)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(playing[new], timeout=TIMEOUT)     # its workers went with it
+        rest = [p for n, p in players.items() if n != new]
+        before = ray.get([p.progress.remote() for p in rest], timeout=TIMEOUT)
+        wait_for("the other nodes to keep playing", lambda: all(
+            a > b + 100 for a, b in zip(ray.get([p.progress.remote() for p in rest],
+                                                timeout=TIMEOUT), before)))
+        wait_for("the left node's evaluator to be forgotten", lambda: new not in ce.addresses())
+        wait_for("the left node's segment to go", lambda: not segment_exists(address))
+        assert ce.set_weights([np.float32(3.0)]) == 2  # the nodes left get it
+        reports = ray.get([p.halt.remote() for p in rest], timeout=TIMEOUT)
+        for r in reports:
+            assert r["error"] is None and r["versions_backwards"] == 0
+            assert r["weights_seen"] == sorted(r["weights_seen"])
+        for p in rest:
+            ray.kill(p)
+
+
+def left_behind(name: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(name)]
+
+
+def test_failing_factory_fails_at_start_and_leaves_nothing(cluster: Any) -> None:
+    with pytest.raises(shmeval.ModelError, match="Ray node .*this node has no model"):
+        ClusterEvaluator(cluster_parts.failing_factory, name="failing", **SPEC)
+    wait_for("the actors to go", lambda: not left_behind("failing"))
+
+
+def test_bad_arguments_fail_before_anything_is_placed(cluster: Any) -> None:
+    with pytest.raises(TypeError, match="max_batchh"):
+        ClusterEvaluator(cluster_parts.pid_net, name="typo", max_batchh=3, **SPEC)
+    with pytest.raises(TypeError, match="outputs"):
+        ClusterEvaluator(cluster_parts.pid_net, name="typo", input_shape=(3,))
+    assert not left_behind("typo")
+    with pytest.raises(ValueError, match="max_batch"):
+        ClusterEvaluator(cluster_parts.pid_net, name="bad-value",
+                         **{**SPEC, "max_batch": 0})
+    wait_for("the actors to go", lambda: not left_behind("bad-value"))
+
+
+def test_a_name_in_use_is_refused(cluster: Any) -> None:
+    with ClusterEvaluator(cluster_parts.pid_net, name="taken", **SPEC) as ce:
+        with pytest.raises(ValueError, match="taken"):
+            ClusterEvaluator(cluster_parts.pid_net, name="taken", **SPEC)
+        assert len(ce.stats()) == 2                   # the first one still serves
