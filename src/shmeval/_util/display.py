@@ -1,6 +1,7 @@
 """A status line rewritten in place on a terminal, plain lines otherwise:
 the live display of ``shmeval selfplay`` and the progress bar of
-``shmeval bench``."""
+``shmeval bench``; and rates and durations as the tables and live views
+show them."""
 from __future__ import annotations
 
 import math
@@ -10,6 +11,21 @@ from typing import Optional, TextIO
 
 #: Without a terminal, a status line is printed at most this often (seconds).
 PLAIN_EVERY_S = 5.0
+
+
+def fmt_rate(x: float) -> str:
+    """A rate as the tables show it: whole from 100 on, one decimal below."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+
+
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m07s`` or ``2h05m``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class Display:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Collection
 
 from . import DEFAULT_METHODS, METHODS, OPTIONAL_PACKAGES, STATES
 from . import report
+from .._util.display import format_duration
 from .._util.jsonout import write_json
 from .roundtrip import CDF_GRID, StateSpec, TrialConfig, run_trial
 
@@ -321,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: could not draw the plot: {e}", file=sys.stderr)
 
     leftovers = sorted(dev_shm_entries() - shm_before - mapped_by_others())
-    print(f"\nwall time {report.format_duration(elapsed)}; new entries in /dev/shm: {', '.join(leftovers) or 'none'}")
+    print(f"\nwall time {format_duration(elapsed)}; new entries in /dev/shm: {', '.join(leftovers) or 'none'}")
     if failures:
         print(f"FAILED: {', '.join(failures)}")
     if args.json:

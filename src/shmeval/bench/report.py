@@ -8,22 +8,13 @@ import sys
 import time
 from typing import Any, Iterable, Sequence, TextIO
 
-from .._util.display import Display
+from .._util.display import Display, format_duration
 from .._util.machine import machine_info as _machine_info
 from .roundtrip import CDF_GRID
 
 # shmeval's rows are compared with these, in this order, when they were run.
 COMPARED_BASELINES = ("pipe", "faster_fifo", "locksem")
 SHMEVAL_METHODS = ("shmeval", "shm_thread")
-
-
-def format_duration(seconds: float) -> str:
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class Progress:

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .._util.children import start_process
-from .._util.display import Display
+from .._util.display import Display, fmt_rate
 from .._util.procstat import cpu_s, machine_busy_s, rss_mb
 from .arena import arena_main
 from .errors import WorkerError
@@ -25,7 +25,6 @@ from .modes import MODE_CLASSES, Snapshot
 from .pinning import cpu_split
 from .records import GameStore
 from .replay_buffer import ReplayBuffer
-from .report import fmt_rate
 from .series import TimeSeries
 from .settings import Settings
 from .worker import (ARENA_STOP, CALLS, EVAL_CPU_NS, EVAL_WALL_NS, EVALS, GAMES, MOVES, N_FLAGS,

@@ -5,10 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List, Optional
 
-
-def fmt_rate(x: float) -> str:
-    """A rate as the tables show it: whole from 100 on, one decimal below."""
-    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+from .._util.display import fmt_rate
 
 
 #: The modes the summary compares shmeval with, in this order.
