@@ -2,11 +2,13 @@
 own parser: the counters are the segment's, every histogram's buckets are
 cumulative and end in its count (the requests for the queue wait, the
 batches for batch size and model time), the sums are right, the replicas,
-cache and tuner figures appear when ``stats()`` has them, and ``close()``
-frees the port."""
+cache and tuner figures appear when ``stats()`` has them, ``close()``
+frees the port, and ``shmeval metrics`` serves until the evaluator closes."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import urllib.request
 from typing import Any, Dict, List
 
@@ -94,14 +96,18 @@ def test_a_scrape_holds_the_segments_figures() -> None:
     assert value(m["shmeval_model_seconds"], "shmeval_model_seconds_sum") > 0
 
 
+SECTIONS = ("replicas", "cache", "tuner")
+
+
 class FakeReader(EvaluatorReader):
-    """A reader whose stats() has the sections later versions add."""
+    """A reader whose stats() has exactly the sections in ``extra``."""
 
     extra: Dict[str, Any] = {}
 
     def snapshot(self) -> Snapshot:
         snap = super().snapshot()
-        return Snapshot(snap.raw, {**snap.stats, **self.extra}, snap.client_requests)
+        stats = {k: v for k, v in snap.stats.items() if k not in SECTIONS}
+        return Snapshot(snap.raw, {**stats, **self.extra}, snap.client_requests)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -113,11 +119,11 @@ def test_replicas_cache_and_tuner_appear_when_stats_has_them() -> None:
                        for n in names)
         reader.extra = {
             "replicas": [{"replica": 0, "pid": 11, "starttime": 5, "state": "serving",
-                          "device": "cuda:0", "version": 3, "requests": 100, "batches": 10,
-                          "model_ns": 2_000_000_000},
+                          "device": "cuda:0", "model_version": 3, "requests": 100,
+                          "batches": 10, "model_time_share": 0.5},
                          {"replica": 1, "pid": 12, "starttime": 6, "state": "dead",
-                          "device": "cuda:1", "version": 2, "requests": 50, "batches": 5,
-                          "model_ns": 0}],
+                          "device": "cuda:1", "model_version": 2, "requests": 50, "batches": 5,
+                          "model_time_share": 0.0}],
             "cache": {"hits": 90, "misses": 10, "hit_rate": 0.9, "entries": 77, "policy": "lru"},
             "tuner": {"max_wait_us": 120.0}}
         got = {s.name: s for m in SegmentCollector(reader).collect() for s in m.samples
@@ -125,7 +131,8 @@ def test_replicas_cache_and_tuner_appear_when_stats_has_them() -> None:
     assert got["shmeval_replica_up"].value == 1
     assert got["shmeval_replica_up"].labels == {"replica": "0", "pid": "11", "device": "cuda:0"}
     assert got["shmeval_replica_requests_total"].value == 100
-    assert got["shmeval_replica_model_seconds_total"].value == 2.0
+    assert got["shmeval_replica_batches_total"].value == 10
+    assert got["shmeval_replica_model_time_share"].value == 0.5
     assert got["shmeval_replica_model_version"].value == 3
     assert "shmeval_replica_starttime" not in got
     assert got["shmeval_cache_hits_total"].value == 90
@@ -159,3 +166,25 @@ def test_close_stops_serving_and_frees_the_port() -> None:
         assert port_is_free(port)
         with pytest.raises(OSError):
             scrape(port)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_the_metrics_command_serves_until_the_evaluator_closes() -> None:
+    with make_ev() as ev:
+        p = subprocess.Popen([sys.executable, "-m", "shmeval", "metrics", ev.address, "--port",
+                              "0", "--check-every", "0.1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout is not None
+            first = p.stdout.readline()
+            # serving the metrics of ADDRESS on http://127.0.0.1:PORT/metrics (Ctrl-C stops)
+            port = int(first.split("http://127.0.0.1:")[1].split("/")[0])
+            ev.evaluate(make_state(1))
+            assert value(scrape(port)["shmeval_requests"], "shmeval_requests_total") == 1
+        except BaseException:
+            p.kill()
+            raise
+    out, err = p.communicate(timeout=TIMEOUT_S)
+    assert p.returncode == 0 and err == "", err
+    assert out.strip() == f"the evaluator serving {ev.address} is closed"
+    assert port_is_free(port)

@@ -2,8 +2,8 @@
 reads the segment at each scrape (one process, no files per process),
 :func:`start_exporter` serves it over HTTP from a daemon thread, and
 ``shmeval metrics ADDRESS --port PORT`` runs that until Ctrl-C or the
-evaluator stops.  The metric names are listed in docs/guide.md
-(*Prometheus metrics*)."""
+evaluator stops.  docs/guide.md (*Watching a running evaluator*) lists
+the metrics."""
 from __future__ import annotations
 
 import argparse
@@ -22,8 +22,9 @@ from ..stats import _bin_lo
 from .reader import EvaluatorReader
 
 #: The segment's latency histograms have four bins per power of two of
-#: nanoseconds; Prometheus gets one bucket per power of two from 256 ns to
-#: 68.7 s (bin edges, so every bucket count is exact), plus +Inf.
+#: nanoseconds, bin 4k - 4 starting at 2**k ns; Prometheus gets one bucket
+#: per power of two from 2**8 ns (256 ns) to 2**36 ns (68.7 s), at bin
+#: edges so that every bucket count is exact, plus +Inf.
 LATENCY_BUCKET_BINS = tuple(range(28, 141, 4))
 #: States of ``stats()["state"]``, each a label of shmeval_state.
 STATES = ("starting", "serving", "closing", "closed", "died")
@@ -81,13 +82,8 @@ def batch_size_buckets(batch_hist: np.ndarray) -> List[Tuple[str, float]]:
 
 #: Keys of a replica's dict that identify it (labels, not values).
 REPLICA_IDENTITY = ("replica", "pid", "starttime")
-#: A replica's figures that are not plain gauges: (metric name, kind, scale).
-REPLICA_METRICS: Dict[str, Tuple[str, Any, float]] = {
-    "requests": ("shmeval_replica_requests", CounterMetricFamily, 1.0),
-    "batches": ("shmeval_replica_batches", CounterMetricFamily, 1.0),
-    "model_ns": ("shmeval_replica_model_seconds", CounterMetricFamily, 1e-9),
-    "version": ("shmeval_replica_model_version", GaugeMetricFamily, 1.0),
-}
+#: A replica's figures that count up (the others are gauges).
+REPLICA_COUNTERS = ("requests", "batches")
 
 
 def _number(v: Any) -> Optional[float]:
@@ -164,7 +160,7 @@ class SegmentCollector:
         ``shmeval_cache_<key>`` / ``shmeval_tuner_<key>`` (the cache's hits
         and misses counters); each replica's numbers become
         ``shmeval_replica_<key>`` labelled by replica, pid and device
-        (REPLICA_METRICS names the counters)."""
+        (requests and batches counters)."""
         for section in ("cache", "tuner"):
             for key, v in (st.get(section) or {}).items():
                 x = _number(v)
@@ -187,11 +183,10 @@ class SegmentCollector:
                 x = _number(v)
                 if x is None or key in REPLICA_IDENTITY:
                     continue
-                name, kind, scale = REPLICA_METRICS.get(
-                    key, (f"shmeval_replica_{key}", GaugeMetricFamily, 1.0))
-                family = families.setdefault(key, kind(name, f"The replica's {key}.",
-                                                       labels=labels))
-                family.add_metric(values, x * scale)
+                kind = CounterMetricFamily if key in REPLICA_COUNTERS else GaugeMetricFamily
+                family = families.setdefault(key, kind(f"shmeval_replica_{key}",
+                                                       f"The replica's {key}.", labels=labels))
+                family.add_metric(values, x)
         yield from families.values()
 
 
@@ -246,9 +241,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """``shmeval metrics``: serves until Ctrl-C or the evaluator stops;
     returns the exit code."""
-    if not 0 <= args.port <= 65535:
-        print(f"shmeval metrics: --port must be from 0 to 65535, got {args.port}",
-              file=sys.stderr)
+    if not 0 <= args.port <= 65535 or not args.check_every > 0:
+        print(f"shmeval metrics: need a --port from 0 to 65535 and --check-every > 0, got "
+              f"{args.port} and {args.check_every:g}", file=sys.stderr)
         return 1
     try:
         exporter = start_exporter(args.address, args.port, args.host)

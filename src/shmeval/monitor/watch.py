@@ -14,6 +14,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .._util.display import fmt_rate, format_duration
 from .reader import ClientKey, EvaluatorReader, Interval, Snapshot
 
 #: Client rows the view shows at most (the slowest first).
@@ -23,9 +24,7 @@ BAR_WIDTH = 30
 
 
 def _rate(x: Optional[float]) -> str:
-    if x is None or math.isnan(x):
-        return "-"
-    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+    return "-" if x is None or math.isnan(x) else fmt_rate(x)
 
 
 def _percentiles(p_ns: Dict[str, float]) -> str:
@@ -36,15 +35,6 @@ def _percentiles(p_ns: Dict[str, float]) -> str:
     unit, scale = next(((u, s) for u, s in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)) if top >= s),
                        ("ns", 1.0))
     return " / ".join(f"{v / scale:.3g}" for v in p_ns.values()) + f" {unit}"
-
-
-def _duration(s: float) -> str:
-    s = int(s)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _size_range(lo: int, hi: int) -> str:
@@ -70,7 +60,7 @@ def _header(address: str, snap: Snapshot, every: float) -> Text:
     t.append(address, style="bold cyan")
     state = st["state"]
     t.append(f"  {state}", style="green" if state == "serving" else "yellow")
-    t.append(f"  up {_duration(st['uptime_s'])}  model v{st['model_version']} "
+    t.append(f"  up {format_duration(st['uptime_s'])}  model v{st['model_version']} "
              f"({st['weight_updates']} updates)  {st['clients']} clients  "
              f"every {every:g} s")
     return t
