@@ -83,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --train: every this many seconds, play the current net against "
                         "a plain MCTS with random rollouts and record the win rate (default: "
                         "never)")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="play on a Ray cluster (needs shmeval[ray]): one evaluator per node, "
+                        "--workers worker actors per node, --train pushing to every node; "
+                        "without ADDRESS on a cluster simulated on this machine")
+    p.add_argument("--nodes", type=int,
+                   help="with --ray: the simulated cluster's nodes (default 2), or with "
+                        "ADDRESS the nodes to wait for (default: those there)")
     p.add_argument("--eval-games", type=int, default=d.eval_games,
                    help=f"games per --eval-every match, the net first in half of them "
                         f"(default {d.eval_games})")
@@ -103,6 +110,21 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     eval_every=args.eval_every, eval_games=args.eval_games)
 
 
+def _run_on_ray(args: argparse.Namespace, s: Settings, modes: list[str],
+                display: Display) -> None:
+    """``--ray``: the shmeval mode on a Ray cluster (shmeval.ray.selfplay)."""
+    if modes != ["shmeval"]:
+        raise ValueError("--ray plays in the shmeval mode only (no --mode or --compare)")
+    try:
+        from ..ray.selfplay import run_on_ray
+    except ImportError as e:
+        if e.name is None or e.name.split(".")[0] == "shmeval":
+            raise
+        raise ValueError(f"--ray needs: pip install 'shmeval[ray]' ({e.name} missing)") from None
+    run_on_ray(s, display, args.ray or None, args.nodes, games_path=args.games,
+               load_games_path=args.load_games, json_path=args.json)
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -120,8 +142,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     old = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        run(s, modes, display, games_path=args.games, load_games_path=args.load_games,
-            json_path=args.json)
+        if args.ray is not None:
+            _run_on_ray(args, s, modes, display)
+        else:
+            run(s, modes, display, games_path=args.games, load_games_path=args.load_games,
+                json_path=args.json)
     except KeyboardInterrupt:
         display.end_status()
         print("\ninterrupted: every process stopped", file=sys.stderr)

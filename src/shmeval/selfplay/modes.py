@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import numpy as np
 
@@ -171,17 +171,22 @@ class ShmevalMode(_CentralMode):
         super().__init__(s)
         self.ev: Optional[Evaluator] = None
 
-    def start(self, ctx: Any, cpus: Optional[set[int]]) -> List[NetLink]:
+    def spawn_args(self, cpus: Optional[set[int]]) -> Tuple[Callable[[], Any], Dict[str, Any]]:
+        """The factory and keyword arguments of the evaluator's
+        ``Evaluator.spawn`` (``--ray`` places the same on every node)."""
         s = self.s
-        self.ev = Evaluator.spawn(
-            functools.partial(evaluator_model, s.net, s.seed, self.tf_threads(), cpus,
-                              s.serving_threads, s.freeze, self.precision() == "bfloat16"),
-            input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS, max_batch=s.max_batch,
-            max_clients=max(64, s.workers + 8),
-            slots_per_client=min(64, max(16, s.games_per_worker)),
-            serving_threads=s.serving_threads)
+        factory = functools.partial(evaluator_model, s.net, s.seed, self.tf_threads(), cpus,
+                                    s.serving_threads, s.freeze, self.precision() == "bfloat16")
+        return factory, dict(input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS,
+                             max_batch=s.max_batch, max_clients=max(64, s.workers + 8),
+                             slots_per_client=min(64, max(16, s.games_per_worker)),
+                             serving_threads=s.serving_threads)
+
+    def start(self, ctx: Any, cpus: Optional[set[int]]) -> List[NetLink]:
+        factory, kwargs = self.spawn_args(cpus)
+        self.ev = Evaluator.spawn(factory, **kwargs)
         self.evaluator_pid = self.ev.pid
-        return [ShmevalLink(self.ev)] * s.workers
+        return [ShmevalLink(self.ev)] * self.s.workers
 
     def _stats(self) -> Dict[str, Any]:
         assert self.ev is not None
