@@ -37,6 +37,7 @@ cdef class Segment:
     cdef shm_ticker *_ticker_for(self, uint32_t c, uint64_t timeout_ns) noexcept nogil
     cdef int _client(self, uint32_t c) except -1
     cdef int _slot(self, uint32_t c, uint32_t k) except -1
+    cdef int _replica(self, uint32_t r) except -1
     cdef uint64_t _spin(self, uint64_t spin_ns, uint32_t ncpu) noexcept nogil
     cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
                    uint64_t timeout_ns, uint32_t ncpu)
@@ -102,11 +103,16 @@ cdef class Server:
     cdef int64_t *strides
     cdef uint64_t busy_since
     cdef list views
-    cdef bint locked
+    cdef bint locked              # holds its group's lock
     cdef uint32_t ncpu
     cdef public bint extra_outputs_ok  # a dict of outputs may hold undeclared ones
+    cdef uint32_t v               # its index among the segment's servers
+    cdef uint32_t replica         # the replica it serves for
+    cdef bint shared              # several replicas: collect under the segment's lock
+    cdef bint seg_locked          # holds the segment's collect lock
 
     cdef void _set_n(self, uint32_t n) noexcept
+    cdef void _seg_unlock(self) noexcept
     cpdef int collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
                       uint64_t timeout_ns) except? -1000
     cpdef end_busy(self)

@@ -11,7 +11,7 @@ here: it is all in ring.h.
 """
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport calloc, free, malloc
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
 
 cimport numpy as cnp
@@ -68,6 +68,8 @@ SERVE_CLOSED = 1
 SERVE_SLOW = 2
 SERVE_RAISED = 3
 SERVE_CONTROL = 4
+SERVE_LOCKED_OUT = 5
+SERVE_BEHIND = 6
 
 # Evaluator lifecycle (ev_state()).
 STARTING = EV_STARTING
@@ -82,6 +84,9 @@ STOP_CLOSED = SHM_STOP_CLOSED
 STOP_OWNER_DIED = SHM_STOP_OWNER_DIED
 STOP_CRASHED = SHM_STOP_CRASHED
 STOP_EXITED = SHM_STOP_EXITED
+
+_REPLICA_STATES = {REPLICA_EMPTY: "empty", REPLICA_SERVING: "serving",
+                   REPLICA_STOPPED: "stopped", REPLICA_DEAD: "dead"}
 
 STAT_NAMES = (
     "requests", "batches", "padded_rows", "failed_requests", "failed_batches",
@@ -114,27 +119,37 @@ cdef int _check(int rc, str what) except -1:
 
 
 cdef int _params(shm_params *p, object in_bytes, object out_bytes, object max_clients,
-                 object slots_per_client, object max_batch) except -1:
-    if min(in_bytes, out_bytes, max_clients, slots_per_client, max_batch) <= 0:
+                 object slots_per_client, object max_batch, object replicas,
+                 object servers) except -1:
+    if min(in_bytes, out_bytes, max_clients, slots_per_client, max_batch, replicas,
+           servers) <= 0:
         raise ValueError("segment parameters must be positive")
+    memset(p, 0, sizeof(shm_params))
     p.in_bytes = in_bytes
     p.out_bytes = out_bytes
     p.max_clients = max_clients
     p.slots_per_client = slots_per_client
     p.max_batch = max_batch
+    p.replicas = replicas
+    p.servers = servers
     return 0
 
 
-def segment_size(in_bytes, out_bytes, max_clients, slots_per_client, max_batch):
-    """Bytes a segment with these parameters needs (the core decides)."""
+def segment_size(in_bytes, out_bytes, max_clients, slots_per_client, max_batch, replicas=1,
+                 servers=1):
+    """Bytes a segment with these parameters needs (the core decides):
+    `replicas` model replicas serve it from `servers` serving threads in
+    all."""
     cdef shm_params p
     cdef shm_layout l
-    _params(&p, in_bytes, out_bytes, max_clients, slots_per_client, max_batch)
+    _params(&p, in_bytes, out_bytes, max_clients, slots_per_client, max_batch, replicas,
+            servers)
     if shm_layout_compute(&p, &l) != SHM_OK:
         raise ValueError(
             "segment parameters out of range: in_bytes=%d out_bytes=%d max_clients=%d "
-            "slots_per_client=%d max_batch=%d" % (in_bytes, out_bytes, max_clients,
-                                                  slots_per_client, max_batch))
+            "slots_per_client=%d max_batch=%d replicas=%d servers=%d"
+            % (in_bytes, out_bytes, max_clients, slots_per_client, max_batch, replicas,
+               servers))
     return l.total
 
 
@@ -223,13 +238,15 @@ cdef class Segment:
 
     @staticmethod
     def create(int fd, uint64_t size, in_bytes, out_bytes, max_clients, slots_per_client,
-               max_batch, bytes spec, int owner_pid, uint64_t pid_ns, uint64_t time_ns, name):
+               max_batch, replicas, servers, bytes spec, int owner_pid, uint64_t pid_ns,
+               uint64_t time_ns, name):
         """Maps a new zero-filled segment (fd) and formats it for the owner
         process in the given pid and time namespaces."""
         cdef Segment self = Segment.__new__(Segment)
         cdef shm_params p
         self.name = name
-        _params(&p, in_bytes, out_bytes, max_clients, slots_per_client, max_batch)
+        _params(&p, in_bytes, out_bytes, max_clients, slots_per_client, max_batch, replicas,
+                servers)
         if len(spec) > SHM_SPEC_MAX:
             raise ValueError("spec is %d bytes, the header holds %d" % (len(spec), SHM_SPEC_MAX))
         self._map(fd, size)
@@ -309,7 +326,8 @@ cdef class Segment:
         return dict(in_bytes=self.seg.p.in_bytes, out_bytes=self.seg.p.out_bytes,
                     max_clients=self.seg.p.max_clients,
                     slots_per_client=self.seg.p.slots_per_client,
-                    max_batch=self.seg.p.max_batch)
+                    max_batch=self.seg.p.max_batch, replicas=self.seg.p.replicas,
+                    servers=self.seg.p.servers)
 
     @property
     def nbytes(self):
@@ -337,11 +355,67 @@ cdef class Segment:
     def ev_state(self):
         return shm_ev_state(&self.seg)
 
-    def ev_pid(self):
-        """(pid, start time) of the serving process; pid 0 before it starts."""
-        cdef uint64_t st
-        cdef int32_t pid = shm_ev_pid(&self.seg, &st)
-        return pid, st
+    def replicas(self):
+        """One dict per replica: index, pid (0 before it serves), start
+        time, state ("empty", "serving", "stopped", "dead"), device, weights
+        version and its requests, batches and model time (ns)."""
+        cdef uint32_t r, state
+        cdef uint64_t st, version
+        cdef uint64_t counts[3]
+        cdef int32_t pid
+        out = []
+        for r in range(self.seg.p.replicas):
+            pid = shm_replica_info(&self.seg, r, &st, &state, &version)
+            shm_replica_stats(&self.seg, r, counts)
+            out.append(dict(replica=r, pid=pid, starttime=st,
+                            state=_REPLICA_STATES.get(state, "unknown"),
+                            device=shm_replica_device(&self.seg, r).decode("utf-8", "replace"),
+                            version=version, requests=counts[0], batches=counts[1],
+                            model_ns=counts[2]))
+        return out
+
+    def replica_stop(self, uint32_t r, str state):
+        """Replica r leaves "serving" for "stopped" (by itself) or "dead"
+        (found dead by another).  Returns the replicas still serving, or -1
+        when r was not serving (someone else got there first)."""
+        self._replica(r)
+        return shm_replica_stop(&self.seg, r, REPLICA_STOPPED if state == "stopped"
+                                else REPLICA_DEAD)
+
+    def requeue_replica(self, uint32_t r):
+        """Puts the batches of replica r's serving threads back (their
+        requests return to READY for the other replicas) and rings the
+        evaluator's doorbell; for a replica that died or is failing on its
+        way out.  Returns how many went back."""
+        cdef uint32_t v, back = 0
+        self._replica(r)
+        for v in range(self.seg.p.servers):
+            if shm_server_replica(&self.seg, v) == r:
+                back += shm_requeue(&self.seg, v)
+        if back:
+            shm_notify_evaluator(&self.seg, back)
+        return back
+
+    def collect_holder(self):
+        """The serving thread (server index) holding the collect lock, or
+        -1 (server_replica() says whose it is)."""
+        return shm_collect_holder(&self.seg)
+
+    def server_replica(self, uint32_t v):
+        """The replica serving thread (server) v belongs to."""
+        if v >= self.seg.p.servers:
+            raise IndexError("server index out of range")
+        return shm_server_replica(&self.seg, v)
+
+    def replica_version(self, uint32_t r, uint64_t version):
+        """Replica r serves weights `version` now (statistics)."""
+        self._replica(r)
+        shm_replica_version(&self.seg, r, version)
+
+    cdef inline int _replica(self, uint32_t r) except -1:
+        if r >= self.seg.p.replicas:
+            raise IndexError("replica index out of range")
+        return 0
 
     def n_attached(self):
         return shm_n_attached(&self.seg)
@@ -589,8 +663,12 @@ cdef class Segment:
         return w & SLOT_STATE_MASK, bool(w & SLOT_WAITER), w >> 8
 
     # ------------------------------------------------------------- evaluator
-    def set_serving(self, int32_t pid, uint64_t starttime):
-        return shm_set_serving(&self.seg, pid, starttime)
+    def set_serving(self, uint32_t r, int32_t pid, uint64_t starttime, str device=""):
+        """Replica r (process pid, its start time, on `device`) serves;
+        returns the evaluator's state."""
+        self._replica(r)
+        cdef bytes dev = device.encode("utf-8")[:SHM_DEVICE_MAX - 1]
+        return shm_set_serving(&self.seg, r, pid, starttime, dev)
 
     def close_and_wake(self, uint32_t reason, int32_t detail=0):
         """Records why serving stopped (STOP_*; the first reason recorded
@@ -645,15 +723,17 @@ cdef class Segment:
         request between batches; returns its ticket (1, 2, ...)."""
         return shm_request_control(&self.seg)
 
-    def control_pending(self):
-        """(requested, done) ticket counters."""
+    def control_pending(self, uint32_t r=0):
+        """(requested, handled by replica r) ticket counters."""
         cdef uint32_t done
-        cdef uint32_t req = shm_control_pending(&self.seg, &done)
+        self._replica(r)
+        cdef uint32_t req = shm_control_pending(&self.seg, r, &done)
         return req, done
 
-    def control_done(self, uint32_t ticket):
-        """Evaluator side: control requests up to ticket are handled."""
-        shm_control_done(&self.seg, ticket)
+    def control_done(self, uint32_t r, uint32_t ticket):
+        """Replica r has handled the control requests up to ticket."""
+        self._replica(r)
+        shm_control_done(&self.seg, r, ticket)
 
     def stat_put(self, name, uint64_t v):
         shm_stat_put(&self.seg, STAT_INDEX[name], v)
@@ -1141,9 +1221,17 @@ cdef class Server:
     from several threads (see serve()).
     """
 
-    def __cinit__(self, Segment seg, cnp.ndarray batch, ServeGroup group=None):
+    def __cinit__(self, Segment seg, cnp.ndarray batch, ServeGroup group=None,
+                  uint32_t server=0, uint32_t replica=0):
         import os
+        if server >= seg.seg.p.servers or replica >= seg.seg.p.replicas:
+            raise IndexError(f"server {server} of replica {replica}: the segment has "
+                             f"{seg.seg.p.servers} servers, {seg.seg.p.replicas} replicas")
         self.seg = seg
+        self.v = server
+        self.replica = replica
+        # Several replicas take turns collecting under the segment's lock.
+        self.shared = seg.seg.p.replicas > 1
         # CPUs this evaluator may run on, when its serving loop starts (after
         # the model factory, which may have pinned it).
         self.ncpu = len(os.sched_getaffinity(0))
@@ -1155,32 +1243,60 @@ cdef class Server:
             raise ValueError("batch buffer smaller than max_batch rows")
         if seg.n_out == 0:
             raise ValueError("segment outputs not set")
-        self.taken = <shm_taken *>malloc(sizeof(shm_taken) * self.cap)
+        # The batch table lives in the segment, so that if this replica dies
+        # another can put its requests back (shm_requeue).
+        shm_server_init(&seg.seg, server, replica)
+        self.taken = shm_server_taken(&seg.seg, server)
         self.fields = <const char **>malloc(sizeof(char *) * seg.n_out)
         self.strides = <int64_t *>malloc(sizeof(int64_t) * seg.n_out)
-        if self.taken == NULL or self.fields == NULL or self.strides == NULL:
+        if self.fields == NULL or self.strides == NULL:
             raise MemoryError()
         self.batch = <char *>cnp.PyArray_DATA(batch)
         self._keep = batch
         self.views = [None] * (cnp.PyArray_DIM(batch, 0) + 1)  # batch[:rows], made once
 
     def __dealloc__(self):
+        if self.seg_locked:
+            shm_collect_unlock(&self.seg.seg)
         if self.locked:
             PyThread_release_lock(self.group.lock)
-        free(self.taken)
         free(self.fields)
         free(self.strides)
 
     cdef inline void _set_n(self, uint32_t n) noexcept:
-        """The outstanding batch's size; keeps the group's in_flight count."""
+        """The outstanding batch's size; keeps the group's in_flight count
+        and the segment's batch table."""
         self.group.in_flight += (n > 0) - (self.n > 0)
         self.n = n
+        shm_server_set_n(&self.seg.seg, self.v, n)
+
+    cdef inline void _seg_unlock(self) noexcept:
+        if self.seg_locked:
+            self.seg_locked = False
+            shm_collect_unlock(&self.seg.seg)
 
     def unlock(self):
-        """Releases the group's collect lock if serve() returned holding it."""
+        """Releases the collect locks (the segment's, then the group's) if
+        serve() returned holding them."""
+        self._seg_unlock()
         if self.locked:
             self.locked = False
             PyThread_release_lock(self.group.lock)
+
+    def take_over_lock(self, int holder):
+        """Takes the segment's collect lock over from server `holder`, whose
+        replica was found dead (after serve() returned LOCKED_OUT).  Returns
+        True when this server holds it now (unlock() releases it)."""
+        if not self.shared or self.seg_locked or holder < 0:
+            return False
+        if shm_collect_steal(&self.seg.seg, self.v, <uint32_t>holder) != SHM_OK:
+            return False
+        self.seg_locked = True
+        return True
+
+    @property
+    def server(self):
+        return self.v
 
     cpdef int collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
                       uint64_t timeout_ns) except? -1000:
@@ -1195,7 +1311,7 @@ cdef class Server:
         self.end_busy()
         spin_ns = _evaluator_spin(spin_ns, shm_n_attached(&self.seg.seg), self.ncpu)
         with nogil:
-            rc = shm_collect(&self.seg.seg, self.batch, self.taken, max_batch, &self.group.cursor,
+            rc = shm_collect(&self.seg.seg, self.v, self.batch, max_batch, &self.group.cursor,
                              spin_ns, max_wait_ns, timeout_ns)
         if rc > 0:
             self._set_n(rc)
@@ -1221,15 +1337,22 @@ cdef class Server:
           SLOW    the outputs (detail) need conversion or an explanation
           RAISED  the model raised (detail is the exception)
           CONTROL a control request is pending (no batch outstanding)
+          LOCKED_OUT (several replicas) the segment's collect lock stayed
+                  taken for timeout_ns: detail is the holding server, whose
+                  replica may have died (take_over_lock)
+          BEHIND  (several replicas) another replica collects with newer
+                  weights: this one must apply them first
         Buckets: None, or a sorted list of padded batch sizes.  Batches are
         stamped with the group's version.
 
-        Each collect happens under the group's lock, released before the
-        model call, so that another thread's Server can collect the next
-        batch meanwhile.  IDLE, CLOSED and CONTROL return with the lock held
-        (so nobody starts a batch; group.quiesce() then waits out the batches
-        in flight): call unlock() after the work they call for.  SLOW and
-        RAISED return without it, the batch outstanding."""
+        Each collect happens under the group's lock and, with several
+        replicas, the segment's collect lock, both released before the model
+        call, so that another thread or replica can collect the next batch
+        meanwhile.  IDLE (with both locks, so housekeeping may reclaim),
+        CLOSED, CONTROL, LOCKED_OUT and BEHIND return holding the group's
+        lock (so nobody in this replica starts a batch; group.quiesce() then
+        waits out the batches in flight): call unlock() after the work they
+        call for.  SLOW and RAISED return without it, the batch outstanding."""
         cdef int rc
         cdef uint32_t n, rows
         cdef uint64_t t0, model_ns
@@ -1243,13 +1366,23 @@ cdef class Server:
             self.locked = True
             if g.stop:
                 return (SERVE_CLOSED, 0, 0, None, 0)
+            if self.shared:
+                with nogil:
+                    rc = shm_collect_lock(&self.seg.seg, self.v, timeout_ns)
+                if rc == SHM_TIMEOUT:
+                    return (SERVE_LOCKED_OUT, 0, 0, shm_collect_holder(&self.seg.seg), 0)
+                self.seg_locked = True
+                if not shm_version_ok(&self.seg.seg, g.version):
+                    self._seg_unlock()
+                    return (SERVE_BEHIND, 0, 0, None, 0)
             if until_ns and shm_now_ns() >= until_ns:
                 return (SERVE_IDLE, 0, 0, None, 0)
             rc = self.collect(max_batch, spin_ns, max_wait_ns, timeout_ns)
-            if rc == SHM_CLOSED:
-                return (SERVE_CLOSED, 0, 0, None, 0)
             if rc == 0:
                 return (SERVE_IDLE, 0, 0, None, 0)
+            self._seg_unlock()
+            if rc == SHM_CLOSED:
+                return (SERVE_CLOSED, 0, 0, None, 0)
             if rc == SHM_CONTROL:
                 return (SERVE_CONTROL, 0, 0, None, 0)
             self.locked = False
@@ -1320,7 +1453,7 @@ cdef class Server:
                 return False
             if reject_nonfinite and seg.out_float[j] and _finite(a, self.n) != 1:
                 return False
-        shm_record_batch(&self.seg.seg, self.n, rows, model_ns, 0)
+        shm_record_batch(&self.seg.seg, self.replica, self.n, rows, model_ns, 0)
         self.complete(arrays, version)
         return True
 
@@ -1394,4 +1527,4 @@ cdef class Server:
         return done
 
     def record(self, uint32_t n, uint32_t rows, uint64_t model_ns, bint failed):
-        shm_record_batch(&self.seg.seg, n, rows, model_ns, failed)
+        shm_record_batch(&self.seg.seg, self.replica, n, rows, model_ns, failed)

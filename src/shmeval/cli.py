@@ -146,7 +146,7 @@ def live_evaluators() -> list[dict[str, Any]]:
         try:
             client = connect(str(s["address"]))
             st = client.stats()
-            row.update(pid=client._attach().ev_pid()[0] or None, state=st["state"],
+            row.update(pid=client._attach().replicas()[0]["pid"] or None, state=st["state"],
                        uptime_s=st["uptime_s"], clients=st["clients"],
                        requests=st["requests"], mean_batch=st["mean_batch"])
         except ShmevalError as e:

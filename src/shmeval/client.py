@@ -241,6 +241,7 @@ class Client(_ring.ClientBase):
         raw = seg.raw_stats()
         raw["clients"] = live_clients(seg)
         raw["stop"] = seg.stop_reason()
+        raw["replicas"] = seg.replicas()
         return summarize(raw)
 
     def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
@@ -353,14 +354,24 @@ class Client(_ring.ClientBase):
 
     def _check_alive(self, seg: "_ring.Segment") -> None:
         """Called after every wait timeout: raises instead of waiting forever
-        on an evaluator that is closed or gone."""
+        on an evaluator that is closed or gone (every replica of it)."""
         self._check_state(seg)
-        pid, starttime = seg.ev_pid()
-        if pid == 0:  # not serving yet: its creator must at least be alive
-            pid, starttime = seg.owner_pid, 0
-        if not segment.is_alive(pid, starttime):
+        replicas = seg.replicas()
+        serving = [r for r in replicas if r["state"] == "serving"]
+        if any(segment.is_alive(r["pid"], r["starttime"]) for r in serving):
+            return
+        if not serving and all(r["state"] == "empty" for r in replicas):
+            # Not serving yet: its creator must at least be alive.
+            if segment.is_alive(seg.owner_pid):
+                return
+            pids = [seg.owner_pid]
+        else:
+            pids = [r["pid"] for r in replicas if r["pid"]]
+        if len(replicas) == 1:
             raise EvaluatorDied(
-                f"the evaluator process {pid} serving {self._address} is gone")
+                f"the evaluator process {pids[0]} serving {self._address} is gone")
+        raise EvaluatorDied(f"every replica of the evaluator serving {self._address} is gone "
+                            f"(processes {', '.join(map(str, pids))})")
 
     # Slot allocation.  Single list operations are atomic under the GIL, so
     # the common case (a free slot is there) takes no lock; only a thread that

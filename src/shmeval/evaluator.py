@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import operator
 import os
 import pickle
 import signal
 import threading
 import time
+import typing
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -39,8 +41,10 @@ HOUSEKEEPING_NS = 200_000_000
 #: between batches, for at most CONTROL_WAIT_NS.
 CONTROL_POLL_NS = 1_000_000
 CONTROL_WAIT_NS = 1_000_000_000
-#: Most serving threads (model calls in flight at once) one evaluator runs.
+#: Most serving threads (model calls in flight at once) one replica runs.
 MAX_SERVING_THREADS = 8
+#: Most model replicas behind one address (ring.h SHM_MAX_REPLICAS).
+MAX_REPLICAS = 64
 #: How long the serving loop waits for its other threads when it stops.
 THREAD_JOIN_S = 10.0
 
@@ -125,27 +129,32 @@ def _prepare(model: Model, spec: Spec, policy: BatchPolicy) -> BatchPolicy:
 
 
 class _ServingLoop:
-    """Serves the segment from policy.threads threads: each runs
-    Server.serve() with its own batch buffer; they take turns collecting
-    (the ServeGroup's lock) and overlap their model calls, so that with a
-    model that releases the GIL (TensorFlow does) one batch is computed while
-    the next is gathered and computed on another core.  Whichever thread
-    holds the lock with no batch in flight does the rest: housekeeping,
-    weight updates, stopping."""
+    """Serves the segment for one model replica from policy.threads threads:
+    each runs Server.serve() with its own batch buffer; they take turns
+    collecting (the ServeGroup's lock, and with several replicas the
+    segment's collect lock, shared with the other replicas' threads) and
+    overlap their model calls, so that with a model that releases the GIL
+    (TensorFlow does) one batch is computed while the next is gathered and
+    computed on another core.  Whichever thread holds the lock with no batch
+    in flight does the rest: housekeeping (which also finds other replicas
+    that died and puts their batches back), weight updates, stopping."""
 
     def __init__(self, seg: "_ring.Segment", spec: Spec, model: Model, policy: BatchPolicy,
-                 reject_nonfinite: bool, control: Any = None) -> None:
+                 reject_nonfinite: bool, control: Any = None, replica: int = 0,
+                 device: str = "") -> None:
         self.seg = seg
         self.spec = spec
         self.model = model
         self.policy = policy
         self.control = control  # our end of the owner's control pipe
         self.reject_nonfinite = reject_nonfinite
+        self.replica = replica
+        self.device = device
         self.group = _ring.ServeGroup()
         self.servers = [
             _ring.Server(seg, np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype),
-                         self.group)
-            for _ in range(policy.threads)]
+                         self.group, replica * policy.threads + i, replica)
+            for i in range(policy.threads)]
         self.version = 0
         self.housekeeping_at = 0
         self.control_until = 0  # a control message is announced but not here yet
@@ -159,7 +168,7 @@ class _ServingLoop:
         seg = self.seg
         me = os.getpid()
         _ring.set_timer_slack_ns(1000)  # this thread's max_wait_us sleeps stay precise
-        seg.set_serving(me, segment.process_starttime(me) or 0)
+        seg.set_serving(self.replica, me, segment.process_starttime(me) or 0, self.device)
         self.housekeeping_at = _ring.now_ns() + HOUSEKEEPING_NS
         others = [threading.Thread(target=self.serve_guarded, args=(server,), daemon=True,
                                    name=f"{threading.current_thread().name} #{i + 1}")
@@ -179,11 +188,21 @@ class _ServingLoop:
                 t.join(THREAD_JOIN_S)
             if self.errors:
                 self.stop_reason = _ring.STOP_CRASHED
-            # Wakes every waiter, including the requests of a batch the loop
-            # held when it crashed: they raise EvaluatorDied saying why.
-            seg.close_and_wake(self.stop_reason)
+            self.leave()
         if self.errors:
             raise self.errors[0]
+
+    def leave(self) -> None:
+        """This replica stops serving.  One that fails while others serve
+        puts its batches back for them; the last replica out closes the
+        evaluator for its clients, waking every waiter (the requests of a
+        batch it held when it crashed, too: they raise EvaluatorDied saying
+        why)."""
+        remaining = self.seg.replica_stop(self.replica, "stopped")
+        if remaining > 0 and self.stop_reason == _ring.STOP_CRASHED:
+            self.seg.requeue_replica(self.replica)
+        if remaining == 0:
+            self.seg.close_and_wake(self.stop_reason)
 
     def serve_guarded(self, server: "_ring.Server") -> None:
         """serve() in one of the other threads: an error there stops every
@@ -215,8 +234,9 @@ class _ServingLoop:
             if kind == _ring.SERVE_RAISED:
                 self.finish_failed(server, detail, n, rows, model_ns)
                 continue
-            # IDLE, CONTROL, CLOSED: we hold the collect lock; once the other
-            # threads' batches are answered, nothing is in flight.
+            # IDLE, CONTROL, CLOSED, LOCKED_OUT, BEHIND: we hold our group's
+            # lock; once the other threads' batches are answered, nothing of
+            # this replica is in flight.
             try:
                 server.end_busy()
                 quiet = group.quiesce()
@@ -229,21 +249,62 @@ class _ServingLoop:
                 if kind == _ring.SERVE_CONTROL:
                     self.handle_control()
                     continue
+                if kind == _ring.SERVE_BEHIND:
+                    self.catch_up()
+                    if self.owner_gone(me):
+                        return
+                    continue
+                if kind == _ring.SERVE_LOCKED_OUT:
+                    # Another replica holds the collect lock: fine, unless it
+                    # died holding it.  Then take it over and keep house.
+                    self.check_replicas()
+                    if not server.take_over_lock(detail):
+                        continue
                 now = _ring.now_ns()
                 self.poll_control(now)
-                if self.control_until and now < self.housekeeping_at:
+                if self.control_until and now < self.housekeeping_at and \
+                        kind == _ring.SERVE_IDLE:
                     continue  # only a look at the control pipe was due
-                # Housekeeping: idle, or due while busy.
+                # Housekeeping: idle, or due while busy (with the collect
+                # lock, so no scan runs while entries are reclaimed).
                 self.housekeeping_at = now + HOUSEKEEPING_NS
                 self.reclaim_dead_clients()
-                if self.owner != me and not segment.is_alive(self.owner):
-                    # Our creator is gone: nobody else will close or unlink.
-                    self.stop_reason = _ring.STOP_OWNER_DIED
-                    segment.unlink(seg.name)
-                    group.stop = True
+                self.check_replicas()
+                if self.owner_gone(me):
                     return
             finally:
                 server.unlock()
+
+    def owner_gone(self, me: int) -> bool:
+        """True (and the group stopping) when the process that created the
+        evaluator died: nobody else will close or unlink it."""
+        if self.owner == me or segment.is_alive(self.owner):
+            return False
+        self.stop_reason = _ring.STOP_OWNER_DIED
+        segment.unlink(self.seg.name)
+        self.group.stop = True
+        return True
+
+    def check_replicas(self) -> None:
+        """Finds the other replicas whose process is gone: each is marked
+        dead, once (whoever marks it puts its batches back, and they are
+        served by the replicas left)."""
+        seg = self.seg
+        for rep in seg.replicas():
+            r = rep["replica"]
+            if r == self.replica or rep["state"] != "serving":
+                continue
+            if segment.is_alive(rep["pid"], rep["starttime"]):
+                continue
+            if seg.replica_stop(r, "dead") >= 0:
+                seg.requeue_replica(r)
+
+    def catch_up(self) -> None:
+        """Another replica collects with newer weights than this one: wait,
+        between batches, for this replica's copy of the update, which the
+        owner sends to every replica."""
+        if self.control is not None and self.control.poll(0.1):
+            self.handle_control()
 
     def poll_control(self, now: int) -> None:
         """Between batches: applies a control message that came after its
@@ -268,7 +329,7 @@ class _ServingLoop:
         the ticket; one with no message behind it costs a few polls of the
         pipe, never a stall of the serving loop."""
         seg, conn = self.seg, self.control
-        req, done = seg.control_pending()
+        req, done = seg.control_pending(self.replica)
         while conn is not None:
             try:
                 if not conn.poll(0):
@@ -283,11 +344,11 @@ class _ServingLoop:
             except OSError:
                 self.control = conn = None
             done = ticket
-            req, _ = seg.control_pending()
+            req, _ = seg.control_pending(self.replica)
         waiting = conn is not None and (req - done) % 2**32 != 0
         self.control_until = _ring.now_ns() + CONTROL_WAIT_NS if waiting else 0
         # Whatever happened, the loop must not come straight back here.
-        seg.control_done(req)
+        seg.control_done(self.replica, req)
 
     def apply(self, method: str, arg: Any, version: int) -> tuple[bool, Any]:
         if version <= self.version:
@@ -304,8 +365,7 @@ class _ServingLoop:
             return False, f"{method} failed in the evaluator: {type(e).__name__}: {e}"
         self.version = version
         self.group.version = version
-        self.seg.stat_put("model_version", version)
-        self.seg.stat_inc("weight_updates", 1)
+        self.seg.replica_version(self.replica, version)
         return True, version
 
     def finish_slow(self, server: "_ring.Server", out: Any, n: int, rows: int,
@@ -450,7 +510,7 @@ def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, m
 
 
 def _shutdown(seg: "_ring.Segment", address: str, owner_pid: int,
-              thread: Optional[threading.Thread], process: Optional[Any],
+              thread: Optional[threading.Thread], processes: Sequence[Any],
               timeout: float = 10.0) -> None:
     """Stops serving, wakes every waiter, removes the segment's name."""
     if os.getpid() != owner_pid:
@@ -459,21 +519,46 @@ def _shutdown(seg: "_ring.Segment", address: str, owner_pid: int,
     reason, detail = _ring.STOP_CLOSED, 0
     if thread is not None:
         thread.join(timeout)
-    if process is not None and process.pid is not None:  # None: never started
-        process.join(timeout)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        if process.pid is None:  # never started
+            continue
+        process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
             process.terminate()
             process.join(1.0)
             if process.is_alive():
                 process.kill()
                 process.join(1.0)
-        if process.exitcode not in (0, None):
+        if process.exitcode not in (0, None) and reason == _ring.STOP_CLOSED:
             reason, detail = _ring.STOP_EXITED, process.exitcode
     if seg.ev_state() < _ring.CLOSED_STATE:
-        # The loop did not get to it (its process was killed, or it is stuck
+        # No replica got to it (their processes were killed, or one is stuck
         # in a model call past the timeout): wake the clients ourselves.
         seg.close_and_wake(reason, detail)
     segment.unlink(address)
+
+
+def _replica_devices(replicas: Optional[int], devices: Optional[Sequence[str]]) -> list[str]:
+    """One device name per replica ("" for a factory called without one)."""
+    if devices is not None:
+        if isinstance(devices, str) or not all(isinstance(d, str) and d for d in devices):
+            raise TypeError(f"devices must be a list of device names such as 'cuda:0', "
+                            f"got {devices!r}")
+        if not devices:
+            raise ValueError("devices must name at least one device")
+        if replicas is not None and replicas != len(devices):
+            raise ValueError(f"replicas={replicas} but {len(devices)} devices: give one of "
+                             f"them, or as many replicas as devices")
+        n = len(devices)
+    else:
+        n = 1 if replicas is None else replicas
+        if type(n) is not int or not 1 <= n <= MAX_REPLICAS:
+            raise ValueError(f"replicas must be an int from 1 to {MAX_REPLICAS}, got {replicas!r}")
+        devices = [""] * n
+    if n > MAX_REPLICAS:
+        raise ValueError(f"at most {MAX_REPLICAS} replicas, got {n} devices")
+    return list(devices)
 
 
 class Evaluator(Client):
@@ -540,12 +625,13 @@ class Evaluator(Client):
         t0 = time.perf_counter_ns()
         policy = _prepare(model, spec, policy)  # before any segment exists
         warmup_ns = time.perf_counter_ns() - t0
-        seg, address = segment.create(spec, name)
+        seg, address = segment.create(spec, name, replicas=1, servers=policy.threads)
         super().__init__(address, spec, spin_us, _segment=seg)
         self._owner_pid = os.getpid()
         self._policy = policy
         seg.stat_put("warmup_ns", warmup_ns)
-        self._control, loop_end = mp.Pipe()
+        control, loop_end = mp.Pipe()
+        self._controls = [control]
         self._init_control()
         loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, loop_end)
         started = threading.Event()
@@ -554,73 +640,84 @@ class Evaluator(Client):
         thread.start()
         started.wait(10.0)
         self._thread: Optional[threading.Thread] = thread
-        self._process: Optional[Any] = None
+        self._processes: list[Any] = []
         self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
-                                          thread, None)
+                                          thread, [])
 
     @classmethod
-    def spawn(cls, factory: Callable[[], Model], *, input_shape: ShapeLike,
+    def spawn(cls, factory: Callable[..., Model], *, input_shape: ShapeLike,
               outputs: OutputsLike, input_dtype: Any = "float32", max_batch: int = 256,
               max_wait_us: float = 0.0, buckets: Buckets = None, max_clients: int = 64,
               slots_per_client: int = 16, spin_us: Optional[float] = None,
               evaluator_spin_us: float = 50.0, reject_nonfinite: bool = True,
               name: Optional[str] = None, start_timeout: float = 600.0,
-              mp_context: str = "spawn", serving_threads: int = 1) -> "Evaluator":
-        """Serves from a new process that calls the picklable zero-argument
-        ``factory()`` to build the model (so e.g. TensorFlow is imported only
-        there).  Returns once the model is built and serving."""
+              mp_context: str = "spawn", serving_threads: int = 1,
+              replicas: Optional[int] = None,
+              devices: Optional[Sequence[str]] = None) -> "Evaluator":
+        """Serves from new processes, each of which calls the picklable
+        ``factory`` to build its model (so e.g. TensorFlow is imported only
+        there).  Returns once every model is built and serving.
+
+        ``replicas=N`` serves N model replicas behind the one address, each in
+        a process of its own calling ``factory()``; ``devices=["cuda:0",
+        "cuda:1"]`` serves one replica per device, calling
+        ``factory(device)``.  The replicas take turns collecting batches, a
+        replica whenever its model is free; workers do not know how many
+        there are.  Weight updates reach every replica, and a worker never
+        sees versions go backwards.  A replica that dies has its requests
+        served by the others; the evaluator dies with its last replica."""
         if not callable(factory):
             raise TypeError(f"factory must be callable, got {type(factory).__name__}")
         _check_not_bootstrapping("Evaluator.spawn()")
         if mp_context != "fork":
             _check_picklable(factory)
+        devs = _replica_devices(replicas, devices)
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
                                   buckets, max_clients, slots_per_client, evaluator_spin_us,
                                   spin_us, serving_threads)
-        seg, address = segment.create(spec, name)
+        seg, address = segment.create(spec, name, replicas=len(devs),
+                                      servers=len(devs) * policy.threads)
         self = cls.__new__(cls)
         Client.__init__(self, address, spec, spin_us, _segment=seg)
         self._owner_pid = os.getpid()
         self._policy = policy
         self._thread = None
         ctx: Any = mp.get_context(mp_context)
-        # One pipe for the start-up report and then for control requests.
-        receiver, sender = ctx.Pipe()
-        self._control = receiver
+        # One pipe per replica, for its start-up report and then for control
+        # requests.
+        self._controls, senders, self._processes = [], [], []
+        for r, device in enumerate(devs):
+            receiver, sender = ctx.Pipe()
+            self._controls.append(receiver)
+            senders.append(sender)
+            self._processes.append(ctx.Process(
+                target=_serve_in_process, name=f"shmeval-evaluator {address} #{r}",
+                args=(address, spec.to_json(), factory, policy, reject_nonfinite, sender, r,
+                      device),
+                daemon=True))
         self._init_control()
-        proc = ctx.Process(target=_serve_in_process, name=f"shmeval-evaluator {address}",
-                           args=(address, spec.to_json(), factory, policy, reject_nonfinite,
-                                 sender),
-                           daemon=True)
-        self._process = proc
         self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
-                                          None, proc)
+                                          None, self._processes)
         try:
-            proc.start()
-            sender.close()
+            for proc, sender in zip(self._processes, senders):
+                proc.start()
+                sender.close()
             deadline = time.monotonic() + start_timeout
-            while not receiver.poll(0.05):
-                if not proc.is_alive():
-                    raise EvaluatorDied(_died_starting(proc))
-                if time.monotonic() > deadline:
-                    raise EvaluatorDied(f"the evaluator did not start within {start_timeout} s")
-            try:
-                kind, detail = receiver.recv()
-            except EOFError:
-                proc.join(1.0)
-                raise EvaluatorDied(_died_starting(proc)) from None
-            if kind != "ready":
-                raise ModelError(f"the model factory failed in the evaluator process: {detail}")
+            for r, (proc, receiver) in enumerate(zip(self._processes, self._controls)):
+                _await_ready(proc, receiver, deadline, start_timeout,
+                             f" (replica {r}{', ' + devs[r] if devs[r] else ''})"
+                             if len(devs) > 1 else "")
         except BaseException:
             # Start-up failed: nothing was served, so there is nothing to wait
-            # for before terminating the process (start_timeout is honoured).
+            # for before terminating the processes (start_timeout is honoured).
             self._shutdown.detach()
-            _shutdown(seg, address, self._owner_pid, None, proc, timeout=0.5)
-            receiver.close()
+            _shutdown(seg, address, self._owner_pid, None, self._processes, timeout=0.5)
+            for receiver in self._controls:
+                receiver.close()
             raise
         return self
 
-    _control: Any  # our end of the control pipe to the serving loop
+    _controls: list[Any]  # our ends of the control pipes, one per replica
 
     def _init_control(self) -> None:
         self._control_lock = threading.Lock()
@@ -668,38 +765,69 @@ class Evaluator(Client):
                                  f"{self._version}, got {new}")
             self._check_state(seg)
             ticket = seg.request_control()
-            try:
-                self._control.send((ticket, method, arg, new))
-            except OSError:
-                self._check_alive(seg)
-                raise EvaluatorDied(f"the evaluator serving {self._address} is gone") from None
-            deadline = time.monotonic() + timeout
-            while True:
+            # Every replica gets the update; one whose pipe is gone has died
+            # (the others serve its requests).
+            pending: dict[mp_connection.Connection, int] = {}
+            for r, conn in enumerate(self._controls):
                 try:
-                    ready = self._control.poll(0.05)
-                    reply = self._control.recv() if ready else None
-                except (EOFError, OSError):
-                    self._check_alive(seg)
-                    raise EvaluatorDied(f"the evaluator serving {self._address} is gone "
-                                        "") from None
-                if reply is not None:
-                    t, ok, detail = reply
+                    conn.send((ticket, method, arg, new))
+                    pending[conn] = r
+                except OSError:
+                    continue
+            if not pending:
+                self._check_alive(seg)
+                raise EvaluatorDied(f"the evaluator serving {self._address} is gone")
+            applied, refused = 0, dict[int, str]()
+            deadline = time.monotonic() + timeout
+            while pending:
+                for ready in mp_connection.wait(list(pending), timeout=0.05):
+                    conn = typing.cast(mp_connection.Connection, ready)
+                    r = pending[conn]
+                    try:
+                        t, ok, detail = conn.recv()
+                    except (EOFError, OSError):  # this replica died meanwhile
+                        del pending[conn]
+                        continue
                     if ok:  # also the late reply of a request that timed out
                         self._version = max(self._version, detail)
                     if t == ticket:
-                        if not ok:
-                            raise ModelError(detail)
-                        return int(detail)
-                    continue
+                        del pending[conn]
+                        if ok:
+                            applied += 1
+                        else:
+                            refused[r] = detail
+                if not pending:
+                    break
                 self._check_alive(seg)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the evaluator did not apply {method} within "
                                        f"{timeout} s (it may still do so)")
+            if refused:
+                if len(self._controls) == 1:
+                    raise ModelError(next(iter(refused.values())))
+                raise ModelError("; ".join(f"replica {r}: {why}" for r, why in sorted(
+                    refused.items())) + (f" (applied by {applied} other replicas, which "
+                                         f"serve alone until these accept a newer version)"
+                                         if applied else ""))
+            if not applied:
+                self._check_alive(seg)
+                raise EvaluatorDied(f"the evaluator serving {self._address} is gone")
+            # Counted once per update, however many replicas applied it.
+            seg.stat_put("model_version", new)
+            seg.stat_inc("weight_updates", 1)
+            return new
 
     @property
     def pid(self) -> int:
-        """The serving process's pid (this process for a thread evaluator)."""
-        return self._process.pid if self._process is not None else self._owner_pid
+        """The serving process's pid (the first replica's; this process for
+        a thread evaluator)."""
+        return self._processes[0].pid if self._processes else self._owner_pid
+
+    @property
+    def pids(self) -> list[int]:
+        """The pid of every replica's process (this process for a thread
+        evaluator)."""
+        return [p.pid for p in self._processes] if self._processes else [self._owner_pid]
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops serving: requests in flight complete or raise EvaluatorClosed;
@@ -710,10 +838,11 @@ class Evaluator(Client):
             # raise EvaluatorClosed, and its client entry can go at once.
             self._shutdown.detach()
             assert self._seg is not None
-            _shutdown(self._seg, self._address, self._owner_pid, self._thread, self._process,
-                      timeout)
+            _shutdown(self._seg, self._address, self._owner_pid, self._thread,
+                      self._processes, timeout)
             with self._control_lock:
-                self._control.close()
+                for conn in self._controls:
+                    conn.close()
         super().close(timeout)
 
     def __enter__(self) -> "Evaluator":
@@ -721,6 +850,24 @@ class Evaluator(Client):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _await_ready(proc: Any, receiver: Any, deadline: float, start_timeout: float,
+                 which: str) -> None:
+    """Waits for one evaluator process's start-up report; raises what went
+    wrong ('which' names the replica in the message)."""
+    while not receiver.poll(0.05):
+        if not proc.is_alive():
+            raise EvaluatorDied(_died_starting(proc) + which)
+        if time.monotonic() > deadline:
+            raise EvaluatorDied(f"the evaluator{which} did not start within {start_timeout} s")
+    try:
+        kind, detail = receiver.recv()
+    except EOFError:
+        proc.join(1.0)
+        raise EvaluatorDied(_died_starting(proc) + which) from None
+    if kind != "ready":
+        raise ModelError(f"the model factory failed in the evaluator process{which}: {detail}")
 
 
 def _died_starting(proc: Any) -> str:
@@ -755,19 +902,20 @@ def _check_picklable(factory: Callable[[], Model]) -> None:
             f"({factory!r} cannot be pickled: {type(e).__name__}: {e})") from None
 
 
-def _serve_in_process(address: str, spec_json: bytes, factory: Callable[[], Model],
-                      policy: BatchPolicy, reject_nonfinite: bool, conn: Any) -> None:
+def _serve_in_process(address: str, spec_json: bytes, factory: Callable[..., Model],
+                      policy: BatchPolicy, reject_nonfinite: bool, conn: Any, replica: int = 0,
+                      device: str = "") -> None:
     # Ctrl-C reaches the whole process group: the parent decides when to
     # close, so the evaluator ignores SIGINT rather than dying mid-batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     seg, spec = segment.attach(address, Spec.from_json(spec_json))
     t0 = time.perf_counter_ns()
     try:
-        model = factory()
+        model = factory(device) if device else factory()
         if not callable(model):
             raise TypeError(f"factory returned a {type(model).__name__}, not a callable")
         policy = _prepare(model, spec, policy)
-        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, conn)
+        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, conn, replica, device)
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         conn.close()

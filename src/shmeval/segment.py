@@ -70,15 +70,18 @@ def _check_name(name: str) -> str:
     return name
 
 
-def create(spec: Spec, name: Optional[str] = None) -> tuple["_ring.Segment", str]:
-    """Creates and formats a new segment for spec; returns (segment, name).
+def create(spec: Spec, name: Optional[str] = None, replicas: int = 1,
+           servers: int = 1) -> tuple["_ring.Segment", str]:
+    """Creates and formats a new segment for spec, served by `replicas`
+    model replicas from `servers` serving threads in all; returns (segment,
+    name).
 
     First removes this user's stale segments (see :func:`cleanup_own_stale`),
     so that processes killed without closing do not pile up in /dev/shm."""
     name = _check_name(name) if name else new_name()
     cleanup_own_stale()
     size = _ring.segment_size(spec.in_bytes, spec.out_bytes, spec.max_clients,
-                              spec.slots_per_client, spec.max_batch)
+                              spec.slots_per_client, spec.max_batch, replicas, servers)
     try:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
     except posix_ipc.ExistentialError:
@@ -87,7 +90,8 @@ def create(spec: Spec, name: Optional[str] = None) -> tuple["_ring.Segment", str
     try:
         seg = _ring.Segment.create(shm.fd, size, spec.in_bytes, spec.out_bytes,
                                    spec.max_clients, spec.slots_per_client, spec.max_batch,
-                                   spec.to_json(), os.getpid(), ns.pid, ns.time, name)
+                                   replicas, servers, spec.to_json(), os.getpid(), ns.pid,
+                                   ns.time, name)
     except BaseException:
         shm.close_fd()
         unlink(name)
@@ -213,9 +217,9 @@ def is_alive(pid: int, starttime: int = 0) -> bool:
 
 _MAGIC = 0x314C4156454D4853   # ring.h SHM_MAGIC, "SHMEVAL1"
 # ring.h shm_header, read without mapping the segment (ring.h asserts the
-# offsets): magic u64 @0, layout_version u32 @8, owner_pid i32 @64, pid_ns
-# u64 @72, time_ns u64 @80.
-_HEADER = struct.Struct("<QI52xi4xQQ")
+# offsets): magic u64 @0, layout_version u32 @8, owner_pid i32 @72, pid_ns
+# u64 @80, time_ns u64 @88.
+_HEADER = struct.Struct("<QI60xi4xQQ")
 
 
 class _Header(NamedTuple):
@@ -244,12 +248,15 @@ def _read_header(path: str) -> Optional[_Header]:
         return None
     finally:
         os.close(fd)
-    if len(head) < 68 or struct.unpack_from("<Q", head)[0] != _MAGIC:
+    if len(head) < 12 or struct.unpack_from("<Q", head)[0] != _MAGIC:
         return None
-    pid = max(0, int(struct.unpack_from("<i", head, 64)[0]))
     version = struct.unpack_from("<I", head, 8)[0]
     if version != _ring.LAYOUT_VERSION or len(head) < _HEADER.size:
-        return _Header(pid, None)   # an older layout: its pid, no namespaces
+        # An older layout: its owner pid where layouts up to 3 kept it, no
+        # namespaces.
+        old = 64
+        pid = struct.unpack_from("<i", head, old)[0] if len(head) >= old + 4 else 0
+        return _Header(max(0, int(pid)), None)
     _, _, pid, pid_ns, time_ns = _HEADER.unpack(head)
     return _Header(max(0, pid), Namespaces(pid_ns, time_ns))
 

@@ -47,6 +47,21 @@ def hist_percentiles(hist: np.ndarray, qs: Sequence[float]) -> Dict[str, float]:
     return out
 
 
+def _replica(r: Dict[str, Any], uptime_ns: int) -> Dict[str, Any]:
+    """One replica's figures: who it is and what it served."""
+    return {
+        "replica": int(r["replica"]),
+        "pid": int(r["pid"]) or None,
+        "device": r["device"],
+        "state": r["state"],
+        "model_version": int(r["version"]),
+        "requests": int(r["requests"]),
+        "batches": int(r["batches"]),
+        "mean_batch": r["requests"] / r["batches"] if r["batches"] else 0.0,
+        "model_time_share": r["model_ns"] / uptime_ns if uptime_ns else 0.0,
+    }
+
+
 def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
     requests = int(raw["requests"])
     batches = int(raw["batches"])
@@ -83,4 +98,5 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
         "stale_completions": int(raw["stale_completions"]),
         "uptime_s": uptime_ns / 1e9,
         "heartbeat_age_s": (now - int(raw["heartbeat_ns"])) / 1e9 if raw["heartbeat_ns"] else None,
+        "replicas": [_replica(r, uptime_ns) for r in raw.get("replicas", ())],
     }

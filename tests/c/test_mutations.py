@@ -76,6 +76,19 @@ MUTATIONS = [
         (HWM_RAISE, ""),
         ('            SHM_HOOK("register_claimed");\n',
          '            SHM_HOOK("register_claimed");\n' + HWM_RAISE))),
+    Mutation("the collect lock lets everyone in", "replicas", "plain", ((
+        """    _Atomic uint32_t *lock = &shm_hdr(s)->collect_lock;
+    uint32_t me = v + 1, cur = 0;
+""",
+        """    _Atomic uint32_t *lock = &shm_hdr(s)->collect_lock;
+    uint32_t me = v + 1, cur = 0;
+    if (me) return SHM_OK;
+"""),)),
+    Mutation("a dead replica's batch is not put back", "replicas", "plain", ((
+        """    uint32_t n = atomic_load_explicit(&head->n, memory_order_acquire);
+    uint32_t back = 0;""",
+        """    uint32_t n = 0;
+    uint32_t back = 0;"""),)),
     Mutation("reclaim hands the entry over relaxed", "handover", "tsan", ((
         "    atomic_store_explicit(&e->owner_pid, 0, memory_order_release);",
         "    atomic_store_explicit(&e->owner_pid, 0, memory_order_relaxed);"),)),

@@ -58,13 +58,13 @@ def test_an_announced_message_is_not_waited_for() -> None:
         loop.handle_control()
         assert time.monotonic() - t0 < 0.5
         assert pipe.timeouts and all(not t for t in pipe.timeouts), pipe.timeouts
-        assert seg.control_pending() == (ticket, ticket)  # the loop moves on
+        assert seg.control_pending(0) == (ticket, ticket)  # the loop moves on
         assert loop.control_until > 0                     # and looks again soon
         # The message arrives: the next look applies it.
         pipe.inbox.append((ticket, "set_weights", [np.float32(5)], 1))
         loop.poll_control(_ring.now_ns())
         assert pipe.sent == [(ticket, True, 1)]
-        assert loop.version == 1 and seg.stat("model_version") == 1
+        assert loop.version == 1 and seg.replicas()[0]["version"] == 1
         assert loop.control_until == 0
         # A bump that never gets a message: looked for until CONTROL_WAIT_NS.
         seg.request_control()
@@ -107,7 +107,7 @@ def test_quiesce_waits_for_batches_and_refuses_when_stopping() -> None:
     spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 4, 4)
     seg, name = segment.create(spec)
     try:
-        seg.set_serving(0, 0)
+        seg.set_serving(0, 0, 0)
         group = _ring.ServeGroup()
         batch = np.zeros((8,) + INPUT_SHAPE, np.float32)
         server = _ring.Server(seg, batch, group)

@@ -86,12 +86,14 @@ def make(mode: str, **kw: Any) -> shmeval.Evaluator:
         return shmeval.Evaluator(WeightedModel(), **args)
     if mode == "serving_threads":
         return shmeval.Evaluator.spawn(SlowWeightedModel, serving_threads=3, **args)
+    if mode == "replicas":
+        return shmeval.Evaluator.spawn(SlowWeightedModel, replicas=2, serving_threads=2, **args)
     return shmeval.Evaluator.spawn(WeightedModel, **args)
 
 
 # ---------------------------------------------------------------- basics
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["thread", "spawn"])
+@pytest.mark.parametrize("mode", ["thread", "spawn", "replicas"])
 def test_versions_are_stamped(mode: str, tmp_path: Any) -> None:
     with make(mode) as ev:
         out, v = ev.evaluate(make_state(3), return_version=True)
@@ -121,7 +123,7 @@ def test_versions_are_stamped(mode: str, tmp_path: Any) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["thread", "spawn"])
+@pytest.mark.parametrize("mode", ["thread", "spawn", "replicas"])
 def test_refused_updates_change_nothing(mode: str, tmp_path: Any) -> None:
     with make(mode) as ev:
         with pytest.raises(shmeval.ModelError, match="expected one scalar weight"):
@@ -223,7 +225,7 @@ def swap_worker(ev: Any, worker: int, stop: Any, q: Any) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["thread", "spawn", "serving_threads"])
+@pytest.mark.parametrize("mode", ["thread", "spawn", "serving_threads", "replicas"])
 def test_hot_swap_under_load(mode: str) -> None:
     """Requests keep flowing while weights change 40 times: none fails or is
     lost, each answer matches the weights of the version stamped on it, and

@@ -17,7 +17,7 @@ import shmeval
 from shmeval import segment
 from helpers import check_answer, make_ev, make_state
 
-OFF_OWNER_PID, OFF_PID_NS, OFF_TIME_NS = 64, 72, 80  # ring.h shm_header
+OFF_OWNER_PID, OFF_PID_NS, OFF_TIME_NS = 72, 80, 88  # ring.h shm_header
 
 
 def dead_pid() -> int:

@@ -31,16 +31,17 @@ NO_HANG = 5.0
 
 
 class Rig:
-    """A formatted segment, its spec, a batch buffer and a Server."""
+    """A formatted segment, its spec, a batch buffer and a Server (server 0
+    of the segment's three: tests add the others)."""
 
     def __init__(self, max_batch: int = 8, max_clients: int = 4, slots: int = 4) -> None:
         self.spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, max_batch, max_clients, slots)
-        self.seg, self.name = segment.create(self.spec)
+        self.seg, self.name = segment.create(self.spec, servers=3)
         self.batch = np.zeros((max_batch,) + INPUT_SHAPE, np.float32)
         self.server = _ring.Server(self.seg, self.batch)
 
     def serve(self) -> None:
-        self.seg.set_serving(os.getpid(), 0)
+        self.seg.set_serving(0, os.getpid(), 0)
 
     def collect(self, max_batch: int = 64, wait_ns: int = 0, timeout_ns: int = 10 * MS) -> int:
         return self.server.collect(max_batch, 0, wait_ns, timeout_ns)
@@ -78,7 +79,7 @@ def test_request_round_trip(rig: Rig) -> None:
     assert seg.ev_state() == _ring.STARTING
     rig.serve()
     assert seg.ev_state() == _ring.SERVING
-    assert seg.ev_pid()[0] == os.getpid()
+    assert seg.replicas()[0]["pid"] == os.getpid()
     c = seg.register(os.getpid(), 0, 0)
     assert c == 0 and seg.n_attached() == 1
     assert seg.clients() == [(0, os.getpid(), 0, 0, False)]
@@ -605,11 +606,12 @@ def test_header_and_params(rig: Rig) -> None:
     seg = rig.seg
     assert seg.spec == rig.spec.to_json()
     assert seg.params == dict(in_bytes=rig.spec.in_bytes, out_bytes=rig.spec.out_bytes,
-                              max_clients=4, slots_per_client=4, max_batch=8)
+                              max_clients=4, slots_per_client=4, max_batch=8,
+                              replicas=1, servers=3)
     assert seg.owner_pid == os.getpid()
     assert (seg.pid_ns, seg.time_ns) == tuple(segment.namespaces())
     assert seg.pid_ns == os.stat("/proc/self/ns/pid").st_ino != 0
-    assert seg.ev_pid() == (0, 0)
+    assert [(r["pid"], r["state"]) for r in seg.replicas()] == [(0, "empty")]
     assert seg.nbytes == _ring.segment_size(rig.spec.in_bytes, rig.spec.out_bytes, 4, 4, 8)
     assert seg.nbytes == os.stat("/dev/shm" + rig.name).st_size
     assert seg.name == rig.name
@@ -651,7 +653,7 @@ def test_attach_validates_through_fd() -> None:
         spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 2, 2)
         size = _ring.segment_size(spec.in_bytes, spec.out_bytes, 2, 2, 8)
         assert size <= shm.size
-        _ring.Segment.create(shm.fd, size, spec.in_bytes, spec.out_bytes, 2, 2, 8,
+        _ring.Segment.create(shm.fd, size, spec.in_bytes, spec.out_bytes, 2, 2, 8, 1, 1,
                              spec.to_json(), os.getpid(), 0, 0, name)
         seg = _ring.Segment.attach(shm.fd, shm.size, name)
         assert seg.spec == spec.to_json() and seg.params["max_clients"] == 2
@@ -659,10 +661,10 @@ def test_attach_validates_through_fd() -> None:
             _ring.Segment.attach(shm.fd, size - 4096, name)
         # create refuses a mapping smaller than the layout.
         with pytest.raises(shmeval.SegmentError, match="smaller"):
-            _ring.Segment.create(shm.fd, size - 4096, spec.in_bytes, spec.out_bytes, 2, 2, 8,
+            _ring.Segment.create(shm.fd, size - 4096, spec.in_bytes, spec.out_bytes, 2, 2, 8, 1, 1,
                                  spec.to_json(), os.getpid(), 0, 0, name)
         with pytest.raises(ValueError):
-            _ring.Segment.create(shm.fd, size, spec.in_bytes, spec.out_bytes, 2, 2, 8,
+            _ring.Segment.create(shm.fd, size, spec.in_bytes, spec.out_bytes, 2, 2, 8, 1, 1,
                                  b"x" * (_ring.SPEC_MAX + 1), os.getpid(), 0, 0, name)
     finally:
         shm.close_fd()

@@ -149,8 +149,8 @@ def test_one_collector_at_a_time() -> None:
         rig.serve()
         group = _ring.ServeGroup()
         batch_a = np.zeros_like(rig.batch)
-        a = _ring.Server(rig.seg, batch_a, group)
-        b = _ring.Server(rig.seg, np.zeros_like(rig.batch), group)
+        a = _ring.Server(rig.seg, batch_a, group, 1)
+        b = _ring.Server(rig.seg, np.zeros_like(rig.batch), group, 2)
         kind = a.serve(fake_model, 8, 0, 0, 1_000_000, True, None, 0)
         assert kind[0] == _ring.SERVE_IDLE  # nothing posted: a holds the lock
         c = rig.seg.register(os.getpid(), 0, 0)

@@ -81,6 +81,9 @@
 #define SHM_MAX_CLIENTS 4096u
 #define SHM_MAX_SLOTS_PER_CLIENT 64u
 #define SHM_MAX_BATCH 65536u
+#define SHM_MAX_REPLICAS 64u     /* model replicas serving one segment */
+#define SHM_MAX_SERVERS 512u     /* serving threads of all replicas */
+#define SHM_DEVICE_MAX 48u       /* bytes of a replica's device name */
 #define SHM_MAX_ROW_BYTES (1ull << 30)
 #define SHM_ERRMSG_MIN 1024u     /* output area is at least this big: a
                                     FAILED slot carries the error text there
@@ -178,11 +181,17 @@ typedef struct {
     uint32_t max_clients;
     uint32_t slots_per_client;  /* K */
     uint32_t max_batch;
+    uint32_t replicas;          /* model replicas serving the segment */
+    uint32_t servers;           /* serving threads of all the replicas; each
+                                   keeps its batch in a table of its own */
     uint32_t _pad;
 } shm_params;
 
 typedef struct {
     uint64_t header_bytes;      /* fixed header + batch-size histogram */
+    uint64_t replicas_off;      /* replica table */
+    uint64_t servers_off;       /* the servers' batch tables */
+    uint64_t server_stride;
     uint64_t clients_off;       /* client table */
     uint64_t client_stride;
     uint64_t slots_off;         /* slot data */
@@ -212,20 +221,28 @@ typedef struct {
     uint64_t time_ns;
     char spec[SHM_SPEC_MAX];
 
-    /* --- evaluator identity and lifecycle --- */
+    /* --- evaluator lifecycle (the replicas' own words: shm_replica) --- */
     _Alignas(SHM_LINE) _Atomic uint32_t ev_state; /* enum shm_ev_state */
-    _Atomic int32_t ev_pid;
-    _Atomic uint64_t ev_starttime;    /* /proc/<pid>/stat field 22 */
+    _Atomic uint32_t replicas_serving; /* replicas in REPLICA_SERVING */
     _Atomic uint64_t heartbeat_ns;    /* CLOCK_MONOTONIC of the last loop */
-    /* Control requests (e.g. weight updates) for the serving loop: the
-     * controller bumps ctl_req, the loop sets ctl_done once handled.  The
-     * payload travels outside the segment; these words only make the loop
-     * return between batches and say how many requests are pending. */
+    /* Control requests (e.g. weight updates) for the serving loops: the
+     * controller bumps ctl_req, each replica sets its ctl_done once handled.
+     * The payload travels outside the segment; these words only make the
+     * loops return between batches and say how many requests are pending. */
     _Atomic uint32_t ctl_req;
-    _Atomic uint32_t ctl_done;
+    uint32_t _pad1;
     /* Why it stopped: reason << 32 | (uint32_t)detail, written once by
      * shm_close_and_wake (the first caller's reason wins). */
     _Atomic uint64_t stop;
+    /* The newest weights version any replica has collected a batch with:
+     * no replica collects with older ones (shm_collect_begin), so a worker
+     * never sees versions go backwards across replicas. */
+    _Atomic uint64_t version_floor;
+
+    /* --- the collect lock of several replicas: 0 free, else the holding
+     * server's id (index + 1) | SHM_LOCK_WAITERS when someone may sleep on
+     * it (shm_collect_lock) --- */
+    _Alignas(SHM_LINE) _Atomic uint32_t collect_lock;
 
     /* --- evaluator doorbell: written by every client on every submit --- */
     _Alignas(SHM_LINE) _Atomic uint32_t submit_seq; /* futex word */
@@ -250,9 +267,51 @@ typedef struct {
 
 /* segment.py reads these with pread, without mapping the segment (cleanup
  * of segments it cannot attach to). */
-_Static_assert(offsetof(shm_header, owner_pid) == 64, "owner_pid offset");
-_Static_assert(offsetof(shm_header, pid_ns) == 72, "pid_ns offset");
-_Static_assert(offsetof(shm_header, time_ns) == 80, "time_ns offset");
+_Static_assert(offsetof(shm_header, owner_pid) == 72, "owner_pid offset");
+_Static_assert(offsetof(shm_header, pid_ns) == 80, "pid_ns offset");
+_Static_assert(offsetof(shm_header, time_ns) == 88, "time_ns offset");
+
+/* A replica's state (shm_replica.state). */
+enum shm_replica_state {
+    REPLICA_EMPTY = 0,     /* not started */
+    REPLICA_SERVING = 1,   /* its serving loop runs (shm_set_serving) */
+    REPLICA_STOPPED = 2,   /* it left its serving loop */
+    REPLICA_DEAD = 3,      /* another found its process gone: its batches
+                              were put back for the others to serve */
+};
+
+/* One model replica: a serving process (or the owner's serving thread) with
+ * its own model.  Written by the replica itself, but `state`, which others
+ * move to DEAD when they find it gone. */
+typedef struct {
+    _Atomic int32_t pid;
+    _Atomic uint32_t state;           /* enum shm_replica_state */
+    _Atomic uint64_t starttime;       /* /proc/<pid>/stat field 22 */
+    _Atomic uint64_t version;         /* the weights it serves */
+    _Atomic uint32_t ctl_done;        /* control tickets it has handled */
+    uint32_t _pad;
+    _Atomic uint64_t requests;        /* its statistics */
+    _Atomic uint64_t batches;
+    _Atomic uint64_t model_ns;
+    char device[SHM_DEVICE_MAX];      /* "cuda:1", "cpu", ... (set once) */
+} shm_replica;
+
+/* One slot of a serving thread's current batch. */
+typedef struct {
+    uint32_t client;
+    uint32_t slot;
+    uint32_t gen;
+    uint32_t wake; /* shm_finish: the client was asleep */
+} shm_taken;
+
+/* A serving thread's current batch, in the segment so that when its
+ * replica dies another can put the batch's requests back (shm_requeue):
+ * `n` entries of shm_taken follow it, up to max_batch. */
+typedef struct {
+    _Atomic uint32_t n;
+    uint32_t replica;
+    char _pad[SHM_LINE - 8];
+} shm_server_head;
 
 /* One client table entry; followed in the same stride by K state words. */
 typedef struct {
@@ -286,10 +345,18 @@ static inline int shm_layout_compute(const shm_params *p, shm_layout *l) {
         p->slots_per_client > SHM_MAX_SLOTS_PER_CLIENT ||
         p->max_batch == 0 || p->max_batch > SHM_MAX_BATCH)
         return SHM_E_PARAMS;
+    if (p->replicas == 0 || p->replicas > SHM_MAX_REPLICAS ||
+        p->servers < p->replicas || p->servers > SHM_MAX_SERVERS)
+        return SHM_E_PARAMS;
     l->header_bytes = shm_round_up(
         sizeof(shm_header) + sizeof(uint64_t) * ((uint64_t)p->max_batch + 1),
         SHM_LINE);
-    l->clients_off = l->header_bytes;
+    l->replicas_off = l->header_bytes;
+    l->servers_off = l->replicas_off +
+        shm_round_up(sizeof(shm_replica) * p->replicas, SHM_LINE);
+    l->server_stride = sizeof(shm_server_head) +
+        shm_round_up(sizeof(shm_taken) * p->max_batch, SHM_LINE);
+    l->clients_off = l->servers_off + l->server_stride * p->servers;
     l->client_stride =
         sizeof(shm_client) +
         shm_round_up(sizeof(uint32_t) * p->slots_per_client, SHM_LINE);
@@ -334,6 +401,17 @@ static inline _Atomic uint64_t *shm_batch_hist(const shm_seg *s) {
 }
 static inline shm_client *shm_client_at(const shm_seg *s, uint32_t c) {
     return (shm_client *)(s->base + s->l.clients_off + s->l.client_stride * c);
+}
+static inline shm_replica *shm_replica_at(const shm_seg *s, uint32_t r) {
+    return (shm_replica *)(s->base + s->l.replicas_off) + r;
+}
+static inline shm_server_head *shm_server_at(const shm_seg *s, uint32_t v) {
+    return (shm_server_head *)(s->base + s->l.servers_off +
+                               s->l.server_stride * v);
+}
+/* Server v's batch table (max_batch entries). */
+static inline shm_taken *shm_server_taken(const shm_seg *s, uint32_t v) {
+    return (shm_taken *)(shm_server_at(s, v) + 1);
 }
 static inline _Atomic uint32_t *shm_slot_word_at(const shm_seg *s, uint32_t c,
                                                  uint32_t k) {
@@ -1075,21 +1153,15 @@ static inline uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k) {
 /* Evaluator side                                                      */
 /* ------------------------------------------------------------------ */
 
-/* One slot of the current batch. */
-typedef struct {
-    uint32_t client;
-    uint32_t slot;
-    uint32_t gen;
-    uint32_t wake; /* shm_finish: the client was asleep */
-} shm_taken;
-
 /* Scans client entries starting at *cursor and takes READY slots (up to
- * max_batch in total), gathering their inputs into batch rows [n, ...).
- * Returns the new n. */
-static inline uint32_t shm_scan(shm_seg *s, char *batch, shm_taken *taken,
+ * max_batch in total) into server v's batch table, gathering their inputs
+ * into batch rows [n, ...).  Returns the new n. */
+static inline uint32_t shm_scan(shm_seg *s, uint32_t v, char *batch,
                                 uint32_t n, uint32_t max_batch,
                                 uint32_t *cursor, uint64_t now) {
     shm_header *h = shm_hdr(s);
+    shm_server_head *head = shm_server_at(s, v);
+    shm_taken *taken = shm_server_taken(s, v);
     uint32_t hwm = shm_clients_hwm(s);
     uint32_t K = s->p.slots_per_client;
     if (hwm == 0) return n;
@@ -1103,6 +1175,15 @@ static inline uint32_t shm_scan(shm_seg *s, char *batch, shm_taken *taken,
             uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
             if (shm_word_state(cur) != SLOT_READY) continue;
             atomic_thread_fence(memory_order_acquire);
+            /* The batch table lists the slot before it is TAKEN, so that a
+             * replica that finds this one dead finds every slot it took
+             * (shm_requeue).  MO: release; pairs with the acquire load of
+             * n there. */
+            taken[n].client = c;
+            taken[n].slot = k;
+            taken[n].gen = shm_word_gen(cur);
+            taken[n].wake = 0;
+            atomic_store_explicit(&head->n, n + 1, memory_order_release);
             /* READY -> TAKEN.  fetch_add keeps a WAITER bit the client may
              * set concurrently.  MO: relaxed; the data was synchronised by
              * the fence above and nobody reads TAKEN for data. */
@@ -1114,9 +1195,6 @@ static inline uint32_t shm_scan(shm_seg *s, char *batch, shm_taken *taken,
                          1);
             shm_copy(batch + (uint64_t)n * s->p.in_bytes, shm_slot_in(s, c, k),
                      s->p.in_bytes);
-            taken[n].client = c;
-            taken[n].slot = k;
-            taken[n].gen = shm_word_gen(cur);
             n++;
         }
     }
@@ -1126,18 +1204,23 @@ static inline uint32_t shm_scan(shm_seg *s, char *batch, shm_taken *taken,
     return n;
 }
 
-/* Waits for requests and gathers up to max_batch of them into `batch`.
+/* Server v waits for requests and gathers up to max_batch of them into
+ * `batch` (their slots listed in its batch table, shm_server_taken).
  * Greedy: returns as soon as at least one request is taken, unless
  * max_wait_ns asks to wait (counted from the first taken request) for a
  * fuller batch.  Spins up to spin_ns for new submissions before it sleeps
  * on the doorbell.  Returns n > 0, or 0 when timeout_ns passed with nothing
- * (housekeeping time), or SHM_CLOSED when close was requested.
- * Call without the GIL. */
-static inline int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
+ * (housekeeping time), SHM_CLOSED when close was requested, or SHM_CONTROL
+ * when a control request is pending for its replica.  One collector at a
+ * time (rule 1: the caller holds its process's lock and, with several
+ * replicas, the collect lock).  Call without the GIL. */
+static inline int shm_collect(shm_seg *s, uint32_t v, char *batch,
                               uint32_t max_batch, uint32_t *cursor,
                               uint64_t spin_ns, uint64_t max_wait_ns,
                               uint64_t timeout_ns) {
     shm_header *h = shm_hdr(s);
+    _Atomic uint32_t *ctl_done =
+        &shm_replica_at(s, shm_server_at(s, v)->replica)->ctl_done;
     uint64_t start = shm_now_ns(), first = 0;
     uint32_t n = 0;
     int yield = (spin_ns & SHM_SPIN_YIELD) != 0;
@@ -1160,10 +1243,10 @@ static inline int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
          * begun is returned first.  MO: acquire; pairs with the release
          * fetch_add in shm_request_control. */
         if (atomic_load_explicit(&h->ctl_req, memory_order_acquire) !=
-            atomic_load_explicit(&h->ctl_done, memory_order_relaxed))
+            atomic_load_explicit(ctl_done, memory_order_relaxed))
             return n > 0 ? (int)n : SHM_CONTROL;
         uint32_t before = n;
-        n = shm_scan(s, batch, taken, n, max_batch, cursor, now);
+        n = shm_scan(s, v, batch, n, max_batch, cursor, now);
         if (n > before && before == 0) first = now;
         if (n >= max_batch) return (int)n;
         if (n > 0 && (max_wait_ns == 0 || now - first >= max_wait_ns))
@@ -1218,6 +1301,173 @@ static inline int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
          * which therefore sees its fetch_add. */
         atomic_store_explicit(&h->ev_sleeping, 0, memory_order_seq_cst);
     }
+}
+
+/* ------------------------------------------------------------------ */
+/* Several replicas: the collect lock, batch tables, weights versions  */
+/* ------------------------------------------------------------------ */
+
+/* The collect lock's waiters bit: someone may be asleep on the word. */
+#define SHM_LOCK_WAITERS 0x80000000u
+
+/* Takes the collect lock for server v (several replicas take turns
+ * collecting: rule 1), waiting at most timeout_ns.  Returns SHM_OK, or
+ * SHM_TIMEOUT: the caller then checks that the holder (shm_collect_holder)
+ * is alive and takes the lock over from a dead one (shm_collect_steal).
+ * A futex mutex in one word (the holder's id, and a bit for sleepers), so
+ * that who holds it is never unknown, even if the holder dies right after
+ * taking it. */
+static inline int shm_collect_lock(shm_seg *s, uint32_t v,
+                                   uint64_t timeout_ns) {
+    _Atomic uint32_t *lock = &shm_hdr(s)->collect_lock;
+    uint32_t me = v + 1, cur = 0;
+    /* MO: acquire (every successful CAS here); pairs with the release
+     * exchange in shm_collect_unlock: the previous holder's scans and
+     * table writes happen before ours. */
+    if (atomic_compare_exchange_strong_explicit(
+            lock, &cur, me, memory_order_acquire, memory_order_relaxed))
+        return SHM_OK;
+    uint64_t start = shm_now_ns();
+    for (;;) {
+        if (cur == 0) {
+            /* Free after a wait: take it with the waiters bit, since
+             * others may still sleep on it (an extra wake at worst). */
+            if (atomic_compare_exchange_weak_explicit(
+                    lock, &cur, me | SHM_LOCK_WAITERS, memory_order_acquire,
+                    memory_order_relaxed))
+                return SHM_OK;
+            continue;
+        }
+        if (!(cur & SHM_LOCK_WAITERS)) {
+            /* MO: relaxed; the bit only asks the holder for a wake. */
+            if (!atomic_compare_exchange_weak_explicit(
+                    lock, &cur, cur | SHM_LOCK_WAITERS, memory_order_relaxed,
+                    memory_order_relaxed))
+                continue;
+            cur |= SHM_LOCK_WAITERS;
+        }
+        uint64_t now = shm_now_ns();
+        if (now - start >= timeout_ns) return SHM_TIMEOUT;
+        shm_futex_wait(lock, cur, timeout_ns - (now - start));
+        /* MO: relaxed; the CAS that takes the lock acquires. */
+        cur = atomic_load_explicit(lock, memory_order_relaxed);
+    }
+}
+
+static inline void shm_collect_unlock(shm_seg *s) {
+    _Atomic uint32_t *lock = &shm_hdr(s)->collect_lock;
+    /* MO: release; pairs with the acquiring CASes in shm_collect_lock. */
+    if (atomic_exchange_explicit(lock, 0, memory_order_release) &
+        SHM_LOCK_WAITERS)
+        shm_futex_wake(lock, 1);
+}
+
+/* The server holding the collect lock (index), or -1 when it is free. */
+static inline int shm_collect_holder(shm_seg *s) {
+    /* MO: relaxed; a hint for the liveness check that may follow. */
+    uint32_t cur = atomic_load_explicit(&shm_hdr(s)->collect_lock,
+                                        memory_order_relaxed) &
+                   ~SHM_LOCK_WAITERS;
+    return cur ? (int)cur - 1 : -1;
+}
+
+/* Server v takes the collect lock over from server `dead`, whose replica
+ * was found dead: SHM_OK if the lock was still dead's (v holds it now),
+ * SHM_E_STATE if it had moved on.  The CAS names the dead holder, so two
+ * replicas that both find it dead cannot both take the lock over. */
+static inline int shm_collect_steal(shm_seg *s, uint32_t v, uint32_t dead) {
+    _Atomic uint32_t *lock = &shm_hdr(s)->collect_lock;
+    /* MO: relaxed; the CAS below decides. */
+    uint32_t cur = atomic_load_explicit(lock, memory_order_relaxed);
+    while ((cur & ~SHM_LOCK_WAITERS) == dead + 1) {
+        /* MO: acquire, as taking the lock. */
+        if (atomic_compare_exchange_weak_explicit(
+                lock, &cur, (v + 1) | (cur & SHM_LOCK_WAITERS),
+                memory_order_acquire, memory_order_relaxed))
+            return SHM_OK;
+    }
+    return SHM_E_STATE;
+}
+
+/* Server v belongs to replica r (set up before it serves). */
+static inline void shm_server_init(shm_seg *s, uint32_t v, uint32_t r) {
+    shm_server_head *head = shm_server_at(s, v);
+    head->replica = r;
+    /* MO: relaxed; nothing is in the table yet. */
+    atomic_store_explicit(&head->n, 0, memory_order_relaxed);
+}
+
+/* The replica server v belongs to. */
+static inline uint32_t shm_server_replica(const shm_seg *s, uint32_t v) {
+    return shm_server_at(s, v)->replica;
+}
+
+/* The size of server v's current batch (its table is cut to n entries
+ * when rows are failed, or to 0 once the batch is finished).  MO: relaxed:
+ * it only shrinks the part a recovery looks at, and a recovery skips the
+ * slots no longer TAKEN anyway. */
+static inline void shm_server_set_n(shm_seg *s, uint32_t v, uint32_t n) {
+    atomic_store_explicit(&shm_server_at(s, v)->n, n, memory_order_relaxed);
+}
+
+/* Puts server v's batch back: every slot of its table still TAKEN with the
+ * generation it was taken with returns to READY (its WAITER bit kept), for
+ * another replica to take.  For a server whose replica died (or is failing
+ * on its way out).  A scan may run meanwhile: it only takes READY slots,
+ * and a slot put back is taken like any other.  Returns how many requests
+ * went back; the caller rings the evaluator's doorbell
+ * (shm_notify_evaluator) when there were any. */
+static inline uint32_t shm_requeue(shm_seg *s, uint32_t v) {
+    shm_server_head *head = shm_server_at(s, v);
+    shm_taken *taken = shm_server_taken(s, v);
+    /* MO: acquire; pairs with the release store in shm_scan. */
+    uint32_t n = atomic_load_explicit(&head->n, memory_order_acquire);
+    uint32_t back = 0;
+    if (n > s->p.max_batch) n = s->p.max_batch; /* a scribbled table */
+    for (uint32_t i = 0; i < n; i++) {
+        if (taken[i].client >= s->p.max_clients ||
+            taken[i].slot >= s->p.slots_per_client)
+            continue;
+        _Atomic uint32_t *w = shm_slot_word_at(s, taken[i].client,
+                                               taken[i].slot);
+        uint32_t want = shm_slot_word(SLOT_TAKEN, taken[i].gen);
+        /* MO: relaxed; the CAS below decides. */
+        uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
+        while ((cur & ~SLOT_WAITER) == want) {
+            /* MO: relaxed.  The input stays published: every write of the
+             * word since the client's release store of READY is a
+             * read-modify-write (the take's fetch_add, the client's
+             * WAITER CAS, this CAS), so they all belong to that store's
+             * release sequence, and the next taker's acquire fence, which
+             * reads this CAS's value, synchronises with the client. */
+            if (atomic_compare_exchange_weak_explicit(
+                    w, &cur,
+                    shm_slot_word(SLOT_READY, taken[i].gen) |
+                        (cur & SLOT_WAITER),
+                    memory_order_relaxed, memory_order_relaxed)) {
+                back++;
+                break;
+            }
+        }
+    }
+    atomic_store_explicit(&head->n, 0, memory_order_relaxed);
+    return back;
+}
+
+/* With several replicas, each collects only with weights at least as new
+ * as the newest any replica has collected with: then a request sent after
+ * another request's answer came back is computed by the same or newer
+ * weights, whichever replica takes it.  Under the collect lock: returns 1
+ * (and raises the floor to `version`) when server v may collect, 0 when its
+ * replica must first apply the newer weights it was sent. */
+static inline int shm_version_ok(shm_seg *s, uint64_t version) {
+    _Atomic uint64_t *floor = &shm_hdr(s)->version_floor;
+    /* MO: relaxed (both); the collect lock orders the collectors. */
+    uint64_t cur = atomic_load_explicit(floor, memory_order_relaxed);
+    if (version < cur) return 0;
+    if (version > cur)
+        atomic_store_explicit(floor, version, memory_order_relaxed);
+    return 1;
 }
 
 /* True while slot `t` is still the one this batch took: outputs are written
@@ -1345,9 +1595,14 @@ static inline uint32_t shm_fail(shm_seg *s, shm_taken *taken,
 }
 
 /* Per-batch statistics (evaluator only). */
-static inline void shm_record_batch(shm_seg *s, uint32_t n, uint32_t rows,
-                                    uint64_t model_ns, int failed) {
+static inline void shm_record_batch(shm_seg *s, uint32_t r, uint32_t n,
+                                    uint32_t rows, uint64_t model_ns,
+                                    int failed) {
     shm_header *h = shm_hdr(s);
+    shm_replica *rep = shm_replica_at(s, r);
+    shm_stat_add(&rep->requests, n);
+    shm_stat_add(&rep->batches, 1);
+    shm_stat_add(&rep->model_ns, model_ns);
     shm_stat_add(&h->st[ST_REQUESTS], n);
     shm_stat_add(&h->st[ST_BATCHES], 1);
     shm_stat_add(&h->st[ST_PADDED_ROWS], rows - n);
@@ -1407,26 +1662,78 @@ static inline uint32_t shm_stop_reason(shm_seg *s, int32_t *detail) {
     *detail = (int32_t)(uint32_t)w;
     return (uint32_t)(w >> 32);
 }
-static inline int32_t shm_ev_pid(shm_seg *s, uint64_t *starttime) {
-    /* MO: acquire; pairs with the release store of ev_pid in
-     * shm_set_evaluator (starttime is written before it). */
-    int32_t pid = atomic_load_explicit(&shm_hdr(s)->ev_pid,
-                                       memory_order_acquire);
-    *starttime = atomic_load_explicit(&shm_hdr(s)->ev_starttime,
-                                      memory_order_relaxed);
-    return pid;
+/* Replica r's process, state and weights version (for liveness checks and
+ * statistics). */
+static inline int32_t shm_replica_info(shm_seg *s, uint32_t r,
+                                       uint64_t *starttime, uint32_t *state,
+                                       uint64_t *version) {
+    shm_replica *rep = shm_replica_at(s, r);
+    /* MO: acquire; pairs with the release store of the state in
+     * shm_set_serving (pid and start time are written before it). */
+    *state = atomic_load_explicit(&rep->state, memory_order_acquire);
+    *starttime = atomic_load_explicit(&rep->starttime, memory_order_relaxed);
+    *version = atomic_load_explicit(&rep->version, memory_order_relaxed);
+    return atomic_load_explicit(&rep->pid, memory_order_relaxed);
 }
-/* Records which process serves, then STARTING -> SERVING (unless a close was
- * requested meanwhile).  Returns the resulting state. */
-static inline uint32_t shm_set_serving(shm_seg *s, int32_t pid,
-                                       uint64_t starttime) {
+/* Replica r's statistics: requests, batches, model time. */
+static inline void shm_replica_stats(shm_seg *s, uint32_t r, uint64_t out[3]) {
+    shm_replica *rep = shm_replica_at(s, r);
+    /* MO: relaxed; statistics. */
+    out[0] = atomic_load_explicit(&rep->requests, memory_order_relaxed);
+    out[1] = atomic_load_explicit(&rep->batches, memory_order_relaxed);
+    out[2] = atomic_load_explicit(&rep->model_ns, memory_order_relaxed);
+}
+static inline const char *shm_replica_device(shm_seg *s, uint32_t r) {
+    return shm_replica_at(s, r)->device;
+}
+/* Replica r serves the given weights version from now on. */
+static inline void shm_replica_version(shm_seg *s, uint32_t r,
+                                       uint64_t version) {
+    /* MO: relaxed; information for statistics (the floor orders). */
+    atomic_store_explicit(&shm_replica_at(s, r)->version, version,
+                          memory_order_relaxed);
+}
+
+/* Replica r leaves REPLICA_SERVING for `state` (STOPPED: by itself;
+ * DEAD: found dead by another).  Returns the replicas still serving after
+ * it, or -1 when r was not serving (another got there first: the CAS lets
+ * one caller only do what follows, such as putting r's batches back). */
+static inline int shm_replica_stop(shm_seg *s, uint32_t r, uint32_t state) {
+    uint32_t cur = REPLICA_SERVING;
+    /* MO: acq_rel; one caller wins, and sees what r did before. */
+    if (!atomic_compare_exchange_strong_explicit(
+            &shm_replica_at(s, r)->state, &cur, state, memory_order_acq_rel,
+            memory_order_relaxed))
+        return -1;
+    /* MO: acq_rel; the last one out sees every other's leaving. */
+    return (int)atomic_fetch_sub_explicit(&shm_hdr(s)->replicas_serving, 1,
+                                          memory_order_acq_rel) - 1;
+}
+
+/* Replica r (process pid, its start time, on `device`) serves: its entry,
+ * then the evaluator's STARTING -> SERVING (unless a close was requested
+ * meanwhile).  Returns the evaluator's resulting state. */
+static inline uint32_t shm_set_serving(shm_seg *s, uint32_t r, int32_t pid,
+                                       uint64_t starttime,
+                                       const char *device) {
     shm_header *h = shm_hdr(s);
-    atomic_store_explicit(&h->ev_starttime, starttime, memory_order_relaxed);
-    /* MO: release; pairs with the acquire load in shm_ev_pid. */
-    atomic_store_explicit(&h->ev_pid, pid, memory_order_release);
+    shm_replica *rep = shm_replica_at(s, r);
+    size_t len = strnlen(device, SHM_DEVICE_MAX - 1);
+    memcpy(rep->device, device, len);
+    rep->device[len] = 0;
+    atomic_store_explicit(&rep->starttime, starttime, memory_order_relaxed);
+    atomic_store_explicit(&rep->pid, pid, memory_order_relaxed);
+    /* MO: relaxed; the release store of its state below publishes it. */
+    atomic_fetch_add_explicit(&h->replicas_serving, 1, memory_order_relaxed);
+    /* MO: release; pairs with the acquire load in shm_replica_info. */
+    atomic_store_explicit(&rep->state, REPLICA_SERVING, memory_order_release);
     atomic_store_explicit(&h->heartbeat_ns, shm_now_ns(),
                           memory_order_relaxed);
-    shm_stat_put(s, ST_SERVE_START_NS, shm_now_ns());
+    uint64_t t0 = 0;
+    /* MO: relaxed; the first replica's start time wins (statistics). */
+    atomic_compare_exchange_strong_explicit(&h->st[ST_SERVE_START_NS], &t0,
+                                            shm_now_ns(), memory_order_relaxed,
+                                            memory_order_relaxed);
     uint32_t expected = EV_STARTING;
     /* MO: acq_rel; pairs with the CAS in shm_request_close. */
     atomic_compare_exchange_strong_explicit(&h->ev_state, &expected,
@@ -1491,15 +1798,20 @@ static inline uint32_t shm_request_control(shm_seg *s) {
     shm_futex_wake(&h->submit_seq, INT_MAX);
     return ticket;
 }
-/* Evaluator only: control requests up to `ticket` are handled. */
-static inline void shm_control_done(shm_seg *s, uint32_t ticket) {
+/* Replica r has handled the control requests up to `ticket`. */
+static inline void shm_control_done(shm_seg *s, uint32_t r, uint32_t ticket) {
     /* MO: release; the controller may read ctl_done to see progress. */
-    atomic_store_explicit(&shm_hdr(s)->ctl_done, ticket, memory_order_release);
+    atomic_store_explicit(&shm_replica_at(s, r)->ctl_done, ticket,
+                          memory_order_release);
 }
-static inline uint32_t shm_control_pending(shm_seg *s, uint32_t *done) {
+/* Replica r's pending control requests: the requested and the handled
+ * tickets. */
+static inline uint32_t shm_control_pending(shm_seg *s, uint32_t r,
+                                           uint32_t *done) {
     shm_header *h = shm_hdr(s);
     /* MO: acquire; pairs with the release stores above. */
-    *done = atomic_load_explicit(&h->ctl_done, memory_order_acquire);
+    *done = atomic_load_explicit(&shm_replica_at(s, r)->ctl_done,
+                                 memory_order_acquire);
     return atomic_load_explicit(&h->ctl_req, memory_order_acquire);
 }
 

@@ -13,6 +13,8 @@ cdef extern from "ring.h" nogil:
         uint32_t max_clients
         uint32_t slots_per_client
         uint32_t max_batch
+        uint32_t replicas
+        uint32_t servers
 
     ctypedef struct shm_layout:
         uint64_t header_bytes
@@ -58,6 +60,12 @@ cdef extern from "ring.h" nogil:
         SHM_E_STATE
         SHM_CONTROL
         SHM_STALE
+        SHM_MAX_REPLICAS
+        SHM_DEVICE_MAX
+        REPLICA_EMPTY
+        REPLICA_SERVING
+        REPLICA_STOPPED
+        REPLICA_DEAD
         SLOT_FREE
         SLOT_WRITING
         SLOT_READY
@@ -113,16 +121,26 @@ cdef extern from "ring.h" nogil:
     void shm_copy(char *dst, const char *src, size_t n)
     shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k)
 
-    int shm_collect(shm_seg *s, char *batch, shm_taken *taken,
-                    uint32_t max_batch, uint32_t *cursor, uint64_t spin_ns,
-                    uint64_t max_wait_ns, uint64_t timeout_ns)
+    int shm_collect(shm_seg *s, uint32_t v, char *batch, uint32_t max_batch,
+                    uint32_t *cursor, uint64_t spin_ns, uint64_t max_wait_ns,
+                    uint64_t timeout_ns)
+    shm_taken *shm_server_taken(const shm_seg *s, uint32_t v)
+    void shm_server_init(shm_seg *s, uint32_t v, uint32_t r)
+    uint32_t shm_server_replica(const shm_seg *s, uint32_t v)
+    void shm_server_set_n(shm_seg *s, uint32_t v, uint32_t n)
+    uint32_t shm_requeue(shm_seg *s, uint32_t v)
+    int shm_collect_lock(shm_seg *s, uint32_t v, uint64_t timeout_ns)
+    void shm_collect_unlock(shm_seg *s)
+    int shm_collect_holder(shm_seg *s)
+    int shm_collect_steal(shm_seg *s, uint32_t v, uint32_t dead)
+    int shm_version_ok(shm_seg *s, uint64_t version)
     uint32_t shm_complete_fields(shm_seg *s, shm_taken *taken, uint32_t n,
                                  uint32_t nfields, const char *const *fields,
                                  const uint64_t *field_bytes, const int64_t *field_stride,
                                  const uint64_t *field_off, uint64_t model_version)
     uint32_t shm_fail(shm_seg *s, shm_taken *taken, uint32_t n,
                       const char *msg, uint32_t len)
-    void shm_record_batch(shm_seg *s, uint32_t n, uint32_t rows,
+    void shm_record_batch(shm_seg *s, uint32_t r, uint32_t n, uint32_t rows,
                           uint64_t model_ns, int failed)
 
     uint64_t shm_stat_get(shm_seg *s, uint32_t i)
@@ -130,8 +148,14 @@ cdef extern from "ring.h" nogil:
     void shm_stat_inc(shm_seg *s, uint32_t i, uint64_t v)
     uint64_t shm_hist_get(shm_seg *s, uint32_t which, uint32_t b)
     uint32_t shm_ev_state(shm_seg *s)
-    int32_t shm_ev_pid(shm_seg *s, uint64_t *starttime)
-    uint32_t shm_set_serving(shm_seg *s, int32_t pid, uint64_t starttime)
+    int32_t shm_replica_info(shm_seg *s, uint32_t r, uint64_t *starttime, uint32_t *state,
+                             uint64_t *version)
+    void shm_replica_stats(shm_seg *s, uint32_t r, uint64_t *out)
+    const char *shm_replica_device(shm_seg *s, uint32_t r)
+    void shm_replica_version(shm_seg *s, uint32_t r, uint64_t version)
+    int shm_replica_stop(shm_seg *s, uint32_t r, uint32_t state)
+    uint32_t shm_set_serving(shm_seg *s, uint32_t r, int32_t pid, uint64_t starttime,
+                             const char *device)
     uint64_t shm_heartbeat(shm_seg *s)
     uint32_t shm_n_attached(shm_seg *s)
     uint32_t shm_clients_hwm(shm_seg *s)
@@ -141,8 +165,8 @@ cdef extern from "ring.h" nogil:
     uint64_t shm_time_ns(shm_seg *s)
     void shm_request_close(shm_seg *s)
     uint32_t shm_request_control(shm_seg *s)
-    void shm_control_done(shm_seg *s, uint32_t ticket)
-    uint32_t shm_control_pending(shm_seg *s, uint32_t *done)
+    void shm_control_done(shm_seg *s, uint32_t r, uint32_t ticket)
+    uint32_t shm_control_pending(shm_seg *s, uint32_t r, uint32_t *done)
     void shm_close_and_wake(shm_seg *s, uint32_t reason, int32_t detail)
     uint32_t shm_stop_reason(shm_seg *s, int32_t *detail)
 

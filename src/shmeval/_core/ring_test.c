@@ -312,11 +312,16 @@ static void seg_make(test_seg *t, const shm_params *p) {
              SHM_OK);
 }
 
+/* Replica 0 serves (the one evaluator most tests have). */
+static uint32_t t_set_serving(shm_seg *s, int32_t pid, uint64_t starttime) {
+    return shm_set_serving(s, 0, pid, starttime, "test");
+}
+
 /* A fresh segment whose evaluator is serving (pid 1): where most tests
  * start. */
 static shm_seg *serving_seg(test_seg *t, const shm_params *p) {
     seg_make(t, p);
-    CHECK_EQ(shm_set_serving(&t->s, 1, 1), EV_SERVING);
+    CHECK_EQ(t_set_serving(&t->s, 1, 1), EV_SERVING);
     return &t->s;
 }
 
@@ -337,6 +342,15 @@ static shm_params mkparams(uint64_t in, uint64_t out, uint32_t clients,
     p.max_clients = clients;
     p.slots_per_client = k;
     p.max_batch = batch;
+    p.replicas = 1;
+    p.servers = 1;
+    return p;
+}
+
+static shm_params with_replicas(shm_params p, uint32_t replicas,
+                                uint32_t servers) {
+    p.replicas = replicas;
+    p.servers = servers;
     return p;
 }
 
@@ -374,6 +388,16 @@ static int t_wait_ticked(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
 static int t_release(shm_seg *s, uint32_t c, uint32_t k) {
     return shm_slot_release(s, c, k, gen_now(s, c, k));
 }
+/* Serving by server 0 of replica 0, the one evaluator most tests have:
+ * its batch is copied out of the server's table into `taken`. */
+static int t_collect(shm_seg *s, char *batch, shm_taken *taken,
+                     uint32_t max_batch, uint32_t *cursor, uint64_t spin_ns,
+                     uint64_t max_wait_ns, uint64_t timeout_ns) {
+    int n = shm_collect(s, 0, batch, max_batch, cursor, spin_ns, max_wait_ns,
+                        timeout_ns);
+    if (n > 0) memcpy(taken, shm_server_taken(s, 0), sizeof *taken * (size_t)n);
+    return n;
+}
 static int t_register(shm_seg *s, int32_t pid, uint64_t starttime) {
     return shm_client_register(s, pid, starttime, 0);
 }
@@ -392,7 +416,13 @@ static void check_layout_numbers(const shm_params *p, const shm_layout *l) {
     CHECK(l->header_bytes >=
           sizeof(shm_header) + sizeof(uint64_t) * ((uint64_t)p->max_batch + 1));
     CHECK_EQU(l->header_bytes % SHM_LINE, 0);
-    CHECK_EQU(l->clients_off, l->header_bytes);
+    CHECK_EQU(l->replicas_off, l->header_bytes);
+    CHECK(l->servers_off >= l->replicas_off + sizeof(shm_replica) * p->replicas);
+    CHECK_EQU(l->servers_off % SHM_LINE, 0);
+    CHECK(l->server_stride >=
+          sizeof(shm_server_head) + sizeof(shm_taken) * p->max_batch);
+    CHECK_EQU(l->server_stride % SHM_LINE, 0);
+    CHECK_EQU(l->clients_off, l->servers_off + l->server_stride * p->servers);
     CHECK_EQU(l->client_stride % SHM_LINE, 0);
     CHECK(l->client_stride >= sizeof(shm_client) + 4 * K);
     CHECK_EQU(l->slots_off % 4096, 0);
@@ -418,6 +448,10 @@ static void check_layout_addresses(const shm_params *p) {
     uintptr_t base = (uintptr_t)t.mem, end = base + t.size;
     uint32_t K = p->slots_per_client;
     CHECK((uintptr_t)(shm_batch_hist(s) + p->max_batch + 1) <=
+          base + s->l.replicas_off);
+    CHECK((uintptr_t)(shm_replica_at(s, p->replicas - 1) + 1) <=
+          base + s->l.servers_off);
+    CHECK((uintptr_t)(shm_server_taken(s, p->servers - 1) + p->max_batch) <=
           base + s->l.clients_off);
     CHECK_EQU((uintptr_t)shm_batch_hist(s) % 8, 0);
     for (uint32_t c = 0; c < p->max_clients; c++) {
@@ -479,7 +513,7 @@ static void test_layout(void) {
     CHECK_EQU(offsetof(shm_header, magic), 0);
     CHECK_EQU(sizeof(shm_client), SHM_LINE);
     CHECK(sizeof(shm_slot_meta) <= SHM_LINE);
-    CHECK_EQU(sizeof(shm_params), 32);
+    CHECK_EQU(sizeof(shm_params), 40);
     CHECK(ST_WARMUP_NS < SHM_N_STATS);
 
     /* slot word encoding */
@@ -514,6 +548,12 @@ static void test_layout(void) {
         {"max_batch>max", mkparams(336, 32, 16, 4, SHM_MAX_BATCH + 1)},
         {"max_batch=UINT32_MAX", mkparams(336, 32, 16, 4, UINT32_MAX)},
         {"all zero", mkparams(0, 0, 0, 0, 0)},
+        {"replicas=0", with_replicas(mkparams(336, 32, 16, 4, 16), 0, 1)},
+        {"replicas>max", with_replicas(mkparams(336, 32, 16, 4, 16),
+                                       SHM_MAX_REPLICAS + 1, SHM_MAX_REPLICAS + 1)},
+        {"servers<replicas", with_replicas(mkparams(336, 32, 16, 4, 16), 2, 1)},
+        {"servers>max", with_replicas(mkparams(336, 32, 16, 4, 16), 1,
+                                      SHM_MAX_SERVERS + 1)},
     };
     const uint64_t scratch_n = 64 * 1024;
     char *scratch = seg_alloc(scratch_n);
@@ -729,7 +769,10 @@ static void test_attach(void) {
     CORRUPT("max_clients 16->8", SHM_E_PARAMS, h->params.max_clients = 8);
     CORRUPT("max_clients 16->17", SHM_E_PARAMS, h->params.max_clients = 17);
     CORRUPT("slots 4->5", SHM_E_PARAMS, h->params.slots_per_client = 5);
-    CORRUPT("out_bytes 32->600", SHM_E_PARAMS, h->params.out_bytes = 600);
+    CORRUPT("out_bytes 32->1100", SHM_E_PARAMS, h->params.out_bytes = 1100);
+    CORRUPT("replicas 1->2", SHM_E_PARAMS, h->params.replicas = 2);
+    CORRUPT("replicas 0", SHM_E_PARAMS, h->params.replicas = 0);
+    CORRUPT("servers 1->3", SHM_E_PARAMS, h->params.servers = 3);
     CORRUPT("in_bytes 336->400", SHM_E_PARAMS, h->params.in_bytes = 400);
     CORRUPT("max_batch 0", SHM_E_PARAMS, h->params.max_batch = 0);
     CORRUPT("in_bytes 0", SHM_E_PARAMS, h->params.in_bytes = 0);
@@ -938,12 +981,15 @@ static void test_state(void) {
     int n;
 
     /* before serving: collect with nothing to do reports CLOSED */
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 1 * MS),
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 1 * MS),
              SHM_CLOSED);
-    CHECK_EQ(shm_set_serving(s, 4242, 99), EV_SERVING);
-    uint64_t st99 = 0;
-    CHECK_EQ(shm_ev_pid(s, &st99), 4242);
+    CHECK_EQ(t_set_serving(s, 4242, 99), EV_SERVING);
+    uint64_t st99 = 0, version;
+    uint32_t rstate;
+    CHECK_EQ(shm_replica_info(s, 0, &st99, &rstate, &version), 4242);
     CHECK_EQU(st99, 99);
+    CHECK_EQ(rstate, REPLICA_SERVING);
+    CHECK_EQ(strcmp(shm_replica_device(s, 0), "test"), 0);
     CHECK(shm_heartbeat(s) != 0);
     CHECK(shm_stat_get(s, ST_SERVE_START_NS) != 0);
 
@@ -961,10 +1007,10 @@ static void test_state(void) {
 
     /* empty collect times out with 0 after about its timeout */
     uint64_t t0 = shm_now_ns();
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 20 * MS), 0);
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 20 * MS), 0);
     CHECK(shm_now_ns() - t0 >= 20 * MS);
     t0 = shm_now_ns();
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 200 * US, 0, 5 * MS), 0);
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 200 * US, 0, 5 * MS), 0);
     CHECK(shm_now_ns() - t0 >= 5 * MS);
 
     /* FREE -> WRITING -> READY -> TAKEN -> DONE -> FREE(gen+1) */
@@ -986,7 +1032,7 @@ static void test_state(void) {
     shm_notify_evaluator(s, 1);
     CHECK_EQU(atomic_load(&h->submit_seq), seq0 + 1);
 
-    n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
+    n = t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
     CHECK_EQ(n, 1);
     CHECK_EQ(taken[0].client, 0);
     CHECK_EQ(taken[0].slot, 0);
@@ -1036,9 +1082,9 @@ static void test_state(void) {
     shm_slot_publish(s, 0, 3);
     shm_slot_publish(s, 0, 1);
     shm_notify_evaluator(s, 4);
-    n = shm_collect(s, batch, taken, 3, &cursor, 0, 0, 10 * MS); /* max 3 */
+    n = t_collect(s, batch, taken, 3, &cursor, 0, 0, 10 * MS); /* max 3 */
     CHECK_EQ(n, 3);
-    int n2 = shm_collect(s, batch + 3 * IN, taken + 3, 8, &cursor, 0, 0,
+    int n2 = t_collect(s, batch + 3 * IN, taken + 3, 8, &cursor, 0, 0,
                          10 * MS);
     CHECK_EQ(n2, 1);
     n = 4;
@@ -1067,7 +1113,7 @@ static void test_state(void) {
     memcpy(shm_slot_in(s, 0, 1), in[1], IN);
     shm_slot_publish(s, 0, 1);
     shm_notify_evaluator(s, 1);
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQU(shm_fail(s, taken, 1, msg, (uint32_t)strlen(msg)), 1);
     CHECK_EQU(word_of(s, 0, 1), shm_slot_word(SLOT_FAILED, 1));
     CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
@@ -1083,7 +1129,7 @@ static void test_state(void) {
         for (size_t i = 0; i < sizeof longmsg; i++) longmsg[i] = (char)('a' + i % 26);
         CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
         shm_slot_publish(s, 0, 1);
-        CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+        CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
         CHECK_EQU(shm_fail(s, taken, 1, longmsg, sizeof longmsg), 1);
         CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
         CHECK_EQU(shm_meta(s, 0, 1)->err_len, s->l.out_area);
@@ -1092,7 +1138,7 @@ static void test_state(void) {
         CHECK_EQ(t_release(s, 0, 1), SHM_OK);
         CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
         shm_slot_publish(s, 0, 1);
-        CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+        CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
         CHECK_EQU(shm_complete(s, taken, 1, res[0], 9), 1);
         CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_DONE);
         CHECK_EQ(shm_meta(s, 0, 1)->err_len, 0);
@@ -1107,7 +1153,7 @@ static void test_state(void) {
     CHECK_EQ(t_begin(s, 0, 2), SHM_OK);
     memcpy(shm_slot_in(s, 0, 2), in[2], IN);
     shm_slot_publish(s, 0, 2);
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQ(taken[0].gen, g);
     /* (1) reclaimed behind the batch's back: FREE, generation + 1 */
     char sentinel[32];
@@ -1143,8 +1189,8 @@ static void test_state(void) {
     CHECK_EQU(word_of(s, 0, 3), shm_slot_word(SLOT_FREE, 0));
 
     /* statistics helpers */
-    shm_record_batch(s, 3, 4, 1000, 0);
-    shm_record_batch(s, 2, 2, 2000, 1);
+    shm_record_batch(s, 0, 3, 4, 1000, 0);
+    shm_record_batch(s, 0, 2, 2, 2000, 1);
     CHECK_EQU(shm_stat_get(s, ST_REQUESTS), 5);
     CHECK_EQU(shm_stat_get(s, ST_BATCHES), 2);
     CHECK_EQU(shm_stat_get(s, ST_PADDED_ROWS), 1);
@@ -1174,7 +1220,7 @@ static void test_state(void) {
             CHECK_EQ(t_begin(s, 0, k), SHM_OK);
             shm_slot_publish(s, 0, k);
         }
-        CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 2);
+        CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 2);
         CHECK_EQU(shm_complete_fields(s, taken, 2, 2, fields, fbytes, fstride, foff, 21),
                   2);
         for (int i = 0; i < 2; i++) {
@@ -1195,7 +1241,7 @@ static void test_state(void) {
     shm_request_close(s);
     CHECK_EQ(shm_ev_state(s), EV_CLOSING);
     t0 = shm_now_ns();
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 1000 * MS),
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 1000 * MS),
              SHM_CLOSED);
     CHECK(shm_now_ns() - t0 < 500 * MS);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, g0));
@@ -1212,7 +1258,7 @@ static void test_state(void) {
     t0 = shm_now_ns();
     CHECK_EQ(t_wait(s, 0, 0, 0, 1000 * MS), SHM_CLOSED);
     CHECK(shm_now_ns() - t0 < 500 * MS);
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
              SHM_CLOSED);
     /* a final state still wins over CLOSED (a batch taken before the close
      * and completed after it) */
@@ -1225,7 +1271,7 @@ static void test_state(void) {
     /* close is sticky: CLOSED/DIED never go back to CLOSING */
     shm_request_close(s);
     CHECK_EQ(shm_ev_state(s), EV_CLOSED);
-    CHECK_EQ(shm_set_serving(s, 1, 1), EV_CLOSED);
+    CHECK_EQ(t_set_serving(s, 1, 1), EV_CLOSED);
 
     seg_free(&t);
     printf("  state: all transitions and refusals as specified\n");
@@ -1246,7 +1292,7 @@ static void test_reclaim(void) {
     shm_taken taken[8];
     uint32_t cursor = 0;
     memset(res, 7, sizeof res);
-    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+    CHECK_EQ(t_set_serving(s, 1, 1), EV_SERVING);
 
     int c0 = t_register(s, 7001, 11);
     int c1 = t_register(s, 7002, 12);
@@ -1258,12 +1304,12 @@ static void test_reclaim(void) {
      * FREE after one round trip (generation 1) */
     CHECK_EQ(t_begin(s, 0, 3), SHM_OK);
     shm_slot_publish(s, 0, 3);
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
     CHECK_EQ(t_release(s, 0, 3), SHM_OK);
     CHECK_EQ(t_begin(s, 0, 2), SHM_OK);
     shm_slot_publish(s, 0, 2);
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
     CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
     shm_slot_publish(s, 0, 1);
@@ -1308,7 +1354,7 @@ static void test_reclaim(void) {
 
     /* the reclaimed READY slot is gone from the evaluator's view; c1's is
      * still there */
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQ(taken[0].client, 1);
     CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
 
@@ -1320,7 +1366,7 @@ static void test_reclaim(void) {
     CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_WRITING, 1));
     shm_slot_publish(s, 0, 0);
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQ(taken[0].gen, 1);
     CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
     CHECK_EQ(t_wait(s, 0, 0, 0, 10 * MS), SLOT_DONE);
@@ -1449,7 +1495,7 @@ static void *conc_evaluator(void *arg) {
         uint64_t r = rng_next(&rng);
         uint64_t max_wait = (r & 7) == 0 ? 20 * US : 0;
         uint64_t spin = (r & 8) ? 2 * US : 0;
-        int n = shm_collect(s, batch, taken, B, &cursor, spin, max_wait,
+        int n = t_collect(s, batch, taken, B, &cursor, spin, max_wait,
                             100 * MS);
         if (n == SHM_CLOSED) break;
         CHECK_MSG(n >= 0 && (uint32_t)n <= B, "collect returned %d", n);
@@ -1516,7 +1562,7 @@ static void *conc_evaluator(void *arg) {
             }
             x->batches++;
             if (fail_batch) x->failed_batches++;
-            shm_record_batch(s, (uint32_t)n, (uint32_t)n, shm_now_ns() - t0,
+            shm_record_batch(s, 0, (uint32_t)n, (uint32_t)n, shm_now_ns() - t0,
                              fail_batch);
         }
         /* housekeeping between batches: no slot is TAKEN now */
@@ -1721,7 +1767,7 @@ static void test_concurrency(void) {
     CHECK(x.counts && x.clients);
 
     uint64_t t0 = shm_now_ns();
-    CHECK_EQ(shm_set_serving(s, (int32_t)getpid(), 1), EV_SERVING);
+    CHECK_EQ(t_set_serving(s, (int32_t)getpid(), 1), EV_SERVING);
     pthread_t ev;
     CHECK_EQ(pthread_create(&ev, NULL, conc_evaluator, &x), 0);
     for (uint32_t i = 0; i < x.nclients; i++) {
@@ -1875,7 +1921,7 @@ static void *park_thread(void *arg) {
         char batch[64];
         shm_taken taken[1];
         uint32_t cursor = 0;
-        a->rc = shm_collect(a->s, batch, taken, 1, &cursor, 0, 0, a->timeout_ns);
+        a->rc = t_collect(a->s, batch, taken, 1, &cursor, 0, 0, a->timeout_ns);
         if (a->rc == 1) {
             char res[16] = {0};
             CHECK_EQU(shm_complete(a->s, taken, 1, res, 1), 1);
@@ -1927,11 +1973,16 @@ typedef struct {
     int rc;
 } racer_arg;
 
+/* The race probe's waiters wait this long: one that slept through the
+ * close returns at its deadline, long after any scheduling delay of a
+ * loaded machine (so the probe tells the two apart). */
+#define RACE_WAIT_NS (5000 * MS)
+
 static void *racer(void *arg) {
     racer_arg *a = arg;
     atomic_store(&a->go, 1);
     while (atomic_load(&a->go) != 2) shm_cpu_relax();
-    a->rc = t_wait(a->s, 0, 0, 0, 200 * MS);
+    a->rc = t_wait(a->s, 0, 0, 0, RACE_WAIT_NS);
     a->ret_ns = shm_now_ns();
     return NULL;
 }
@@ -1942,7 +1993,7 @@ static void one_ready_request(shm_seg *seg, char *mem, const shm_layout *l,
                               const shm_params *P) {
     memset(mem, 0, l->total);
     CHECK_EQ(shm_init(seg, mem, l->total, P, "", 0, 1, 0, 0), SHM_OK);
-    CHECK_EQ(shm_set_serving(seg, 1, 1), EV_SERVING);
+    CHECK_EQ(t_set_serving(seg, 1, 1), EV_SERVING);
     CHECK_EQ(t_register(seg, 1, 1), 0);
     CHECK_EQ(t_begin(seg, 0, 0), SHM_OK);
     shm_slot_publish(seg, 0, 0);
@@ -1976,7 +2027,7 @@ static void test_close(void) {
         shm_taken taken[4];
         uint32_t cursor = 0;
         memset(res, 1, sizeof res);
-        CHECK_EQ(shm_collect(s, batch, taken, 4, &cursor, 0, 0, 100 * MS), 4);
+        CHECK_EQ(t_collect(s, batch, taken, 4, &cursor, 0, 0, 100 * MS), 4);
         CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
         uint32_t done_c = taken[0].client, done_k = taken[0].slot;
         for (uint32_t i = 0; i < NS; i++) atomic_store(&sa[i].stage, 2);
@@ -2037,7 +2088,7 @@ static void test_close(void) {
         x.stop_on_close = 1;
         x.clients = calloc(x.nclients, sizeof *x.clients);
         CHECK(x.clients != NULL);
-        CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+        CHECK_EQ(t_set_serving(s, 1, 1), EV_SERVING);
         pthread_t ev;
         CHECK_EQ(pthread_create(&ev, NULL, conc_evaluator, &x), 0);
         for (uint32_t i = 0; i < x.nclients; i++) {
@@ -2123,7 +2174,7 @@ static void test_close(void) {
                 shm_seg seg;
                 memset(mem, 0, l.total);
                 CHECK_EQ(shm_init(&seg, mem, l.total, &P, "", 0, 1, 0, 0), SHM_OK);
-                CHECK_EQ(shm_set_serving(&seg, 1, 1), EV_SERVING);
+                CHECK_EQ(t_set_serving(&seg, 1, 1), EV_SERVING);
                 CHECK_EQ(t_register(&seg, 1, 1), 0);
                 park_arg pa;
                 memset(&pa, 0, sizeof pa);
@@ -2187,7 +2238,7 @@ static void test_close(void) {
             CHECK_MSG(ra.rc == SHM_CLOSED, "race probe: rc %d", ra.rc);
             uint64_t lat = ra.ret_ns > tc ? ra.ret_ns - tc : 0;
             if (lat > worst) worst = lat;
-            if (lat >= 150 * MS) late++;
+            if (lat >= RACE_WAIT_NS / 2) late++;
         }
         free(mem);
         printf("  close: race probe %u trials, %u waiters slept through the "
@@ -2266,7 +2317,7 @@ static int collect_with_late(shm_seg *s, char *batch, shm_taken *taken,
     pthread_t tid;
     CHECK_EQ(pthread_create(&tid, NULL, late_publisher, &la), 0);
     uint64_t t0 = shm_now_ns();
-    int n = shm_collect(s, batch, taken, max_batch, cursor, 0, max_wait,
+    int n = t_collect(s, batch, taken, max_batch, cursor, 0, max_wait,
                         timeout);
     *el = shm_now_ns() - t0;
     CHECK_EQ(pthread_join(tid, NULL), 0);
@@ -2291,7 +2342,7 @@ static void test_max_wait(void) {
     shm_slot_publish(s, 0, 0);
     shm_notify_evaluator(s, 1);
     t0 = shm_now_ns();
-    n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 1000 * MS);
+    n = t_collect(s, batch, taken, 8, &cursor, 0, 0, 1000 * MS);
     el = shm_now_ns() - t0;
     CHECK_EQ(n, 1);
     CHECK_MSG(el < 500 * MS, "greedy collect took %.1f ms", (double)el / 1e6);
@@ -2337,7 +2388,7 @@ static void test_max_wait(void) {
         shm_slot_publish(s, 0, 0);
         shm_notify_evaluator(s, 1);
         t0 = shm_now_ns();
-        n = shm_collect(s, batch, taken, 8, &cursor, 50 * US, 100 * MS,
+        n = t_collect(s, batch, taken, 8, &cursor, 50 * US, 100 * MS,
                         5000 * MS);
         el = shm_now_ns() - t0;
         CHECK_EQ(n, 1);
@@ -2355,25 +2406,25 @@ static void test_max_wait(void) {
         pthread_t tid;
         CHECK_EQ(pthread_create(&tid, NULL, late_closer, &ca), 0);
         t0 = shm_now_ns();
-        n = shm_collect(s, batch, taken, 8, &cursor, 0, 5000 * MS, 10000 * MS);
+        n = t_collect(s, batch, taken, 8, &cursor, 0, 5000 * MS, 10000 * MS);
         el = shm_now_ns() - t0;
         CHECK_EQ(pthread_join(tid, NULL), 0);
         CHECK_EQ(n, 1);
         CHECK_MSG(el < 2000 * MS, "close during max_wait took %.1f ms",
                   (double)el / 1e6);
         drain(s, taken, n);
-        CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
+        CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
                  SHM_CLOSED);
     }
     seg_free(&t);
     seg_make(&t, &P);
     s = &t.s;
-    CHECK_EQ(shm_set_serving(s, 1, 1), EV_SERVING);
+    CHECK_EQ(t_set_serving(s, 1, 1), EV_SERVING);
 
     /* max_wait does not start before the first request: with nothing
      * there, collect waits for the timeout and returns 0 */
     t0 = shm_now_ns();
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 10 * MS, 40 * MS), 0);
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 10 * MS, 40 * MS), 0);
     el = shm_now_ns() - t0;
     CHECK(el >= 40 * MS);
 
@@ -2404,25 +2455,25 @@ static void test_control(void) {
     uint32_t cursor = 0, done = 99;
     uint64_t t0, el;
 
-    CHECK_EQU(shm_control_pending(s, &done), 0);
+    CHECK_EQU(shm_control_pending(s, 0, &done), 0);
     CHECK_EQU(done, 0);
     /* asleep on the doorbell (spin 0, timeout 5 s): woken by the request */
     closer_arg ca = {s, 30 * MS};
     pthread_t tid;
     CHECK_EQ(pthread_create(&tid, NULL, late_controller, &ca), 0);
     t0 = shm_now_ns();
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 5000 * MS),
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 5000 * MS),
              SHM_CONTROL);
     el = shm_now_ns() - t0;
     CHECK_EQ(pthread_join(tid, NULL), 0);
     CHECK_MSG(el < 2000 * MS, "control wake took %.1f ms", (double)el / 1e6);
-    CHECK_EQU(shm_control_pending(s, &done), 1);
+    CHECK_EQU(shm_control_pending(s, 0, &done), 1);
     CHECK_EQU(done, 0);
     /* still pending until reported done: collect keeps returning it */
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
              SHM_CONTROL);
-    shm_control_done(s, 1);
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 0);
+    shm_control_done(s, 0, 1);
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 0);
 
     /* a request and a control request both waiting, nothing taken yet:
      * the control request comes first and the request stays READY for
@@ -2431,11 +2482,11 @@ static void test_control(void) {
     shm_slot_publish(s, 0, 0);
     shm_notify_evaluator(s, 1);
     CHECK_EQU(shm_request_control(s), 2);
-    int n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
+    int n = t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
     CHECK_EQ(n, SHM_CONTROL);  /* checked before scanning: nothing taken */
     CHECK_EQ(shm_word_state(word_of(s, 0, 0)), SLOT_READY);
-    shm_control_done(s, 2);
-    n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
+    shm_control_done(s, 0, 2);
+    n = t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
     CHECK_EQ(n, 1);
     drain(s, taken, n);
 
@@ -2448,21 +2499,21 @@ static void test_control(void) {
     CHECK_EQ(pthread_create(&tid, NULL, late_controller, &ca), 0);
     /* late_controller expects ticket 1: reset the counters first */
     atomic_store(&shm_hdr(s)->ctl_req, 0);
-    shm_control_done(s, 0);
+    shm_control_done(s, 0, 0);
     t0 = shm_now_ns();
-    n = shm_collect(s, batch, taken, 8, &cursor, 0, 5000 * MS, 10000 * MS);
+    n = t_collect(s, batch, taken, 8, &cursor, 0, 5000 * MS, 10000 * MS);
     el = shm_now_ns() - t0;
     CHECK_EQ(pthread_join(tid, NULL), 0);
     CHECK_EQ(n, 1);
     CHECK_MSG(el < 2000 * MS, "control during max_wait took %.1f ms",
               (double)el / 1e6);
     drain(s, taken, n);
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
              SHM_CONTROL);
 
     /* close wins over a pending control request */
     shm_request_close(s);
-    CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS),
              SHM_CLOSED);
     seg_free(&t);
 }
@@ -2483,7 +2534,7 @@ static void test_scribbled(void) {
     CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     shm_slot_publish(s, 0, 0);
     shm_notify_evaluator(s, 1);
-    int n = shm_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
+    int n = t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
     CHECK_EQ(n, 1);
     drain(s, taken, n);
     shm_close_and_wake(s, SHM_STOP_CLOSED, 0);
@@ -2565,7 +2616,7 @@ static void test_doorbell(void) {
         shm_taken taken[8];
         uint32_t cursor = 0;
         memset(res, 7, sizeof res);
-        CHECK_EQ(shm_collect(s, batch, taken, 8, &cursor, 0, 0, 100 * MS),
+        CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 100 * MS),
                  NB);
         /* the scan takes clients in index order; put them in `order` */
         shm_taken by_order[NB];
@@ -2609,7 +2660,7 @@ static void test_doorbell(void) {
         char batch[336], res[32] = {0};
         shm_taken taken[1];
         uint32_t cursor = 0;
-        CHECK_EQ(shm_collect(s, batch, taken, 1, &cursor, 0, 0, 100 * MS), 1);
+        CHECK_EQ(t_collect(s, batch, taken, 1, &cursor, 0, 0, 100 * MS), 1);
         CHECK_EQU(shm_complete(s, taken, 1, res, 3), 1);
         CHECK_EQ(pthread_join(tid, NULL), 0);
         CHECK_EQ(ea.rc, SLOT_DONE);
@@ -2693,7 +2744,7 @@ static void test_ticker(void) {
         shm_taken taken[3];
         uint32_t cursor = 0;
         /* the other two slots are still READY: all three are taken */
-        CHECK_EQ(shm_collect(s, batch, taken, 3, &cursor, 0, 0, 100 * MS), 3);
+        CHECK_EQ(t_collect(s, batch, taken, 3, &cursor, 0, 0, 100 * MS), 3);
         uint64_t t_done = shm_now_ns();
         CHECK_EQU(shm_complete(s, taken, 3, res, 5), 3);
         join_within(tid, &a, PROMPT_NS, "ticked wait, answered");
@@ -2733,7 +2784,7 @@ static void answer_all(shm_seg *s, uint32_t n) {
     char batch[4 * 336], res[4 * 32] = {0};
     shm_taken taken[4];
     uint32_t cursor = 0;
-    CHECK_EQ(shm_collect(s, batch, taken, 4, &cursor, 0, 0, 100 * MS), (int)n);
+    CHECK_EQ(t_collect(s, batch, taken, 4, &cursor, 0, 0, 100 * MS), (int)n);
     CHECK_EQU(shm_complete(s, taken, n, res, 1), n);
 }
 
@@ -2804,7 +2855,7 @@ static void test_yield(void) {
         uint32_t cursor = 0;
         unsigned long y0 = atomic_load(&g_yields);
         uint64_t c0 = thread_cpu_ns();
-        CHECK_EQ(shm_collect(s, batch, taken, 4, &cursor,
+        CHECK_EQ(t_collect(s, batch, taken, 4, &cursor,
                              (10 * MS) | SHM_SPIN_YIELD, 0, 300 * MS), 0);
         uint64_t cpu = thread_cpu_ns() - c0;
         CHECK_MSG(atomic_load(&g_yields) > y0, "collect never yielded");
@@ -2932,7 +2983,7 @@ static uint32_t answer_ready(shm_seg *s, unsigned char fill) {
     shm_taken taken[8];
     uint32_t cursor = 0;
     CHECK(s->p.in_bytes <= 64 && s->p.out_bytes <= 32 && s->p.max_batch <= 8);
-    int n = shm_collect(s, batch, taken, s->p.max_batch, &cursor, 0, 0,
+    int n = t_collect(s, batch, taken, s->p.max_batch, &cursor, 0, 0,
                         1000 * MS);
     CHECK_MSG(n > 0, "nothing to answer (collect returned %d)", n);
     memset(results, fill, sizeof results);
@@ -2958,7 +3009,7 @@ static void *ev_loop(void *arg) {
     if (a->park_nth) hook_arm(&a->hook, "collect_before_sleep", a->park_nth);
     atomic_store(&a->tid, (pid_t)syscall(SYS_gettid));
     for (;;) {
-        int n = shm_collect(a->s, batch, taken, a->s->p.max_batch, &cursor, 0,
+        int n = t_collect(a->s, batch, taken, a->s->p.max_batch, &cursor, 0,
                             0, 10000 * MS);
         if (n == SHM_CLOSED) break;
         if (n <= 0) continue;
@@ -3257,7 +3308,7 @@ static void test_generations(void) {
     char batch[64];
     shm_taken taken[1];
     uint32_t cursor = 0;
-    CHECK_EQ(shm_collect(s, batch, taken, 1, &cursor, 0, 0, 100 * MS), 1);
+    CHECK_EQ(t_collect(s, batch, taken, 1, &cursor, 0, 0, 100 * MS), 1);
     shm_client_detach(s, 0);
     uint32_t before = shm_slot_peek(s, 0, 0);
     CHECK_EQ(shm_client_reclaim(s, 0), SHM_E_STATE);
@@ -3392,6 +3443,228 @@ static void test_stop_reason(void) {
 }
 
 /* ------------------------------------------------------------------ */
+/* Several replicas on one segment                                     */
+/* ------------------------------------------------------------------ */
+
+#define REP_IN 64   /* bytes of a request: (client thread, request number) */
+#define REP_OUT 32
+
+typedef struct rep_ctx rep_ctx;
+
+typedef struct {
+    rep_ctx *x;
+    uint32_t v;            /* server index (replica r == v here) */
+    int die_after;         /* batches before it dies: 0 = never */
+    int die_locked;        /* it dies holding the collect lock */
+    _Atomic int dead;      /* set when it has "died" */
+    uint64_t answered;
+    pthread_t tid;
+} rep_server;
+
+struct rep_ctx {
+    shm_seg *s;
+    uint32_t nclients, nreq;
+    _Atomic uint32_t *counts;     /* answers per request */
+    rep_server servers[2];
+};
+
+static void rep_answer(const char *in, char *out) {
+    uint32_t th, req;
+    memcpy(&th, in, 4);
+    memcpy(&req, in + 4, 4);
+    uint64_t v = (uint64_t)th * 1000003u + req;
+    memset(out, 0, REP_OUT);
+    memcpy(out, &v, 8);
+}
+
+/* A replica's serving thread: take turns collecting under the collect
+ * lock, answer outside it; it may "die" (stop without finishing its batch,
+ * or while holding the lock) as a killed replica process would. */
+static void *rep_serve(void *arg) {
+    rep_server *me = arg;
+    shm_seg *s = me->x->s;
+    char batch[8 * REP_IN], out[8 * REP_OUT];
+    uint32_t cursor = 0;
+    int batches = 0;
+    for (;;) {
+        int rc = shm_collect_lock(s, me->v, 100 * MS);
+        if (rc == SHM_TIMEOUT) {
+            int holder = shm_collect_holder(s);
+            if (holder >= 0 && atomic_load(&me->x->servers[holder].dead)) {
+                CHECK_EQ(shm_collect_steal(s, me->v, (uint32_t)holder), SHM_OK);
+            } else {
+                continue;
+            }
+        }
+        if (me->die_locked && batches == me->die_after) {
+            atomic_store(&me->dead, 1); /* dies holding the lock */
+            return NULL;
+        }
+        int n = shm_collect(s, me->v, batch, 8, &cursor, 0, 0, 20 * MS);
+        shm_collect_unlock(s);
+        if (n == SHM_CLOSED) break;
+        CHECK(n >= 0);
+        if (n == 0) continue;
+        if (me->die_after && !me->die_locked && ++batches == me->die_after) {
+            atomic_store(&me->dead, 1); /* dies with its batch TAKEN */
+            return NULL;
+        }
+        batches += me->die_locked != 0;
+        shm_taken *taken = shm_server_taken(s, me->v);
+        for (int i = 0; i < n; i++) {
+            uint32_t th, req;
+            memcpy(&th, batch + i * REP_IN, 4);
+            memcpy(&req, batch + i * REP_IN + 4, 4);
+            atomic_fetch_add(&me->x->counts[th * me->x->nreq + req], 1);
+            rep_answer(batch + i * REP_IN, out + i * REP_OUT);
+        }
+        CHECK_EQU(shm_complete(s, taken, (uint32_t)n, out, me->v + 1), (uint32_t)n);
+        shm_server_set_n(s, me->v, 0);
+        me->answered += (uint64_t)n;
+    }
+    return NULL;
+}
+
+typedef struct {
+    rep_ctx *x;
+    uint32_t th;
+    pthread_t tid;
+} rep_client;
+
+static void *rep_client_main(void *arg) {
+    rep_client *a = arg;
+    shm_seg *s = a->x->s;
+    int32_t pid = 30000 + (int32_t)a->th;
+    uint32_t c = (uint32_t)shm_client_register(s, pid, 1, 0);
+    for (uint32_t req = 0; req < a->x->nreq; req++) {
+        uint32_t gen;
+        CHECK_EQ(shm_slot_begin(s, c, 0, pid, &gen), SHM_OK);
+        char *in = shm_slot_in(s, c, 0);
+        memcpy(in, &a->th, 4);
+        memcpy(in + 4, &req, 4);
+        shm_slot_publish(s, c, 0);
+        shm_notify_evaluator(s, 1);
+        int rc;
+        uint64_t t0 = shm_now_ns();
+        while ((rc = shm_slot_wait(s, c, 0, gen, 0, 200 * MS)) == SHM_TIMEOUT)
+            CHECK_MSG(shm_now_ns() - t0 < 10000 * MS,
+                      "client %u request %u: no answer in 10 s", a->th, req);
+        CHECK_EQ(rc, SLOT_DONE);
+        uint64_t want = (uint64_t)a->th * 1000003u + req, got;
+        memcpy(&got, shm_slot_out(s, c, 0), 8);
+        CHECK_MSG(got == want, "client %u request %u: answer %" PRIu64
+                  ", not its own %" PRIu64, a->th, req, got, want);
+        CHECK_EQ(shm_slot_release(s, c, 0, gen), SHM_OK);
+    }
+    return NULL;
+}
+
+/* Two replicas (one server each) serve four clients through one segment:
+ * every request is answered exactly once, with its own answer; then the
+ * same while replica 1 dies with a batch in flight, and while it dies
+ * holding the collect lock: its requests are put back (shm_requeue) or
+ * its lock taken over (shm_collect_steal), and replica 0 answers all. */
+static void rep_run(int die_after, int die_locked) {
+    shm_params P = with_replicas(mkparams(REP_IN, REP_OUT, 4, 1, 8), 2, 2);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    rep_ctx x;
+    memset(&x, 0, sizeof x);
+    x.s = s;
+    x.nclients = 4;
+    x.nreq = BUILD_SLOW ? 300 : 2000;
+    x.counts = calloc((size_t)x.nclients * x.nreq, sizeof *x.counts);
+    CHECK(x.counts != NULL);
+    for (uint32_t r = 0; r < 2; r++) {
+        shm_server_init(s, r, r);
+        CHECK_EQ(shm_set_serving(s, r, 40000 + (int32_t)r, 1,
+                                 r ? "cpu:1" : "cpu:0"),
+                 EV_SERVING);
+        x.servers[r].x = &x;
+        x.servers[r].v = r;
+    }
+    x.servers[1].die_after = die_after;
+    x.servers[1].die_locked = die_locked;
+    for (uint32_t r = 0; r < 2; r++)
+        CHECK_EQ(pthread_create(&x.servers[r].tid, NULL, rep_serve,
+                                &x.servers[r]), 0);
+    rep_client cl[4];
+    for (uint32_t i = 0; i < 4; i++) {
+        cl[i].x = &x;
+        cl[i].th = i;
+        CHECK_EQ(pthread_create(&cl[i].tid, NULL, rep_client_main, &cl[i]), 0);
+    }
+    if (die_after) {
+        /* Housekeeping, as another replica does it: finds replica 1 dead,
+         * marks it so (once), puts its batch back and rings the doorbell. */
+        uint64_t t0 = shm_now_ns();
+        while (!atomic_load(&x.servers[1].dead)) {
+            CHECK(shm_now_ns() - t0 < 10000 * MS);
+            sleep_ns(100 * US);
+        }
+        CHECK_EQ(shm_replica_stop(s, 1, REPLICA_DEAD), 1);
+        CHECK_EQ(shm_replica_stop(s, 1, REPLICA_DEAD), -1); /* only once */
+        uint32_t back = shm_requeue(s, 1);
+        if (die_locked) CHECK_EQU(back, 0);
+        else CHECK(back >= 1);
+        if (back) shm_notify_evaluator(s, back);
+    }
+    for (uint32_t i = 0; i < 4; i++) CHECK_EQ(pthread_join(cl[i].tid, NULL), 0);
+    shm_request_close(s);
+    for (uint32_t r = 0; r < 2; r++)
+        CHECK_EQ(pthread_join(x.servers[r].tid, NULL), 0);
+    uint64_t total = 0;
+    for (uint64_t i = 0; i < (uint64_t)x.nclients * x.nreq; i++) {
+        CHECK_MSG(x.counts[i] >= 1, "request %" PRIu64 " never answered", i);
+        total += x.counts[i];
+    }
+    /* A dying replica's batch was computed by it but never delivered: those
+     * requests are computed twice, answered once. */
+    CHECK(total >= (uint64_t)x.nclients * x.nreq);
+    if (!die_after) {
+        CHECK_EQU(total, (uint64_t)x.nclients * x.nreq);
+        CHECK(x.servers[0].answered > 0 && x.servers[1].answered > 0);
+    }
+    printf("  replicas: die_after %d%s: replica answers %" PRIu64 " + %" PRIu64
+           "\n", die_after, die_locked ? " (holding the lock)" : "",
+           x.servers[0].answered, x.servers[1].answered);
+    free(x.counts);
+    seg_free(&t);
+}
+
+static void test_replicas(void) {
+    start_test("replicas", 120);
+    /* the lock, its holder and taking it over */
+    shm_params P = with_replicas(mkparams(REP_IN, REP_OUT, 4, 1, 8), 2, 2);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    CHECK_EQ(shm_collect_holder(s), -1);
+    CHECK_EQ(shm_collect_lock(s, 0, 10 * MS), SHM_OK);
+    CHECK_EQ(shm_collect_holder(s), 0);
+    CHECK_EQ(shm_collect_lock(s, 1, 5 * MS), SHM_TIMEOUT);
+    CHECK_EQ(shm_collect_steal(s, 1, 1), SHM_E_STATE); /* 1 does not hold it */
+    CHECK_EQ(shm_collect_steal(s, 1, 0), SHM_OK);
+    CHECK_EQ(shm_collect_holder(s), 1);
+    shm_collect_unlock(s);
+    CHECK_EQ(shm_collect_holder(s), -1);
+    CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
+    shm_collect_unlock(s);
+    /* the weights floor */
+    CHECK_EQ(shm_version_ok(s, 2), 1);
+    CHECK_EQ(shm_version_ok(s, 1), 0);
+    CHECK_EQ(shm_version_ok(s, 2), 1);
+    CHECK_EQ(shm_version_ok(s, 3), 1);
+    CHECK_EQ(shm_version_ok(s, 2), 0);
+    seg_free(&t);
+
+    rep_run(0, 0);
+    rep_run(5, 0);
+    rep_run(3, 1);
+}
+
+/* ------------------------------------------------------------------ */
 
 typedef struct {
     const char *name;
@@ -3410,7 +3683,7 @@ static const test_case k_tests[] = {
     {"release_race", test_release_race}, {"begin_race", test_begin_race},
     {"hwm_first", test_hwm_first}, {"generations", test_generations},
     {"spec_once", test_spec_once}, {"handover", test_handover},
-    {"stop_reason", test_stop_reason},
+    {"stop_reason", test_stop_reason}, {"replicas", test_replicas},
 };
 
 int main(int argc, char **argv) {

@@ -96,7 +96,7 @@ class BatchRig:
             shape = (n,) + self.spec.input_shape
             self.batch = np.zeros(shape, np.float32)
             self.server = _ring.Server(self.seg, self.batch)
-            self.seg.set_serving(os.getpid(), 0)
+            self.seg.set_serving(0, os.getpid(), 0)
             me = os.getpid()
             self.clients = [self.seg.register(me, 0, 0) for _ in range(self.nclients)]
             self.gens: dict[tuple[int, int], int] = {}  # (client, slot) -> generation posted
