@@ -608,6 +608,10 @@ class Evaluator(Client):
         no call in flight.
     reject_nonfinite:
         fail batches whose float outputs hold NaN or inf (ModelError).
+    metrics_port:
+        serve Prometheus metrics of the evaluator on this port of 127.0.0.1
+        (0: a port the system picks, see ``metrics_port``), from a thread of
+        this process (needs the ``[monitor]`` extra); stopped by ``close()``.
     """
 
     def __init__(self, model: Model, *, input_shape: ShapeLike, outputs: OutputsLike,
@@ -615,9 +619,11 @@ class Evaluator(Client):
                  max_wait_us: float = 0.0, buckets: Buckets = None, max_clients: int = 64,
                  slots_per_client: int = 16, spin_us: Optional[float] = None,
                  evaluator_spin_us: float = 50.0, reject_nonfinite: bool = True,
-                 name: Optional[str] = None, serving_threads: int = 1) -> None:
+                 name: Optional[str] = None, serving_threads: int = 1,
+                 metrics_port: Optional[int] = None) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
+        _check_metrics_port(metrics_port)
         _check_not_bootstrapping("Evaluator()")
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
                                   buckets, max_clients, slots_per_client, evaluator_spin_us,
@@ -643,6 +649,7 @@ class Evaluator(Client):
         self._processes: list[Any] = []
         self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
                                           thread, [])
+        self._start_metrics(metrics_port)
 
     @classmethod
     def spawn(cls, factory: Callable[..., Model], *, input_shape: ShapeLike,
@@ -653,7 +660,8 @@ class Evaluator(Client):
               name: Optional[str] = None, start_timeout: float = 600.0,
               mp_context: str = "spawn", serving_threads: int = 1,
               replicas: Optional[int] = None,
-              devices: Optional[Sequence[str]] = None) -> "Evaluator":
+              devices: Optional[Sequence[str]] = None,
+              metrics_port: Optional[int] = None) -> "Evaluator":
         """Serves from new processes, each of which calls the picklable
         ``factory`` to build its model (so e.g. TensorFlow is imported only
         there).  Returns once every model is built and serving.
@@ -668,6 +676,7 @@ class Evaluator(Client):
         served by the others; the evaluator dies with its last replica."""
         if not callable(factory):
             raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+        _check_metrics_port(metrics_port)
         _check_not_bootstrapping("Evaluator.spawn()")
         if mp_context != "fork":
             _check_picklable(factory)
@@ -715,9 +724,34 @@ class Evaluator(Client):
             for receiver in self._controls:
                 receiver.close()
             raise
+        self._start_metrics(metrics_port)
         return self
 
     _controls: list[Any]  # our ends of the control pipes, one per replica
+    _exporter: Any = None  # the Prometheus exporter (metrics_port)
+
+    def _start_metrics(self, port: Optional[int]) -> None:
+        """Serves Prometheus metrics of this evaluator on ``port`` from a
+        thread of this process (shmeval.monitor, the [monitor] extra); the
+        evaluator is closed again if that fails."""
+        if port is None:
+            return
+        try:
+            try:
+                from .monitor.prometheus import start_exporter
+            except ImportError as e:
+                raise ImportError(f"metrics_port needs: pip install 'shmeval[monitor]' "
+                                  f"({e.name} missing)") from None
+            self._exporter = start_exporter(self._address, port)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def metrics_port(self) -> Optional[int]:
+        """The port the Prometheus metrics are served on (the one the system
+        chose for ``metrics_port=0``), or None."""
+        return self._exporter.port if self._exporter is not None else None
 
     def _init_control(self) -> None:
         self._control_lock = threading.Lock()
@@ -834,6 +868,8 @@ class Evaluator(Client):
         the shared segment is removed.  Idempotent.  In a child process that
         inherited this object by fork it only detaches that process."""
         if os.getpid() == self._owner_pid and self._shutdown.alive:
+            if self._exporter is not None:
+                self._exporter.close()
             # Stop serving first: this process's threads still waiting then
             # raise EvaluatorClosed, and its client entry can go at once.
             self._shutdown.detach()
@@ -850,6 +886,12 @@ class Evaluator(Client):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_metrics_port(port: Optional[int]) -> None:
+    if port is not None and (type(port) is not int or not 0 <= port <= 65535):
+        raise ValueError(f"metrics_port must be a port from 0 to 65535 (0: one the system "
+                         f"picks), got {port!r}")
 
 
 def _await_ready(proc: Any, receiver: Any, deadline: float, start_timeout: float,
