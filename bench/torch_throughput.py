@@ -598,7 +598,7 @@ class ShmevalRun(MethodRun):
                               self.args.threads),
             input_shape=STATE_SHAPE, outputs={"policy": ((POLICY_SIZE,), "float32"),
                                               "value": ((), "float32")},
-            max_batch=self.args.max_batch, max_clients=max(64, self.n_workers),
+            max_batch=self.args.max_batch, max_clients=self.n_workers + 8,
             serving_threads=self.args.serving_threads)
         self.server_pid = self.evaluator.pid
         return {"evaluator": self.evaluator}
