@@ -591,6 +591,36 @@ cdef class Segment:
             rc = shm_slot_wait_ticked(&self.seg, c, k, gen, spin_ns, timeout_ns, t)
         return rc
 
+    def wait_any(self, uint32_t c, object ks, object gens, uint64_t spin_ns,
+                 uint64_t timeout_ns, uint32_t ncpu):
+        """Waits until any of slots ks of client c (begun with generations
+        gens) is answered or reclaimed: returns (i, DONE / FAILED / STALE)
+        for the first such ks[i], or (len(ks), TIMEOUT / CLOSED).  Spins
+        as wait() does; one sleep covers every slot."""
+        cdef uint32_t kk[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef uint32_t gg[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef Py_ssize_t i, n = len(ks)
+        cdef uint32_t which = 0
+        cdef int rc
+        cdef shm_ticker *t
+        if n == 0 or n > SHM_MAX_SLOTS_PER_CLIENT or len(gens) != n:
+            raise ValueError(f"wait_any: 1 to {SHM_MAX_SLOTS_PER_CLIENT} slots, "
+                             "with one generation each")
+        for i in range(n):
+            kk[i] = ks[i]
+            gg[i] = gens[i]
+            self._slot(c, kk[i])
+        t = self._ticker_for(c, timeout_ns)
+        spin_ns = self._spin(spin_ns, ncpu)
+        if shm_only_python_thread():
+            rc = shm_slots_wait_any(&self.seg, c, kk, gg, <uint32_t>n, spin_ns, timeout_ns, t,
+                                    &which)
+        else:
+            with nogil:
+                rc = shm_slots_wait_any(&self.seg, c, kk, gg, <uint32_t>n, spin_ns, timeout_ns,
+                                        t, &which)
+        return which, rc
+
     def fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row):
         """Copies a finished slot's outputs into dst[j][row] and frees the slot.
         Returns the model version (DONE), the error text as str (FAILED), or

@@ -112,6 +112,16 @@ MUTATIONS = [
                     memory_order_release, memory_order_relaxed)) {""",
         """                    w, &cur, shm_slot_word(final_state, taken[i].gen),
                     memory_order_relaxed, memory_order_relaxed)) {"""),)),
+    Mutation("wait_any marks only the first slot", "wait_any", "plain", ((
+        """        for (uint32_t i = 0; i < n; i++) {
+            _Atomic uint32_t *w = shm_slot_word_at(s, c, ks[i]);""",
+        """        for (uint32_t i = 0; i < 1; i++) {
+            _Atomic uint32_t *w = shm_slot_word_at(s, c, ks[i]);"""),)),
+    Mutation("wait_any does not re-read after the doorbell", "wait_any", "plain", ((
+        """        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
+        if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n) return rc;
+""",
+        "        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);\n"),)),
 ]
 
 

@@ -1109,6 +1109,111 @@ static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
     return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, NULL);
 }
 
+/* One look at slots ks[i] of client c, begun with generations gens[i]:
+ * the index of the first one that is final or reclaimed, with its state
+ * (DONE, FAILED) or SHM_STALE in *rc; n if none is.  MO: acquire loads, as
+ * in shm_slot_wait_ticked. */
+static inline uint32_t shm_slots_first(shm_seg *s, uint32_t c,
+                                       const uint32_t *ks,
+                                       const uint32_t *gens, uint32_t n,
+                                       int *rc) {
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t cur = atomic_load_explicit(shm_slot_word_at(s, c, ks[i]),
+                                            memory_order_acquire);
+        if (shm_word_gen(cur) != gens[i]) {
+            *rc = SHM_STALE;
+            return i;
+        }
+        if (shm_state_is_final(shm_word_state(cur))) {
+            *rc = (int)shm_word_state(cur);
+            return i;
+        }
+    }
+    return n;
+}
+
+/* shm_slot_wait_ticked for several slots of one client (pipelined
+ * requests): waits until any of slots ks[0..n) (begun with generations
+ * gens[i]) is final or reclaimed, puts its index in *which and returns its
+ * state (DONE, FAILED) or SHM_STALE; or returns SHM_TIMEOUT / SHM_CLOSED
+ * (*which = n).  The lowest index wins when several are ready.  Every
+ * pending slot gets the WAITER bit before the client sleeps, and all of
+ * them ring the same doorbell (the client's bit of shm_done_word), so one
+ * futex wait covers them all: the same argument as the single wait, with
+ * "the word" read as "each of the words". */
+static inline int shm_slots_wait_any(shm_seg *s, uint32_t c,
+                                     const uint32_t *ks, const uint32_t *gens,
+                                     uint32_t n, uint64_t spin_ns,
+                                     uint64_t timeout_ns, shm_ticker *t,
+                                     uint32_t *which) {
+    shm_header *h = shm_hdr(s);
+    _Atomic uint32_t *bell = shm_done_word(s, c);
+    uint32_t tick0 = t ? atomic_load_explicit(&t->tick, memory_order_relaxed)
+                       : 0;
+    int yield = (spin_ns & SHM_SPIN_YIELD) != 0;
+    spin_ns &= ~SHM_SPIN_YIELD;
+    uint64_t start = spin_ns ? shm_now_ns() : 0;
+    int started = spin_ns != 0;
+    int rc = 0;
+    *which = n;
+    if (n == 0) return SHM_E_STATE;
+    if (spin_ns) {
+        for (uint32_t i = 0;; i++) {
+            if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n)
+                return rc;
+            if (yield) {
+                if (shm_now_ns() - start >= spin_ns) break;
+                shm_sched_yield();
+                continue;
+            }
+            if ((i & 63) == 63 && shm_now_ns() - start >= spin_ns) break;
+            shm_cpu_relax();
+        }
+    }
+    for (;;) {
+        if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n) return rc;
+        uint64_t deadline = SHM_NO_DEADLINE;
+        if (!t) {
+            uint64_t now = shm_now_ns();
+            if (!started) {
+                start = now;
+                started = 1;
+            }
+            if (now - start >= timeout_ns) return SHM_TIMEOUT;
+            deadline = timeout_ns > (uint64_t)INT64_MAX - start
+                           ? (uint64_t)INT64_MAX
+                           : start + timeout_ns;
+        }
+        /* WAITER on every slot still in flight (MO: relaxed CAS, as in
+         * shm_slot_wait_ticked); one that finished meanwhile ends the
+         * wait at the re-read below. */
+        for (uint32_t i = 0; i < n; i++) {
+            _Atomic uint32_t *w = shm_slot_word_at(s, c, ks[i]);
+            uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
+            while (shm_word_gen(cur) == gens[i] &&
+                   !shm_state_is_final(shm_word_state(cur)) &&
+                   !(cur & SLOT_WAITER) &&
+                   !atomic_compare_exchange_weak_explicit(
+                       w, &cur, cur | SLOT_WAITER, memory_order_relaxed,
+                       memory_order_relaxed)) {
+            }
+        }
+        SHM_HOOK("wait_any_before_bell");
+        /* MO: acquire; as in shm_slot_wait_ticked: the doorbell, then every
+         * word once more, so no answer whose ring came before this load is
+         * slept through. */
+        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
+        if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n) return rc;
+        if (atomic_load_explicit(&h->ev_state, memory_order_acquire) >=
+            EV_CLOSED)
+            return SHM_CLOSED;
+        if (t && (atomic_load_explicit(&t->tick, memory_order_relaxed) != tick0 ||
+                  atomic_load_explicit(&t->stop, memory_order_relaxed)))
+            return SHM_TIMEOUT;
+        shm_futex_wait_bits(bell, seq, deadline, shm_done_bit(c));
+    }
+}
+
 /* DONE/FAILED -> FREE with generation gen + 1, after the caller copied the
  * outputs (or the error text) out of a slot it began with generation gen.
  * Returns SHM_OK: the copy is the answer to the caller's request.

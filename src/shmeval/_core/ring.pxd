@@ -112,6 +112,9 @@ cdef extern from "ring.h" nogil:
         int running
     int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen,
                              uint64_t spin_ns, uint64_t timeout_ns, shm_ticker *t)
+    int shm_slots_wait_any(shm_seg *s, uint32_t c, const uint32_t *ks, const uint32_t *gens,
+                           uint32_t n, uint64_t spin_ns, uint64_t timeout_ns, shm_ticker *t,
+                           uint32_t *which)
     int shm_ticker_start(shm_ticker *t, const shm_seg *s, uint32_t c, uint64_t period_ns)
     void shm_ticker_stop(shm_ticker *t)
     int shm_slot_release(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen)

@@ -3141,6 +3141,119 @@ static void test_reread(void) {
     seg_free(&t);
 }
 
+/* A pipelined waiter: shm_slots_wait_any over n slots of client 0. */
+typedef struct {
+    shm_seg *s;
+    hook_t hook;
+    const char *park;            /* hook point, or NULL */
+    uint32_t ks[4], gens[4], n, which;
+    int rc;
+    _Atomic pid_t tid;
+    uint64_t ret_ns;
+} any_arg;
+
+static void *any_waiter(void *arg) {
+    any_arg *a = arg;
+    if (a->park) hook_arm(&a->hook, a->park, 1);
+    atomic_store(&a->tid, (pid_t)syscall(SYS_gettid));
+    a->rc = shm_slots_wait_any(a->s, 0, a->ks, a->gens, a->n, 0, 10000 * MS,
+                               NULL, &a->which);
+    a->ret_ns = shm_now_ns();
+    return NULL;
+}
+
+/* Completes the one request of `taken` (n of them) that sits in slot k. */
+static void complete_slot(shm_seg *s, shm_taken *taken, int n, uint32_t k) {
+    char res[32];
+    memset(res, 0x5A, sizeof res);
+    for (int i = 0; i < n; i++)
+        if (taken[i].slot == k) {
+            CHECK_EQU(shm_complete(s, &taken[i], 1, res, 1), 1u);
+            return;
+        }
+    FAIL("slot %u is not in the batch", k);
+}
+
+/* Waiting for any of several slots (pipelined requests): every pending
+ * slot carries WAITER, so an answer to any of them, not just the first,
+ * wakes the one sleep; an answer that lands between the WAITER CAS and the
+ * doorbell read is seen by the re-read; a reclaimed slot and a timeout end
+ * the wait with their own codes. */
+static void test_wait_any(void) {
+    start_test("wait_any", 60);
+    const shm_params P = mkparams(64, 32, 1, 4, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    CHECK_EQ(shm_client_register(s, 301, 1, 0), 0);
+    uint32_t gens[3];
+    for (uint32_t k = 0; k < 3; k++) gens[k] = submit_one(s, 0, k, 301, 0x30 + k);
+    char batch[8 * 64];
+    shm_taken taken[8];
+    uint32_t cursor = 0;
+    CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 1000 * MS), 3);
+
+    /* 1. answered between the WAITER CAS and the doorbell read */
+    any_arg a;
+    memset(&a, 0, sizeof a);
+    a.s = s;
+    a.park = "wait_any_before_bell";
+    a.n = 3;
+    for (uint32_t i = 0; i < 3; i++) {
+        a.ks[i] = i;
+        a.gens[i] = gens[i];
+    }
+    pthread_t tw;
+    CHECK_EQ(pthread_create(&tw, NULL, any_waiter, &a), 0);
+    hook_wait_parked(&a.hook);
+    for (uint32_t k = 0; k < 3; k++)
+        CHECK_MSG(shm_slot_peek(s, 0, k) & SLOT_WAITER,
+                  "slot %u has no WAITER bit while its client sleeps", k);
+    complete_slot(s, taken, 3, 2);
+    uint64_t t0 = shm_now_ns();
+    hook_release(&a.hook);
+    CHECK_EQ(pthread_join(tw, NULL), 0);
+    CHECK_EQ(a.rc, SLOT_DONE);
+    CHECK_EQU(a.which, 2u);
+    CHECK_MSG(a.ret_ns - t0 < PROMPT_NS,
+              "wait_any slept %.3f s on a doorbell already rung for it",
+              secs(a.ret_ns - t0));
+    CHECK_EQ(shm_slot_release(s, 0, 2, gens[2]), SHM_OK);
+
+    /* 2. asleep over slots 0 and 1: the answer to slot 1 wakes it */
+    memset(&a, 0, sizeof a);
+    a.s = s;
+    a.n = 2;
+    a.ks[0] = 0, a.ks[1] = 1;
+    a.gens[0] = gens[0], a.gens[1] = gens[1];
+    CHECK_EQ(pthread_create(&tw, NULL, any_waiter, &a), 0);
+    wait_asleep(&a.tid);
+    t0 = shm_now_ns();
+    complete_slot(s, taken, 3, 1);
+    CHECK_EQ(pthread_join(tw, NULL), 0);
+    CHECK_EQ(a.rc, SLOT_DONE);
+    CHECK_EQU(a.which, 1u);
+    CHECK_MSG(a.ret_ns - t0 < PROMPT_NS,
+              "the answer to the second slot left its waiter asleep %.3f s",
+              secs(a.ret_ns - t0));
+    CHECK_EQ(shm_slot_release(s, 0, 1, gens[1]), SHM_OK);
+
+    /* 3. a slot of another generation (reclaimed): SHM_STALE, its index */
+    uint32_t ks[2] = {0, 1}, gg[2] = {gens[0], gens[1]}, which = 9;
+    CHECK_EQ(shm_slots_wait_any(s, 0, ks, gg, 2, 0, 10 * MS, NULL, &which),
+             SHM_STALE);
+    CHECK_EQU(which, 1u);
+    /* 4. nothing answered: a timeout, and which = n */
+    CHECK_EQ(shm_slots_wait_any(s, 0, ks, gg, 1, 0, 20 * MS, NULL, &which),
+             SHM_TIMEOUT);
+    CHECK_EQU(which, 1u);
+    complete_slot(s, taken, 3, 0);
+    CHECK_EQ(shm_slots_wait_any(s, 0, ks, gg, 1, 0, 20 * MS, NULL, &which),
+             SLOT_DONE);
+    CHECK_EQU(which, 0u);
+    CHECK_EQ(shm_slot_release(s, 0, 0, gens[0]), SHM_OK);
+    seg_free(&t);
+}
+
 /* A client that got its answer and copied it, held before its release. */
 typedef struct {
     shm_seg *s;
@@ -3684,6 +3797,7 @@ static const test_case k_tests[] = {
     {"hwm_first", test_hwm_first}, {"generations", test_generations},
     {"spec_once", test_spec_once}, {"handover", test_handover},
     {"stop_reason", test_stop_reason}, {"replicas", test_replicas},
+    {"wait_any", test_wait_any},
 };
 
 int main(int argc, char **argv) {
