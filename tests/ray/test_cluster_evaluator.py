@@ -8,7 +8,8 @@ worker must find its own node's evaluator by Ray's node id.
   worker sees versions go backwards;
 - a node that joins gets an evaluator serving the latest weights; a node
   removed under load takes its workers with it, the others keep playing;
-- bad input fails at start-up, leaving no actor and no segment behind.
+- bad input fails at start-up, leaving no actor and no segment behind;
+  so does a driver that dies without closing.
 
 One cluster serves the whole module (a Ray node takes seconds to start):
 about 60-90 s on 2 cores.
@@ -16,6 +17,8 @@ about 60-90 s on 2 cores.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -132,6 +135,8 @@ def test_weights_reach_every_node_once_and_in_order(cluster: Any,
             assert r["weights_seen"][-1] == 10.0
         for p in players:
             ray.kill(p)
+    with pytest.raises(shmeval.EvaluatorClosed):
+        ce.set_weights([np.float32(11)])
 
 
 def test_node_joins_and_leaves_under_load(cluster: Any) -> None:
@@ -195,3 +200,20 @@ def test_a_name_in_use_is_refused(cluster: Any) -> None:
         with pytest.raises(ValueError, match="taken"):
             ClusterEvaluator(cluster_parts.pid_net, name="taken", **SPEC)
         assert len(ce.stats()) == 2                   # the first one still serves
+
+
+def test_a_driver_that_dies_leaves_nothing_behind(cluster: Any) -> None:
+    code = (f"import os, ray, cluster_parts\n"
+            f"from shmeval.ray import ClusterEvaluator\n"
+            f"ray.init(address={cluster.address!r}, logging_level='warning')\n"
+            f"ce = ClusterEvaluator(cluster_parts.pid_net, name='orphaned', **cluster_parts.SPEC)\n"
+            f"print(' '.join(ce.addresses().values()), flush=True)\n"
+            f"os._exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    addresses = r.stdout.split()
+    assert len(addresses) == 2
+    wait_for("the evaluators' segments to go",
+             lambda: not any(segment_exists(a) for a in addresses))
+    wait_for("the actors to go", lambda: not left_behind("orphaned"))

@@ -24,7 +24,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..client import Client, connect
-from ..errors import EvaluatorDied, ShmevalError
+from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError
 from ..evaluator import Evaluator
 from .node_evaluator import NodeEvaluator, actor_name
 
@@ -279,6 +279,8 @@ class ClusterEvaluator:
         node that left during the update is skipped."""
         arrays = [np.asarray(w) for w in weights]
         with self._lock:
+            if self._closed.is_set():
+                raise EvaluatorClosed(f"the cluster evaluator {self.name!r} is closed")
             new = self._version + 1 if version is None else int(version)
             if new <= self._version:
                 raise ValueError(f"version must be larger than the current model version "

@@ -178,6 +178,8 @@ class RayRun:
         except ray.exceptions.GetTimeoutError:
             raise WorkerError(f"the workers did not start within {START_TIMEOUT_S:.0f} s (does "
                               f"every node have {self.s.workers} CPUs for Ray?)") from None
+        except ray.exceptions.RayError as e:
+            raise WorkerError(f"a worker failed to start: {e}") from None
 
     def poll(self) -> None:
         """Collects counters and games; forgets the workers of nodes that
