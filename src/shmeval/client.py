@@ -19,14 +19,12 @@ from . import _ring, segment
 from .errors import EvaluatorClosed, EvaluatorDied, ModelError, ShmevalError
 from .spec import Spec
 from .stats import summarize
+from .tuning import AUTO, check_auto, wake_cost_ns
 
 Outputs = Dict[str, np.ndarray]
 
 #: How long one blocking wait lasts before the evaluator's liveness is checked.
 WAIT_TIMEOUT_NS = 100_000_000
-#: Default client spin budget (µs): a plain spin while the attached processes
-#: and the evaluator fit on the cores, a yielding one when they are one more.
-DEFAULT_SPIN_US = 100.0
 #: The largest spin budget (µs) either side accepts: a second.  (A budget
 #: in ns must also leave ring.h's SHM_SPIN_YIELD bit clear.)
 MAX_SPIN_US = 1_000_000.0
@@ -56,11 +54,13 @@ class Client(_ring.ClientBase):
     """
 
     def __init__(self, address: str, spec: Optional[Spec] = None,
-                 spin_us: Optional[float] = None,
+                 spin_us: Union[float, str, None] = None,
                  _segment: Optional["_ring.Segment"] = None) -> None:
         self._address = address
         self._spec = spec
-        self._spin_us = DEFAULT_SPIN_US if spin_us is None else check_spin_us("spin_us", spin_us)
+        # "auto" (None): the measured cost of a sleep and a wake-up here.
+        self._spin_us: Union[float, str] = (
+            AUTO if spin_us is None else check_auto("spin_us", spin_us, check_spin_us))
         self._seg: Optional[_ring.Segment] = _segment
         self._pid = -1           # process that owns the registration below
         self._c = -1             # client-table index in this process
@@ -90,6 +90,10 @@ class Client(_ring.ClientBase):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._address}>"
+
+    def _spin_ns(self) -> int:
+        """The spin budget in ns (``spin_us``; "auto": wake_cost_ns)."""
+        return wake_cost_ns() if self._spin_us == AUTO else int(float(self._spin_us) * 1000)
 
     # ------------------------------------------------------------ attach
     def _attach(self) -> "_ring.Segment":
@@ -121,7 +125,7 @@ class Client(_ring.ClientBase):
             # The port holds this entry's free-slot list and abandoned slots.
             self._port = _ring.ClientPort(
                 seg, c, list(range(spec.slots_per_client)), spec.input_dtype,
-                spec.input_shape, int(self._spin_us * 1000), WAIT_TIMEOUT_NS, self._ncpu,
+                spec.input_shape, self._spin_ns(), WAIT_TIMEOUT_NS, self._ncpu,
                 self._notify_waiters)
             # Waits then sleep without a timer; the ticker wakes them every
             # WAIT_TIMEOUT_NS to check on the evaluator (docs/protocol.md,
@@ -445,7 +449,7 @@ class Client(_ring.ClientBase):
                    outs: List[np.ndarray], row: int, rc: int) -> int | str:
         """After a wait ended without an answer (rc: timed out, closed, or
         the slot was reclaimed): check the evaluator, wait again or raise."""
-        spin_ns = int(self._spin_us * 1000)
+        spin_ns = self._spin_ns()
         c = port.c
         while True:
             self._check_port(port, detached=True)
@@ -502,7 +506,7 @@ class Client(_ring.ClientBase):
         failed row, or None."""
         seg = self._seg
         assert seg is not None
-        spin_ns = int(self._spin_us * 1000)
+        spin_ns = self._spin_ns()
         error: Optional[str] = None
         fetched = 0
         try:
@@ -542,12 +546,12 @@ def _detach(seg: "_ring.Segment", c: int, pid: int) -> None:
             pass
 
 
-def _unpickle(address: str, spec_json: Optional[bytes], spin_us: float) -> Client:
+def _unpickle(address: str, spec_json: Optional[bytes], spin_us: Union[float, str]) -> Client:
     spec = Spec.from_json(spec_json) if spec_json is not None else None
     return Client(address, spec, spin_us)
 
 
-def connect(address: str, spin_us: Optional[float] = None) -> Client:
+def connect(address: str, spin_us: Union[float, str, None] = None) -> Client:
     """Attaches to a running evaluator by its address (``ev.address``).
 
     Raises :class:`~shmeval.SegmentError` when there is no such segment or it

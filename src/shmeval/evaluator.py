@@ -28,6 +28,7 @@ from . import _ring, segment
 from .client import Client, check_spin_us
 from .errors import EvaluatorDied, ModelError, ShmevalError, exception_text
 from .spec import OutputsLike, ShapeLike, Spec
+from .tuning import AUTO, Board, Overrides, ServingTuner, check_auto, model_concurrency
 
 Model = Callable[[np.ndarray], Any]
 Buckets = Union[None, str, Sequence[int]]
@@ -47,34 +48,47 @@ MAX_SERVING_THREADS = 8
 MAX_REPLICAS = 64
 #: How long the serving loop waits for its other threads when it stops.
 THREAD_JOIN_S = 10.0
+#: Serving threads started with serving_threads="auto": the tuner keeps one
+#: or two model calls in flight (a second overlaps one batch's gathering
+#: and answering with another's computation).
+AUTO_SERVING_THREADS = 2
 
 
 @dataclass(frozen=True)
 class BatchPolicy:
     """How the evaluator forms batches.
 
-    Greedy by default: take every ready request (up to ``max_batch``) the
-    moment the model is free.  ``max_wait_us`` waits up to that long after the
-    first request for a fuller batch.  ``buckets`` pads each batch up to the
+    ``max_wait_us``: after the first request, wait up to that long for a
+    fuller batch (0: greedy, take every ready request up to ``max_batch``
+    the moment the model is free).  ``buckets`` pads each batch up to the
     next bucket size (spare rows of the batch buffer, no extra copy) for
-    models that want few distinct shapes.
+    models that want few distinct shapes.  ``spin_us``: the idle
+    evaluator's spin budget.  ``threads``: serving threads (model calls in
+    flight).  ``"auto"`` (the Evaluator's default of the three) leaves a
+    setting to the tuner (:mod:`shmeval.tuning`); with ``threads="auto"``,
+    ``threads`` is AUTO_SERVING_THREADS and ``auto_threads`` is set.
     """
 
     max_batch: int
-    max_wait_us: float = 0.0
+    max_wait_us: Union[float, str] = 0.0
     buckets: Optional[tuple[int, ...]] = None
-    spin_us: float = 50.0
+    spin_us: Union[float, str] = 50.0
     threads: int = 1
+    auto_threads: bool = False
 
     @classmethod
-    def make(cls, max_batch: int, max_wait_us: float = 0.0, buckets: Buckets = None,
-             spin_us: float = 50.0, threads: int = 1) -> "BatchPolicy":
-        if max_wait_us < 0:
-            raise ValueError(f"max_wait_us must be >= 0, got {max_wait_us}")
-        check_spin_us("evaluator_spin_us", spin_us)
-        if type(threads) is not int or not 1 <= threads <= MAX_SERVING_THREADS:
-            raise ValueError(f"serving_threads must be an int from 1 to {MAX_SERVING_THREADS}, "
-                             f"got {threads!r}")
+    def make(cls, max_batch: int, max_wait_us: Union[float, str] = 0.0,
+             buckets: Buckets = None, spin_us: Union[float, str] = 50.0,
+             threads: Union[int, str] = 1) -> "BatchPolicy":
+        max_wait_us = check_auto("max_wait_us", max_wait_us, _check_wait)
+        spin_us = check_auto("evaluator_spin_us", spin_us, check_spin_us)
+        auto_threads = threads == AUTO
+        if auto_threads:
+            threads = AUTO_SERVING_THREADS
+        elif type(threads) is not int or not 1 <= threads <= MAX_SERVING_THREADS:
+            raise ValueError(f"serving_threads must be 'auto' or an int from 1 to "
+                             f"{MAX_SERVING_THREADS}, got {threads!r}")
+        assert isinstance(threads, int)
         b: Optional[tuple[int, ...]]
         if buckets is None:
             b = None
@@ -93,12 +107,31 @@ class BatchPolicy:
             if b[-1] < max_batch:
                 raise ValueError(f"the largest bucket ({b[-1]}) must be >= max_batch "
                                  f"({max_batch})")
-        return cls(max_batch, float(max_wait_us), b, float(spin_us), threads)
+        return cls(max_batch, max_wait_us, b, spin_us, threads, auto_threads)
 
     @property
     def rows(self) -> int:
         """Rows of the batch buffer."""
         return max(self.max_batch, self.buckets[-1]) if self.buckets else self.max_batch
+
+    @property
+    def tuned(self) -> bool:
+        """Whether the tuner sets anything."""
+        return AUTO in (self.max_wait_us, self.spin_us) or self.auto_threads
+
+    def overrides(self) -> Overrides:
+        """The settings the caller fixed, for the tuner."""
+        return Overrides(
+            None if self.max_wait_us == AUTO else int(float(self.max_wait_us) * 1000),
+            None if self.spin_us == AUTO else int(float(self.spin_us) * 1000),
+            None if self.auto_threads else self.threads)
+
+
+def _check_wait(name: str, value: Any) -> float:
+    us = float(value)
+    if not us >= 0:
+        raise ValueError(f"{name} must be 'auto' or >= 0, got {value}")
+    return us
 
 
 
@@ -128,6 +161,16 @@ def _prepare(model: Model, spec: Spec, policy: BatchPolicy) -> BatchPolicy:
     return replace(policy, buckets=b)
 
 
+def _fit_threads(model: Model, policy: BatchPolicy) -> BatchPolicy:
+    """serving_threads="auto" serves a model whose calls may not overlap
+    (tuning.model_concurrency) from one thread (a thread evaluator knows
+    its model before it allocates its servers; an evaluator process keeps
+    the second one parked)."""
+    if policy.auto_threads and model_concurrency(model) < 2:
+        return replace(policy, threads=1)
+    return policy
+
+
 class _ServingLoop:
     """Serves the segment for one model replica from policy.threads threads:
     each runs Server.serve() with its own batch buffer; they take turns
@@ -141,7 +184,7 @@ class _ServingLoop:
 
     def __init__(self, seg: "_ring.Segment", spec: Spec, model: Model, policy: BatchPolicy,
                  reject_nonfinite: bool, control: Any = None, replica: int = 0,
-                 device: str = "") -> None:
+                 device: str = "", board: Optional[Board] = None) -> None:
         self.seg = seg
         self.spec = spec
         self.model = model
@@ -163,6 +206,10 @@ class _ServingLoop:
         self.stop_reason = _ring.STOP_CLOSED  # why serving stops, unless it raises
         self.warned_extra = False  # about outputs the spec does not declare
         self.errors: list[BaseException] = []
+        # The "auto" settings' tuner; it stands in for the model in serve().
+        self.tuner = (ServingTuner(seg, model, policy.max_batch, policy.threads,
+                                   policy.overrides(), board, HOUSEKEEPING_NS, _ring.SPIN_YIELD)
+                      if policy.tuned else None)
 
     def run(self, started: Optional[threading.Event] = None) -> None:
         seg = self.seg
@@ -184,6 +231,8 @@ class _ServingLoop:
             raise
         finally:
             self.group.stop = True
+            if self.tuner is not None:
+                self.tuner.release()
             for t in others:
                 t.join(THREAD_JOIN_S)
             if self.errors:
@@ -215,18 +264,31 @@ class _ServingLoop:
             self.seg.request_close()  # wakes a thread asleep in collect
 
     def serve(self, server: "_ring.Server") -> None:
-        seg, pol, group = self.seg, self.policy, self.group
-        spin_ns = int(pol.spin_us * 1000)
-        wait_ns = int(pol.max_wait_us * 1000)
+        seg, pol, group, tuner = self.seg, self.policy, self.group, self.tuner
+        model, max_batch = self.model, pol.max_batch
+        spin_ns = wait_ns = 0
+        if tuner is None:
+            spin_ns = int(float(pol.spin_us) * 1000)
+            wait_ns = int(float(pol.max_wait_us) * 1000)
         buckets = list(pol.buckets) if pol.buckets else None
+        index = self.servers.index(server)
         me = os.getpid()
         while True:
+            if tuner is not None:
+                # The tuner's settings of this period; a thread it does not
+                # use waits here.
+                if not tuner.wait_turn(index, IDLE_TIMEOUT_NS / 1e9):
+                    if group.stop:
+                        return
+                    continue
+                d = tuner.decision
+                model, max_batch, spin_ns, wait_ns = tuner, d.batch_cap, d.spin_ns, d.max_wait_ns
             until = self.housekeeping_at
             if self.control_until:
                 until = min(until, _ring.now_ns() + CONTROL_POLL_NS)
             # Batches are served in C until something needs Python.
             kind, n, rows, detail, model_ns = server.serve(
-                self.model, pol.max_batch, spin_ns, wait_ns, IDLE_TIMEOUT_NS,
+                model, max_batch, spin_ns, wait_ns, IDLE_TIMEOUT_NS,
                 self.reject_nonfinite, buckets, until)
             if kind == _ring.SERVE_SLOW:
                 self.finish_slow(server, detail, n, rows, model_ns)
@@ -270,6 +332,8 @@ class _ServingLoop:
                 self.housekeeping_at = now + HOUSEKEEPING_NS
                 self.reclaim_dead_clients()
                 self.check_replicas()
+                if self.tuner is not None:
+                    self.tuner.tick(now)
                 if self.owner_gone(me):
                     return
             finally:
@@ -496,12 +560,13 @@ class _ServingLoop:
 
 
 def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, max_batch: int,
-               max_wait_us: float, buckets: Buckets, max_clients: int, slots_per_client: int,
-               evaluator_spin_us: float, spin_us: Optional[float],
-               serving_threads: int = 1) -> tuple[Spec, BatchPolicy]:
+               max_wait_us: Union[float, str], buckets: Buckets, max_clients: int,
+               slots_per_client: int, evaluator_spin_us: Union[float, str],
+               spin_us: Union[float, str, None],
+               serving_threads: Union[int, str] = AUTO) -> tuple[Spec, BatchPolicy]:
     # Every argument is checked before the segment is created.
     if spin_us is not None:
-        check_spin_us("spin_us", spin_us)
+        check_auto("spin_us", spin_us, check_spin_us)
     spec = Spec.build(input_shape, input_dtype, outputs, max_batch, max_clients,
                       slots_per_client)
     policy = BatchPolicy.make(spec.max_batch, max_wait_us, buckets, evaluator_spin_us,
@@ -582,7 +647,9 @@ class Evaluator(Client):
     max_batch:
         most requests per model call.
     max_wait_us:
-        0 (default) is greedy; else wait up to this long for a fuller batch.
+        after the first request, wait up to this long for a fuller batch (0:
+        greedy).  ``"auto"`` (default): the tuner waits only where its
+        measurements show that waiting serves more (:mod:`shmeval.tuning`).
     buckets:
         None (no padding), ``"pow2"`` or a list of batch sizes to pad to.
     max_clients:
@@ -594,12 +661,16 @@ class Evaluator(Client):
         client spin budget before sleeping: a plain spin while the attached
         processes and the evaluator fit on the CPU cores, a spin that yields
         the CPU between looks when they are one more than the cores, none
-        beyond (docs/protocol.md, *Waiting*).
+        beyond (docs/protocol.md, *Waiting*).  ``"auto"`` (default): the
+        measured cost of a sleep and a wake-up in the client's process.
     evaluator_spin_us:
         how long the idle evaluator spins before it sleeps on its doorbell,
-        by the same rule.
+        by the same rule.  ``"auto"`` (default): the tuner's budget, and
+        sleep while the runnable tasks fill the CPUs.
     serving_threads:
-        1 (default): one model call at a time.  N > 1: N threads take turns
+        ``"auto"`` (default): one or two model calls in flight, two only for
+        a model whose ``max_concurrency`` allows it (the backends' do) and
+        where two serve more.  1: one model call at a time.  N > 1: N threads take turns
         collecting batches and run up to N model calls at once, which pays
         when the model releases the GIL and a core would otherwise idle
         while the evaluator computes (TensorFlow: give it as many inter-op
@@ -616,10 +687,11 @@ class Evaluator(Client):
 
     def __init__(self, model: Model, *, input_shape: ShapeLike, outputs: OutputsLike,
                  input_dtype: Any = "float32", max_batch: int = 256,
-                 max_wait_us: float = 0.0, buckets: Buckets = None, max_clients: int = 64,
-                 slots_per_client: int = 16, spin_us: Optional[float] = None,
-                 evaluator_spin_us: float = 50.0, reject_nonfinite: bool = True,
-                 name: Optional[str] = None, serving_threads: int = 1,
+                 max_wait_us: Union[float, str] = AUTO, buckets: Buckets = None,
+                 max_clients: int = 64, slots_per_client: int = 16,
+                 spin_us: Union[float, str, None] = None,
+                 evaluator_spin_us: Union[float, str] = AUTO, reject_nonfinite: bool = True,
+                 name: Optional[str] = None, serving_threads: Union[int, str] = AUTO,
                  metrics_port: Optional[int] = None) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
@@ -629,7 +701,7 @@ class Evaluator(Client):
                                   buckets, max_clients, slots_per_client, evaluator_spin_us,
                                   spin_us, serving_threads)
         t0 = time.perf_counter_ns()
-        policy = _prepare(model, spec, policy)  # before any segment exists
+        policy = _fit_threads(model, _prepare(model, spec, policy))  # before any segment exists
         warmup_ns = time.perf_counter_ns() - t0
         seg, address = segment.create(spec, name, replicas=1, servers=policy.threads)
         super().__init__(address, spec, spin_us, _segment=seg)
@@ -639,7 +711,9 @@ class Evaluator(Client):
         control, loop_end = mp.Pipe()
         self._controls = [control]
         self._init_control()
-        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, loop_end)
+        self._boards = [Board(mp)] if policy.tuned else []
+        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, loop_end,
+                            board=self._boards[0] if self._boards else None)
         started = threading.Event()
         thread = threading.Thread(target=loop.run, args=(started,),
                                   name=f"shmeval-evaluator {address}", daemon=True)
@@ -654,11 +728,12 @@ class Evaluator(Client):
     @classmethod
     def spawn(cls, factory: Callable[..., Model], *, input_shape: ShapeLike,
               outputs: OutputsLike, input_dtype: Any = "float32", max_batch: int = 256,
-              max_wait_us: float = 0.0, buckets: Buckets = None, max_clients: int = 64,
-              slots_per_client: int = 16, spin_us: Optional[float] = None,
-              evaluator_spin_us: float = 50.0, reject_nonfinite: bool = True,
+              max_wait_us: Union[float, str] = AUTO, buckets: Buckets = None,
+              max_clients: int = 64, slots_per_client: int = 16,
+              spin_us: Union[float, str, None] = None,
+              evaluator_spin_us: Union[float, str] = AUTO, reject_nonfinite: bool = True,
               name: Optional[str] = None, start_timeout: float = 600.0,
-              mp_context: str = "spawn", serving_threads: int = 1,
+              mp_context: str = "spawn", serving_threads: Union[int, str] = AUTO,
               replicas: Optional[int] = None,
               devices: Optional[Sequence[str]] = None,
               metrics_port: Optional[int] = None) -> "Evaluator":
@@ -695,6 +770,7 @@ class Evaluator(Client):
         # One pipe per replica, for its start-up report and then for control
         # requests.
         self._controls, senders, self._processes = [], [], []
+        self._boards = [Board(ctx) for _ in devs] if policy.tuned else []
         for r, device in enumerate(devs):
             receiver, sender = ctx.Pipe()
             self._controls.append(receiver)
@@ -702,7 +778,7 @@ class Evaluator(Client):
             self._processes.append(ctx.Process(
                 target=_serve_in_process, name=f"shmeval-evaluator {address} #{r}",
                 args=(address, spec.to_json(), factory, policy, reject_nonfinite, sender, r,
-                      device),
+                      device, self._boards[r] if self._boards else None),
                 daemon=True))
         self._init_control()
         self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
@@ -746,6 +822,21 @@ class Evaluator(Client):
         except BaseException:
             self.close()
             raise
+
+    _boards: list[Board]  # where each replica's tuner reports ("auto" settings)
+
+    def stats(self) -> dict[str, Any]:
+        """As :meth:`Client.stats`, with ``tuner``: what the tuner chose and
+        why (the first replica's; each replica's in its ``replicas`` entry
+        when there are several), while any setting is ``"auto"``."""
+        st = super().stats()
+        reports = [b.read() for b in self._boards]
+        if reports and reports[0] is not None:
+            st["tuner"] = reports[0]
+            if len(reports) > 1:
+                for entry, report in zip(st["replicas"], reports):
+                    entry["tuner"] = report
+        return st
 
     @property
     def metrics_port(self) -> Optional[int]:
@@ -946,7 +1037,7 @@ def _check_picklable(factory: Callable[[], Model]) -> None:
 
 def _serve_in_process(address: str, spec_json: bytes, factory: Callable[..., Model],
                       policy: BatchPolicy, reject_nonfinite: bool, conn: Any, replica: int = 0,
-                      device: str = "") -> None:
+                      device: str = "", board: Optional[Board] = None) -> None:
     # Ctrl-C reaches the whole process group: the parent decides when to
     # close, so the evaluator ignores SIGINT rather than dying mid-batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -957,7 +1048,8 @@ def _serve_in_process(address: str, spec_json: bytes, factory: Callable[..., Mod
         if not callable(model):
             raise TypeError(f"factory returned a {type(model).__name__}, not a callable")
         policy = _prepare(model, spec, policy)
-        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, conn, replica, device)
+        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, conn, replica, device,
+                            board)
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         conn.close()

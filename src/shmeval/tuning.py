@@ -1,0 +1,572 @@
+"""The tuner: the evaluator's waiting and batching settings chosen while it
+serves, from what it measures (the ``"auto"`` default of ``max_wait_us``,
+``evaluator_spin_us`` and ``serving_threads``), and the clients' spin
+budget (``spin_us="auto"``).
+
+What it decides, and from what:
+
+* **How long to wait for a fuller batch.**  A model call costs a fixed part
+  ``a`` plus ``b`` per row (fitted on the calls of the last second).  With
+  ``n`` rows in hand and rows arriving at ``λ`` per second, waiting ``w``
+  for more changes the rows served per second from ``n / (a + b n)`` to
+  ``(n + λw) / (w + a + b(n + λw))``, whose derivative in ``w`` has the sign
+  of ``λa - n`` whatever ``w``: waiting pays exactly when the rows that
+  arrive during one fixed cost outnumber those in hand, and then it pays
+  until no more rows come.  So the tuner considers waiting only while the
+  smaller batches (their lower quartile) hold fewer rows than ``λa`` (per
+  call in flight), and when it waits it waits at most one fixed cost
+  (longer, and running the rows in hand with a second call for the latecomers
+  costs no more: the ski-rental bound) and stops as soon as the whole
+  population of requests, the attached clients or the largest batch seen,
+  is in.  Whether that beats greedy batching is then measured, not assumed
+  (*trials*, below): greedy is kept unless waiting wins.
+* **How many model calls to keep in flight.**  A second call in flight
+  overlaps one batch's gathering and answering with another's computation,
+  which pays when the model releases the GIL and the machine has a free
+  core or device; it is only tried for a model that says its calls may
+  overlap (``max_concurrency``, which ``TFModel`` and the other backends set:
+  whether concurrent calls are safe cannot be measured), and kept only if it
+  wins its trial.
+* **Whether the evaluator spins, yields or sleeps** while it waits for
+  requests: from the CPUs it may use (``os.sched_getaffinity``) and the tasks
+  runnable on them (``/proc/loadavg``, scaled to those CPUs), with the rule
+  of ``_ring.spin_policy``: a plain spin while every runnable task has a CPU,
+  a spin that yields between looks when they are one more, sleep beyond
+  that.  Its budget is the measured cost of putting a thread to sleep and
+  waking it (:func:`wake_cost_ns`): spinning for as long as blocking would
+  cost is never worse than twice the better choice made in hindsight.  The
+  ``_ring`` layer applies its own rule (attached clients against CPUs) on
+  top, so the tuner can only make the evaluator spin less.
+
+**Trials.**  A candidate setting (a second call in flight; waiting) is
+compared with the simpler one in force in ``TRIAL_PAIRS`` adjacent pairs of
+windows (one housekeeping period each), alternating, and adopted only if it
+served more requests in every pair.  After that the settings hold until the
+load changes: the attached clients, the model's cost per call or the CPUs by
+``CHANGE_RATIO`` or more (a weight update that makes the net slower, workers
+joining or leaving, another program taking the CPUs), when the trials run
+again.  Nothing else moves the wait or the calls in flight, so they do not
+oscillate; the spin mode moves with the runnable tasks, smoothed and with a
+margin of half a task on each side of a boundary.
+
+The tuner itself is plain arithmetic on :class:`Reading` objects, so that
+its decisions can be tested with made-up measurements
+(``tests/core/test_tuning.py``); :class:`ServingTuner` feeds it from a
+running evaluator.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+AUTO = "auto"
+
+#: A trial's candidate must serve more requests than the setting in force in
+#: each of this many adjacent pairs of windows: a sign test, passed by
+#: chance one time in 2**TRIAL_PAIRS when both serve alike.
+TRIAL_PAIRS = 3
+#: The trials run again when the attached clients, the model's cost per call
+#: or the CPUs differ from what they measured by this ratio or more (a
+#: quarter up or down): their verdict was made for that load.
+CHANGE_RATIO = 1.25
+#: The cost fit and the population estimate look back this far: long enough
+#: for thousands of calls of a fast model or dozens of a slow one, short
+#: enough that a change shows within the seconds the trials take.
+HORIZON_NS = 1_000_000_000
+#: Spin modes (the ``_ring`` flag of a yielding spin is ``SPIN_YIELD``).
+SLEEP, YIELD, SPIN = "sleep", "yield", "spin"
+
+#: One model call: (start, duration) in CLOCK_MONOTONIC ns, and its rows.
+Call = Tuple[int, int, int]
+
+
+def check_auto(name: str, value: Any, check: Callable[[str, Any], Any]) -> Any:
+    """``value`` if it is ``"auto"``, else ``check(name, value)`` (which
+    returns the number or raises ValueError / TypeError); any other string
+    is a ValueError naming both forms."""
+    if isinstance(value, str):
+        if value != AUTO:
+            raise ValueError(f"{name} must be 'auto' or a number, got {value!r}")
+        return AUTO
+    return check(name, value)
+
+
+@functools.lru_cache(maxsize=1)
+def wake_cost_ns(rounds: int = 31) -> int:
+    """What it costs here for a thread to go to sleep and be woken: half the
+    median round trip of two threads handing two locks back and forth
+    (each hand-over is a futex wake-up of a sleeping thread, and the GIL).
+    Measured once per process (about a millisecond)."""
+    ping, pong = threading.Lock(), threading.Lock()
+    ping.acquire()
+    pong.acquire()
+
+    def echo() -> None:
+        for _ in range(rounds):
+            ping.acquire()
+            pong.release()
+
+    t = threading.Thread(target=echo, name="shmeval-wake-cost", daemon=True)
+    t.start()
+    trips = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        ping.release()
+        pong.acquire()
+        trips.append(time.perf_counter_ns() - t0)
+    t.join()
+    return max(1, int(statistics.median(trips)) // 2)
+
+
+def model_concurrency(model: Any) -> int:
+    """How many calls of ``model`` may run at once: its ``max_concurrency``
+    attribute (an int >= 1), else 1.  Whether calls may overlap safely is
+    the model's to say; whether overlapping them pays, the tuner's to
+    measure."""
+    n = getattr(model, "max_concurrency", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
+def runnable_tasks(cpus: int) -> float:
+    """Tasks runnable now on ``cpus`` CPUs (the caller included): the
+    machine's count from /proc/loadavg, scaled to the share of the online
+    CPUs that ``cpus`` is (tasks taken as spread evenly)."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
+        return float(cpus)
+    online = os.cpu_count() or cpus
+    return running * min(1.0, cpus / online)
+
+
+def spin_mode(runnable: float, cpus: int) -> str:
+    """``_ring.spin_policy``'s rule on runnable tasks (the waiter included):
+    spin while each has a CPU, yield between looks when they are one more,
+    sleep beyond."""
+    if runnable <= cpus:
+        return SPIN
+    return YIELD if runnable <= cpus + 1 else SLEEP
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the evaluator measured since the previous reading."""
+
+    now_ns: int
+    #: Requests answered so far (the segment's counter).
+    requests: int
+    #: Client processes attached now.
+    clients: int
+    #: CPUs the evaluator may use.
+    cpus: int
+    #: Tasks runnable on them now, the reader included (:func:`runnable_tasks`).
+    runnable: float
+    #: The model calls since the previous reading.
+    calls: Sequence[Call] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The settings the serving loop uses until the next reading."""
+
+    #: After the first request, wait up to this long for more (0: greedy).
+    max_wait_ns: int
+    #: Most rows per batch (the population's share while waiting).
+    batch_cap: int
+    #: The evaluator's spin budget, with ``_ring.SPIN_YIELD`` for a yielding
+    #: spin; 0 sleeps at once.
+    spin_ns: int
+    #: Model calls in flight (serving threads at work).
+    threads: int
+
+
+@dataclass
+class Cost:
+    """A model call's cost: ``per_call + per_row * rows`` (ns), fitted on
+    the medians of the calls of each size.  ``per_row`` is None while the
+    calls have not spanned sizes a factor of two apart (the split is then
+    unknown: ``per_call`` is the median call)."""
+
+    per_call: float = 0.0
+    per_row: Optional[float] = None
+    #: Mean rows per call, and the median call's cost at them.
+    mean_rows: float = 0.0
+    at_mean: float = 0.0
+
+    @classmethod
+    def fit(cls, calls: Sequence[Call], prior: Optional["Cost"] = None) -> Optional["Cost"]:
+        if not calls:
+            return None
+        a = np.asarray(calls, dtype=np.float64)
+        rows, ns = a[:, 2], a[:, 1]
+        order = np.lexsort((ns, rows))
+        rows, ns = rows[order], ns[order]
+        sizes, first, counts = np.unique(rows, return_index=True, return_counts=True)
+        medians = ns[first + counts // 2]
+        mean_rows = float(rows.mean())
+        at_mean = float(np.median(ns))
+        solid = counts >= 3
+        if solid.sum() >= 2 and sizes[solid].max() >= 2 * sizes[solid].min():
+            w = counts.astype(np.float64)
+            xm = float(np.average(sizes, weights=w))
+            ym = float(np.average(medians, weights=w))
+            sxx = float(np.average((sizes - xm) ** 2, weights=w))
+            b = float(np.average((sizes - xm) * (medians - ym), weights=w)) / sxx
+            b = max(0.0, b)
+            per_call = ym - b * xm
+            if per_call < 0:  # all per row
+                per_call, b = 0.0, ym / xm
+            return cls(per_call, b, mean_rows, at_mean)
+        if prior is not None and prior.per_row is not None:
+            # Same split as before, scaled to what calls cost now.
+            before = prior.per_call + prior.per_row * mean_rows
+            scale = at_mean / before if before > 0 else 1.0
+            return cls(prior.per_call * scale, prior.per_row * scale, mean_rows, at_mean)
+        return cls(at_mean, None, mean_rows, at_mean)
+
+    @property
+    def known_fixed(self) -> float:
+        """The fixed part, when the calls showed it (0 otherwise: nothing
+        then argues for waiting)."""
+        return self.per_call if self.per_row is not None else 0.0
+
+
+@dataclass
+class Trial:
+    """A candidate against the setting in force, in alternating windows."""
+
+    knob: str          # "threads" or "wait"
+    base: Decision
+    candidate: Decision
+    #: Requests per second of each window so far: (candidate?, rate).
+    windows: List[Tuple[bool, float]] = field(default_factory=list)
+
+    def next_is_candidate(self) -> bool:
+        return len(self.windows) % 2 == 0
+
+    def done(self) -> bool:
+        return len(self.windows) >= 2 * TRIAL_PAIRS
+
+    def won(self) -> bool:
+        """The candidate served more in every adjacent pair."""
+        rates = [r for _, r in self.windows]
+        return all(rates[i] > rates[i + 1] for i in range(0, len(rates) - 1, 2))
+
+    def gain(self) -> float:
+        cand = [r for c, r in self.windows if c]
+        base = [r for c, r in self.windows if not c]
+        return (sum(cand) / len(cand)) / (sum(base) / len(base)) - 1 if sum(base) else 0.0
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """The settings the caller fixed (None: the tuner's)."""
+
+    max_wait_ns: Optional[int] = None
+    spin_ns: Optional[int] = None
+    threads: Optional[int] = None
+
+
+class Tuner:
+    """The decisions, from a :class:`Reading` per housekeeping period.
+
+    ``max_batch``: the evaluator's cap.  ``max_threads``: serving threads
+    there are (1 when the model's calls may not overlap).  ``wake_ns``: the
+    spin budget (:func:`wake_cost_ns`).  ``overrides``: settings the caller
+    fixed, which the tuner leaves alone.  ``spin_yield``: the ``_ring`` flag
+    of a yielding spin."""
+
+    def __init__(self, max_batch: int, max_threads: int, wake_ns: int,
+                 overrides: Overrides = Overrides(), spin_yield: int = 1 << 63) -> None:
+        self.max_batch = max_batch
+        self.max_threads = max(1, max_threads)
+        self.wake_ns = wake_ns
+        self.overrides = overrides
+        self.spin_yield = spin_yield
+        start_threads = overrides.threads or 1
+        self.decision = Decision(overrides.max_wait_ns or 0, max_batch,
+                                 overrides.spin_ns if overrides.spin_ns is not None else 0,
+                                 start_threads)
+        self.spin_mode = SLEEP
+        self.runnable: Optional[float] = None
+        self.cost: Optional[Cost] = None
+        self.rate = 0.0           # requests/s, smoothed
+        self.population = 1
+        self.small_batch = 0.0    # lower quartile of rows per call
+        self.clients = 0
+        self.cpus = 0
+        self.trial: Optional[Trial] = None
+        self.phase = "measuring"
+        self.why_wait = "measuring the model and the arrivals"
+        self.last_gain: Optional[float] = None
+        #: What the trials measured: (clients, cost at the mean batch, cpus).
+        self.settled_under: Optional[Tuple[int, float, int]] = None
+        self._prev: Optional[Reading] = None
+        self._recent: List[Tuple[int, Sequence[Call]]] = []   # (now_ns, calls)
+
+    # -- the reading of one window ---------------------------------------------
+
+    def tick(self, r: Reading) -> Decision:
+        prev, self._prev = self._prev, r
+        self._recent.append((r.now_ns, r.calls))
+        self._recent = [(t, c) for t, c in self._recent if r.now_ns - t < HORIZON_NS]
+        self.clients, self.cpus = r.clients, r.cpus
+        self._spin(r)
+        if prev is None or r.now_ns <= prev.now_ns:
+            return self.decision
+        rate = (r.requests - prev.requests) * 1e9 / (r.now_ns - prev.now_ns)
+        self.rate = rate if self.rate == 0 else 0.5 * (self.rate + rate)
+        calls = [c for _, cs in self._recent for c in cs]
+        if calls:
+            self.cost = Cost.fit(calls, self.cost)
+            rows = np.fromiter((c[2] for c in calls), np.int64, len(calls))
+            self.small_batch = float(np.percentile(rows, 25))
+            largest = int(rows.max())
+            if self.decision.max_wait_ns and self.decision.batch_cap < self.max_batch and \
+                    np.mean(rows >= self.decision.batch_cap) > 0.5:
+                # Waiting, and most calls stop at the cap: the population
+                # outgrew the estimate.
+                largest = 2 * self.decision.batch_cap * self.decision.threads
+            self.population = min(self.max_batch, max(r.clients, largest, 1))
+        if self.trial is not None:
+            self._trial_window(rate)
+        elif r.calls and self.cost is not None and (self.phase == "measuring"
+                                                    or self._changed()):
+            self._start_trials()
+        return self.decision
+
+    def _spin(self, r: Reading) -> None:
+        """The evaluator's spin mode from the runnable tasks, smoothed; the
+        mode changes once the level is half a task past its region."""
+        if self.overrides.spin_ns is not None:
+            return
+        x = r.runnable
+        self.runnable = x if self.runnable is None else 0.5 * (self.runnable + x)
+        level, cpus = self.runnable, max(1, r.cpus)
+        lo, hi = {SPIN: (-math.inf, cpus), YIELD: (cpus, cpus + 1),
+                  SLEEP: (cpus + 1, math.inf)}[self.spin_mode]
+        if not lo - 0.5 < level <= hi + 0.5:
+            self.spin_mode = spin_mode(level, cpus)
+        spin = {SLEEP: 0, YIELD: self.wake_ns | self.spin_yield, SPIN: self.wake_ns}[self.spin_mode]
+        self.decision = replace(self.decision, spin_ns=spin)
+
+    # -- trials -----------------------------------------------------------------
+
+    def _changed(self) -> bool:
+        """The load differs from the one the trials measured by CHANGE_RATIO."""
+        if self.settled_under is None or self.cost is None:
+            return True
+        clients, cost, cpus = self.settled_under
+
+        def moved(a: float, b: float) -> bool:
+            lo, hi = sorted((max(a, 1e-9), max(b, 1e-9)))
+            return hi / lo >= CHANGE_RATIO
+
+        return (moved(clients, self.clients) or moved(cost, self.cost.at_mean)
+                or cpus != self.cpus)
+
+    def _start_trials(self) -> None:
+        """From the simplest settings: one call in flight, greedy."""
+        d = self.decision
+        base = replace(d, threads=self.overrides.threads or 1,
+                       max_wait_ns=self.overrides.max_wait_ns or 0, batch_cap=self.max_batch)
+        self.decision = base
+        self.phase = "trials"
+        if self.overrides.threads is None and self.max_threads > 1:
+            self._begin("threads", base, replace(base, threads=2))
+        else:
+            self._try_waiting()
+
+    def _begin(self, knob: str, base: Decision, candidate: Decision) -> None:
+        self.trial = Trial(knob, base, candidate)
+        self.decision = self._with_spin(candidate)
+
+    def _with_spin(self, d: Decision) -> Decision:
+        return replace(d, spin_ns=self.decision.spin_ns)
+
+    def _trial_window(self, rate: float) -> None:
+        t = self.trial
+        assert t is not None
+        t.windows.append((t.next_is_candidate(), rate))
+        if not t.done():
+            self.decision = self._with_spin(t.candidate if t.next_is_candidate() else t.base)
+            return
+        self.trial = None
+        won = t.won()
+        self.last_gain = t.gain()
+        keep = t.candidate if won else t.base
+        self.decision = self._with_spin(keep)
+        if t.knob == "threads":
+            if won and keep.threads < self.max_threads:
+                self._begin("threads", keep, replace(keep, threads=keep.threads + 1))
+                return
+            self._try_waiting()
+            return
+        self.why_wait = (f"waiting: it served {self.last_gain:+.0%} against greedy, ahead in "
+                         f"{TRIAL_PAIRS} of {TRIAL_PAIRS} window pairs" if won else
+                         f"greedy: waiting lost its trial ({self.last_gain:+.0%})")
+        self._settle()
+
+    def _try_waiting(self) -> None:
+        """Waiting is tried when it can pay (the module's docstring): the
+        rows one fixed cost gathers outnumber those of the smaller batches,
+        and the population is larger than those batches."""
+        if self.overrides.max_wait_ns is not None:
+            self.why_wait = "max_wait_us set by the caller"
+            self._settle()
+            return
+        assert self.cost is not None
+        d = self.decision
+        fixed = self.cost.known_fixed
+        gathered = self.rate * fixed / 1e9 / d.threads
+        if fixed <= 0 or gathered <= self.small_batch or self.population <= self.small_batch:
+            self.why_wait = (
+                "greedy: the calls do not show a fixed cost yet" if fixed <= 0 else
+                f"greedy: one fixed cost ({fixed / 1e3:.0f} µs) gathers {gathered:.1f} rows, "
+                f"the smaller batches hold {self.small_batch:.0f}" if gathered <= self.small_batch
+                else f"greedy: the batches hold every request ({self.population})")
+            self._settle()
+            return
+        cap = max(1, math.ceil(self.population / d.threads))
+        self._begin("wait", d, replace(d, max_wait_ns=max(1, int(fixed)), batch_cap=cap))
+
+    def _settle(self) -> None:
+        self.phase = "settled"
+        assert self.cost is not None
+        self.settled_under = (self.clients, self.cost.at_mean, self.cpus)
+
+    # -- what stats() shows ---------------------------------------------------------
+
+    def report(self) -> Dict[str, Any]:
+        c = self.cost
+        d = self.decision
+        return {
+            "phase": self.phase if self.trial is None else f"trial: {self.trial.knob}",
+            "model_us_per_call": round(c.known_fixed / 1e3, 2) if c else None,
+            "model_us_per_row": (round(c.per_row / 1e3, 3)
+                                 if c is not None and c.per_row is not None else None),
+            "model_us_at_mean_batch": round(c.at_mean / 1e3, 2) if c else None,
+            "mean_batch": round(c.mean_rows, 2) if c else None,
+            "arrivals_per_s": round(self.rate, 1),
+            "population": self.population,
+            "max_wait_us": d.max_wait_ns / 1e3,
+            "batch_cap": d.batch_cap,
+            "serving_threads": d.threads,
+            "spin": self.spin_mode if self.overrides.spin_ns is None else "set by the caller",
+            "spin_us": (d.spin_ns & ~self.spin_yield) / 1e3,
+            "runnable": round(self.runnable, 2) if self.runnable is not None else None,
+            "cpus": self.cpus,
+            "clients": self.clients,
+            "why": self.why_wait,
+        }
+
+
+class Board:
+    """Where a serving loop leaves its tuner's report for ``stats()``: a
+    small shared array that the evaluator's owner creates (and passes to an
+    evaluator process), holding the report as JSON behind a sequence
+    number (odd while it is being written)."""
+
+    SIZE = 4096
+
+    def __init__(self, ctx: Any) -> None:
+        self.seq = ctx.RawValue("Q", 0)
+        self.text = ctx.RawArray("c", self.SIZE)
+
+    def write(self, report: Dict[str, Any]) -> None:
+        data = json.dumps(report).encode()[:self.SIZE - 1]
+        self.seq.value += 1
+        self.text.value = data
+        self.seq.value += 1
+
+    def read(self) -> Optional[Dict[str, Any]]:
+        """The last report (None before the first)."""
+        for _ in range(100):
+            s0 = self.seq.value
+            data = self.text.value
+            if s0 % 2 == 0 and self.seq.value == s0:
+                return json.loads(data) if s0 else None
+            time.sleep(0)
+        return None
+
+
+class ServingTuner:
+    """Feeds a :class:`Tuner` from a serving loop.
+
+    The loop calls :meth:`__call__` in place of the model (each call's start,
+    duration and rows are recorded: a few hundred ns), :meth:`tick` at its
+    housekeeping (a reading of the segment's counters, the CPUs and the
+    runnable tasks once per ``period_ns``; the report goes to the board),
+    and :meth:`wait_turn` before each round of serving, which parks the
+    serving threads the decision does not use."""
+
+    def __init__(self, seg: Any, model: Any, max_batch: int, threads: int,
+                 overrides: Overrides, board: Optional[Board], period_ns: int,
+                 spin_yield: int) -> None:
+        self.seg = seg
+        self.model = model
+        self.tuner = Tuner(max_batch, min(threads, model_concurrency(model)), wake_cost_ns(),
+                           overrides, spin_yield)
+        self.board = board
+        self.period_ns = period_ns
+        self.calls: List[Call] = []
+        self.next_tick = 0
+        self.turns = threading.Condition()
+        self.stopped = False
+
+    def __call__(self, batch: Any) -> Any:
+        t0 = time.monotonic_ns()
+        out = self.model(batch)
+        self.calls.append((t0, time.monotonic_ns() - t0, len(batch)))
+        return out
+
+    @property
+    def decision(self) -> Decision:
+        return self.tuner.decision
+
+    def tick(self, now_ns: int) -> None:
+        """A reading, if a period passed since the last (several serving
+        threads each reach housekeeping)."""
+        if now_ns < self.next_tick:
+            return
+        self.next_tick = now_ns + self.period_ns
+        calls, self.calls = self.calls, []
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cpus = os.cpu_count() or 1
+        before = self.tuner.decision.threads
+        self.tuner.tick(Reading(now_ns, int(self.seg.stat("requests")),
+                                int(self.seg.n_attached()), cpus, runnable_tasks(cpus), calls))
+        if self.tuner.decision.threads != before:
+            with self.turns:
+                self.turns.notify_all()
+        if self.board is not None:
+            self.board.write(self.tuner.report())
+
+    def wait_turn(self, index: int, timeout_s: float) -> bool:
+        """Parks serving thread ``index`` while the decision uses fewer
+        threads; True once it may serve, False when it should look at the
+        stop flag (after ``timeout_s``, or :meth:`release`)."""
+        if index < self.tuner.decision.threads:
+            return True
+        with self.turns:
+            if not self.stopped:
+                self.turns.wait(timeout_s)
+        return index < self.tuner.decision.threads and not self.stopped
+
+    def release(self) -> None:
+        """Wakes every parked thread (the loop is stopping)."""
+        with self.turns:
+            self.stopped = True
+            self.turns.notify_all()
