@@ -329,7 +329,8 @@ def _measure(s: Settings, run: RayRun, evaluators: ClusterEvaluator,
     b = run.totals()
     dt = b["t"] - a["t"]
     result: Dict[str, Any] = {
-        "moves_per_s": (b["moves"] - a["moves"]) / dt, "evals_per_s": (b["evals"] - a["evals"]) / dt,
+        "moves_per_s": (b["moves"] - a["moves"]) / dt,
+        "evals_per_s": (b["evals"] - a["evals"]) / dt,
         "games_in_window": b["games"] - a["games"], "window_s": dt, "at_start": at_start,
         "workers": len(run.workers), "workers_lost": len(run.gone),
         "model_version": evaluators.model_version}
