@@ -384,7 +384,7 @@ def test_frozen_serves_like_direct_call(kind: str, tf: Any, keras: Any, backend:
     """TFModel(freeze=True): the functions that serve read no variable, and
     answer as the model does."""
     source, outputs, ref = make_case(kind, tf, keras, tmp_path)
-    plain = backend.TFModel(source)
+    plain = backend.TFModel(source, freeze=False)
     tm = backend.TFModel(source, freeze=True)
     with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=outputs, max_batch=64,
                            max_clients=4, slots_per_client=32) as ev:
@@ -534,7 +534,7 @@ def test_bfloat16(tf: Any, backend: Any) -> None:
     if cpu_bfloat16():
         assert moved > 0, "bfloat16=True computed exactly float32's answers"
     with pytest.raises(ValueError, match="bfloat16"):
-        backend.TFModel(m, bfloat16=True)
+        backend.TFModel(m, freeze=False, bfloat16=True)
     with pytest.raises(ValueError, match="bfloat16"):
         backend.TFModel(m, freeze=True, jit_compile=True, bfloat16=True)
     with pytest.raises(ValueError, match="GPU"):

@@ -94,4 +94,6 @@ def checked_net() -> Any:
 def checked_factory() -> Any:
     from shmeval.backends.tensorflow import TFModel
 
-    return TFModel(checked_net())
+    # Unfrozen: a function call's error carries the failing op's definition
+    # stack, which the message must cut (a frozen graph's session error has none).
+    return TFModel(checked_net(), freeze=False)

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -80,6 +81,22 @@ def configure(memory_growth: bool = True, memory_limit_mb: Optional[int] = None,
               int(inter_op_threads))
 
 
+def _auto_threads(concurrency: int) -> None:
+    """``intra_op_threads`` / ``inter_op_threads`` "auto": as many inter-op
+    threads as model calls may be in flight (``TFModel.max_concurrency``),
+    and the CPUs this process may use split between those calls for each
+    call's ops.  Applied only while TensorFlow has not initialised (a model
+    built before TFModel was made did that: then its settings stay)."""
+    cpus = len(os.sched_getaffinity(0))
+    for setter, n in ((tf.config.threading.set_inter_op_parallelism_threads, concurrency),
+                      (tf.config.threading.set_intra_op_parallelism_threads,
+                       max(1, cpus // concurrency))):
+        try:
+            setter(n)
+        except (RuntimeError, ValueError):
+            pass
+
+
 def _is_keras(obj: Any) -> bool:
     # Without importing Keras: an object can only be a Keras model if Keras
     # (or legacy tf_keras) is loaded already.
@@ -105,6 +122,18 @@ def _load(source: Any) -> Any:
         raise TypeError(f"TFModel needs a Keras model, a tf.function / tf.Module, a .keras "
                         f"file or a SavedModel directory, got {type(source).__name__}")
     return source
+
+
+def _best_ns(call: Callable[[], Any], repeats: int = 3) -> int:
+    """The fastest of ``repeats`` calls, in ns."""
+    best = None
+    for _ in range(repeats):
+        t = time.perf_counter_ns()
+        call()
+        dt = time.perf_counter_ns() - t
+        best = dt if best is None else min(best, dt)
+    assert best is not None
+    return best
 
 
 def _fit(t: Any, o: OutputSpec) -> Any:
@@ -294,26 +323,60 @@ class TFModel:
     ``set_weights`` / ``load_weights`` folds again and runs each batch size
     once before it returns (while the evaluator serves nothing): about
     0.1 s per traced batch size for the self-play demo's net, 1 s with nine
-    buckets, more for bigger nets.  ``bfloat16``: with ``freeze`` (and no
-    ``jit_compile``), compute in bfloat16 what oneDNN can (see
-    :class:`FrozenGraph`), for CPUs with native bfloat16; the outputs move
-    by about 1e-3.  On a GPU it is refused (the rewrite is the CPU's).
+    buckets, more for bigger nets.  ``"auto"`` (the default) serves frozen
+    functions while that pays: ``prepare`` measures what folding saves per
+    call and what one fold costs; a weight update is assigned to the
+    variables at once (and served by the unfrozen functions), and the
+    weights are folded again once the calls since the update have lost as
+    much time as a fold takes (so frequent updates are never folded, rare
+    ones almost at once, and the total is never more than twice the better
+    choice made in hindsight).  A model that cannot be frozen, or on a
+    device where freezing saves nothing, is served unfrozen.
+    ``bfloat16``: with ``freeze`` (and no ``jit_compile``), compute in
+    bfloat16 what oneDNN can (see :class:`FrozenGraph`), for CPUs with
+    native bfloat16; the outputs move by about 1e-3, so it is never chosen
+    for you (with ``freeze="auto"`` it keeps the graphs frozen).  On a GPU
+    it is refused (the rewrite is the CPU's).  ``intra_op_threads`` /
+    ``inter_op_threads`` "auto" (the default): see :func:`_auto_threads`
+    (None: TensorFlow's own default).
+
+    ``max_concurrency`` (2): calls from two serving threads may overlap
+    (TensorFlow releases the GIL and its functions and sessions are safe to
+    call from several threads); the evaluator's tuner keeps two in flight
+    where that serves more.
 
     After ``prepare``: ``trace_count`` (times the model was traced; constant
     while serving) and ``warmup_s`` (seconds ``prepare`` took).
     """
 
+    max_concurrency = 2
+
     def __init__(self, model_or_path: Any, *, buckets: Optional[Sequence[int]] = None,
                  jit_compile: bool = False, memory_growth: bool = True,
-                 memory_limit_mb: Optional[int] = None, intra_op_threads: Optional[int] = None,
-                 inter_op_threads: Optional[int] = None, device: Optional[str] = None,
-                 freeze: bool = False, bfloat16: bool = False) -> None:
+                 memory_limit_mb: Optional[int] = None,
+                 intra_op_threads: Union[int, str, None] = "auto",
+                 inter_op_threads: Union[int, str, None] = "auto",
+                 device: Optional[str] = None,
+                 freeze: Union[bool, str] = "auto", bfloat16: bool = False) -> None:
+        if freeze not in (True, False, "auto"):
+            raise ValueError(f"TFModel(freeze=...) must be True, False or 'auto', got {freeze!r}")
+        for name, n in (("intra_op_threads", intra_op_threads),
+                        ("inter_op_threads", inter_op_threads)):
+            if isinstance(n, str) and n != "auto":
+                raise ValueError(f"TFModel({name}=...) must be 'auto', None or an int, got {n!r}")
         if bfloat16 and (not freeze or jit_compile):
-            raise ValueError("TFModel(bfloat16=True) needs freeze=True without jit_compile "
-                             "(the frozen graph's session does the rewrite)")
-        configure(memory_growth, memory_limit_mb, intra_op_threads, inter_op_threads)
+            raise ValueError("TFModel(bfloat16=True) needs freeze=True (or 'auto') without "
+                             "jit_compile (the frozen graph's session does the rewrite)")
+        configure(memory_growth, memory_limit_mb,
+                  None if isinstance(intra_op_threads, str) else intra_op_threads,
+                  None if isinstance(inter_op_threads, str) else inter_op_threads)
+        if "auto" in (intra_op_threads, inter_op_threads):
+            _auto_threads(self.max_concurrency)
         self.buckets = own_buckets(buckets, "TFModel")
         self.jit_compile = bool(jit_compile)
+        # freeze="auto": frozen to start with; the updates decide later
+        # (_unfrozen_call).  bfloat16 lives in the frozen graphs only.
+        self.auto_freeze = freeze == "auto" and not bfloat16
         self.freeze = bool(freeze)
         self.bfloat16 = bool(bfloat16)
         # Served by FrozenGraph objects (ndarrays in and out), not concrete
@@ -358,6 +421,12 @@ class TFModel:
         self._by_rows: dict[int, Any] = {}
         self._traced: dict[Optional[int], Any] = {}  # _body's concrete functions
         self._trace_error: Optional[ModelError] = None  # raised while tracing
+        # freeze="auto": what folding saves per call (ns, a line in the rows),
+        # what a fold costs, and the time calls lost since the last update.
+        self._saving = (0.0, 0.0)
+        self._fold_ns = 0
+        self._lost_ns = 0.0
+        self._fold_lock = threading.Lock()
 
     # -- tracing ---------------------------------------------------------------
 
@@ -401,7 +470,16 @@ class TFModel:
                 raise self._trace_error from None
             raise
         self._traced[rows] = fn
-        return self._frozen(fn) if self.freeze else fn
+        if not self.freeze:
+            return fn
+        try:
+            return self._frozen(fn)
+        except ModelError:
+            if not self.auto_freeze:
+                raise
+            # freeze="auto": a model that cannot be frozen is served as it is.
+            self.auto_freeze = self.freeze = self._sessions = False
+            return fn
 
     def _frozen(self, fn: Any) -> Any:
         try:
@@ -450,8 +528,66 @@ class TFModel:
             warm = tuple(sorted({1, spec.max_batch}))
         for rows in warm:
             self._warm_up(rows)
+        if self.auto_freeze:
+            self._measure_freezing(warm)
         self.warmup_s = time.perf_counter() - t0
         return None if buckets else sizes
+
+    def _measure_freezing(self, sizes: Sequence[int]) -> None:
+        """freeze="auto": times the frozen and the unfrozen functions at the
+        batch sizes warmed up (the best of three calls each) and one fold;
+        serves unfrozen from now on if folding saves nothing."""
+        assert self._row_shape is not None and self._dtype is not None
+        saved = []
+        for rows in sizes:
+            x = np.zeros((rows, *self._row_shape), self._dtype.newbyteorder("="))
+            frozen = self._by_rows.get(rows) or self._general
+            plain = self._traced.get(rows) or self._traced[None]
+            saved.append(_best_ns(lambda: self._run(plain, x)) -
+                         _best_ns(lambda: self._run(frozen, x)))
+        if len(sizes) > 1:
+            slope, intercept = np.polyfit(np.asarray(sizes, np.float64), saved, 1)
+        else:
+            slope, intercept = 0.0, saved[0]
+        self._saving = (float(intercept), float(slope))
+        t = time.perf_counter_ns()
+        self._refreeze()
+        self._fold_ns = time.perf_counter_ns() - t
+        if max(saved) <= 0:
+            self._unfreeze()
+            self.auto_freeze = False
+
+    def _run(self, fn: Any, x: np.ndarray) -> Any:
+        return fn.run_flat(x) if isinstance(fn, FrozenGraph) else [
+            t.numpy() for t in tf.nest.flatten(fn(tf.constant(x)))]
+
+    def _unfreeze(self) -> None:
+        """Serves the traced functions, which read the variables."""
+        self.freeze = False
+        self._general = self._traced[None] if self._general is not None else None
+        self._by_rows = {n: self._traced[n] for n in self._by_rows}
+
+    def _unfrozen_call(self, rows: int) -> None:
+        """freeze="auto", unfrozen since an update: counts what the call
+        lost against a frozen one, and folds once that reaches what a fold
+        costs (in this call's thread; another serving thread keeps serving
+        unfrozen meanwhile)."""
+        a, b = self._saving
+        self._lost_ns += max(0.0, a + b * rows)
+        if self._lost_ns < self._fold_ns or not self._fold_lock.acquire(blocking=False):
+            return
+        try:
+            if not self.freeze:
+                t = time.perf_counter_ns()
+                self.freeze = True
+                try:
+                    self._refreeze()
+                except BaseException:
+                    self.freeze = False
+                    raise
+                self._fold_ns = time.perf_counter_ns() - t
+        finally:
+            self._fold_lock.release()
 
     def _warm_up(self, rows: int) -> None:
         """Runs a batch of zeros: compiles, and checks the exact outputs."""
@@ -484,7 +620,9 @@ class TFModel:
             fn = self._general
             if fn is None:
                 fn = self._general = self._concrete(None)
-        if self._sessions:
+        if self.auto_freeze and not self.freeze:
+            self._unfrozen_call(batch.shape[0])
+        if isinstance(fn, FrozenGraph):
             # No output of a FrozenGraph aliases the batch (its docstring says why).
             if self.spec is None:
                 return fn(batch)
@@ -533,6 +671,12 @@ class TFModel:
             (v.name, tuple(v.shape),
              np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype)))  # Keras 3: a str
             for v in variables])
+        if self.auto_freeze:
+            # Served unfrozen from now on, until folding pays (_unfrozen_call).
+            self._assign(variables, arrays)
+            self._unfreeze()
+            self._lost_ns = 0.0
+            return
         old = self.get_weights() if self.freeze else None
         self._assign(variables, arrays)
         if old is not None:
@@ -561,6 +705,9 @@ class TFModel:
             old = self.model.get_weights()
             try:
                 self.model.load_weights(path)
+                if self.auto_freeze:
+                    self._unfreeze()
+                    self._lost_ns = 0.0
                 self._refreeze()
             except BaseException:
                 self.model.set_weights(old)

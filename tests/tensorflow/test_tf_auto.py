@@ -1,0 +1,113 @@
+"""TFModel's "auto" defaults: freeze, thread pools, calls in flight.
+
+- freeze="auto" serves frozen graphs after prepare (for a net where
+  folding saves time); a weight update is assigned at once and served
+  unfrozen, with the new weights; the weights are folded again once the
+  calls since the update have lost what a fold costs, and not before;
+- a model that cannot be frozen is served unfrozen, without an error;
+- max_concurrency says two calls may overlap; bad values are refused.
+The fold's cost and the saving per call are set by the tests where a
+decision depends on them, so nothing here depends on timing.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmeval
+from shmeval.spec import Spec
+from tf_models import INPUT_SHAPE, OUTPUTS, pv_net, random_states
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")]
+
+
+@pytest.fixture(scope="module")
+def tf() -> Any:
+    import tensorflow
+
+    return tensorflow
+
+
+@pytest.fixture(scope="module")
+def backend(tf: Any) -> Any:
+    from shmeval.backends import tensorflow as backend
+
+    return backend
+
+
+def prepared(backend: Any, model: Any, **kw: Any) -> Any:
+    tm = backend.TFModel(model, **kw)
+    tm.prepare(Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 16, 1, 1), None)
+    return tm
+
+
+def serving_frozen(tm: Any, backend: Any) -> bool:
+    return isinstance(tm._general, backend.FrozenGraph)
+
+
+def direct(m: Any, x: np.ndarray) -> np.ndarray:
+    return np.asarray(m(x, training=False)["policy"])
+
+
+def test_updates_are_served_at_once_and_folded_when_it_pays(backend: Any) -> None:
+    m = pv_net(1)
+    tm = prepared(backend, m)
+    assert tm.auto_freeze and serving_frozen(tm, backend)
+    x = random_states(4, 0)
+    new = [w * 1.5 for w in m.get_weights()]
+    tm.set_weights(new)
+    assert not serving_frozen(tm, backend)     # no fold in set_weights
+    np.testing.assert_allclose(tm(x)["policy"], direct(m, x), rtol=1e-5, atol=1e-6)
+    # Each call loses a stated 1 ms against a frozen one; a fold costs 3 ms.
+    tm._saving, tm._fold_ns = (1_000_000.0, 0.0), 3_000_000
+    tm(x)
+    tm(x)
+    assert not serving_frozen(tm, backend)     # 2 ms lost: not yet
+    tm(x)                                      # 3 ms: this call folds
+    assert serving_frozen(tm, backend)
+    np.testing.assert_allclose(tm(x)["policy"], direct(m, x), rtol=1e-5, atol=1e-6)
+
+
+def test_frequent_updates_are_never_folded(backend: Any) -> None:
+    m = pv_net(2)
+    tm = prepared(backend, m)
+    tm._saving = (1_000.0, 0.0)
+    weights = m.get_weights()
+    x = random_states(2, 1)
+    for k in range(5):
+        tm._fold_ns = 10**12   # whatever a fold costs, 10 calls between updates lose less
+        tm.set_weights([w * (1 + 0.1 * k) for w in weights])
+        for _ in range(10):
+            out = tm(x)
+        assert not serving_frozen(tm, backend)
+        np.testing.assert_allclose(out["policy"], direct(m, x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_that_cannot_be_frozen_is_served_as_it_is(tf: Any, backend: Any) -> None:
+    class Counting(tf.Module):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = tf.Variable(0.0)
+            self.w = tf.Variable(np.ones((84, 8), np.float32))
+
+        @tf.function
+        def __call__(self, x: Any) -> Any:
+            self.calls.assign_add(1.0)
+            y = tf.reshape(x, [-1, 84]) @ self.w
+            return y[:, :7], y[:, 7] + self.calls
+
+    with shmeval.Evaluator(backend.TFModel(Counting()), input_shape=INPUT_SHAPE, outputs=OUTPUTS,
+                           max_batch=8) as ev:
+        assert ev.evaluate(np.zeros(INPUT_SHAPE, np.float32))["policy"].shape == (7,)
+
+
+def test_two_calls_may_overlap_and_bad_values_are_refused(backend: Any) -> None:
+    assert backend.TFModel.max_concurrency == 2
+    with pytest.raises(ValueError, match="freeze"):
+        backend.TFModel(pv_net(1), freeze="sometimes")
+    with pytest.raises(ValueError, match="intra_op_threads"):
+        backend.TFModel(pv_net(1), intra_op_threads="many")
