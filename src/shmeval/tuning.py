@@ -243,29 +243,34 @@ class Cost:
 
 @dataclass
 class Trial:
-    """A candidate against the setting in force, in alternating windows."""
+    """A candidate against the setting in force, in alternating windows
+    (candidate first)."""
 
     knob: str          # "threads" or "wait"
     base: Decision
     candidate: Decision
-    #: Requests per second of each window so far: (candidate?, rate).
-    windows: List[Tuple[bool, float]] = field(default_factory=list)
+    clients: int       # when it began
+    #: Requests per second of each window so far, in order.
+    rates: List[float] = field(default_factory=list)
 
     def next_is_candidate(self) -> bool:
-        return len(self.windows) % 2 == 0
+        return len(self.rates) % 2 == 0
 
     def done(self) -> bool:
-        return len(self.windows) >= 2 * TRIAL_PAIRS
+        return len(self.rates) >= 2 * TRIAL_PAIRS
 
     def won(self) -> bool:
         """The candidate served more in every adjacent pair."""
-        rates = [r for _, r in self.windows]
-        return all(rates[i] > rates[i + 1] for i in range(0, len(rates) - 1, 2))
+        r = self.rates
+        return all(r[i] > r[i + 1] for i in range(0, len(r) - 1, 2))
+
+    def mean(self, candidate: bool) -> float:
+        mine = self.rates[0 if candidate else 1::2]
+        return sum(mine) / len(mine) if mine else 0.0
 
     def gain(self) -> float:
-        cand = [r for c, r in self.windows if c]
-        base = [r for c, r in self.windows if not c]
-        return (sum(cand) / len(cand)) / (sum(base) / len(base)) - 1 if sum(base) else 0.0
+        base = self.mean(False)
+        return self.mean(True) / base - 1 if base else 0.0
 
 
 @dataclass(frozen=True)
@@ -277,14 +282,34 @@ class Overrides:
     threads: Optional[int] = None
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the trials measured, to tell when the load has changed: the
+    attached clients, the model's predicted cost of a call of ``rows`` rows,
+    the CPUs and the requests per second served."""
+
+    clients: int
+    rows: float
+    cost: float
+    cpus: int
+    rate: float
+
+
+def _moved(a: float, b: float) -> bool:
+    """a and b differ by CHANGE_RATIO or more."""
+    lo, hi = sorted((max(a, 1e-9), max(b, 1e-9)))
+    return hi / lo >= CHANGE_RATIO
+
+
 class Tuner:
     """The decisions, from a :class:`Reading` per housekeeping period.
 
-    ``max_batch``: the evaluator's cap.  ``max_threads``: serving threads
-    there are (1 when the model's calls may not overlap).  ``wake_ns``: the
-    spin budget (:func:`wake_cost_ns`).  ``overrides``: settings the caller
-    fixed, which the tuner leaves alone.  ``spin_yield``: the ``_ring`` flag
-    of a yielding spin."""
+    ``max_batch``: the evaluator's cap.  ``max_threads``: most model calls
+    that may be in flight (serving threads there are, and 1 when the
+    model's calls may not overlap).  ``wake_ns``: the spin budget
+    (:func:`wake_cost_ns`).  ``overrides``: settings the caller fixed,
+    which the tuner leaves alone.  ``spin_yield``: the ``_ring`` flag of a
+    yielding spin."""
 
     def __init__(self, max_batch: int, max_threads: int, wake_ns: int,
                  overrides: Overrides = Overrides(), spin_yield: int = 1 << 63) -> None:
@@ -293,24 +318,23 @@ class Tuner:
         self.wake_ns = wake_ns
         self.overrides = overrides
         self.spin_yield = spin_yield
-        start_threads = overrides.threads or 1
         self.decision = Decision(overrides.max_wait_ns or 0, max_batch,
                                  overrides.spin_ns if overrides.spin_ns is not None else 0,
-                                 start_threads)
+                                 overrides.threads or 1)
         self.spin_mode = SLEEP
         self.runnable: Optional[float] = None
         self.cost: Optional[Cost] = None
         self.rate = 0.0           # requests/s, smoothed
-        self.population = 1
+        self.population = 1       # requests that can be outstanding at once
         self.small_batch = 0.0    # lower quartile of rows per call
         self.clients = 0
         self.cpus = 0
         self.trial: Optional[Trial] = None
         self.phase = "measuring"
         self.why_wait = "measuring the model and the arrivals"
-        self.last_gain: Optional[float] = None
-        #: What the trials measured: (clients, cost at the mean batch, cpus).
-        self.settled_under: Optional[Tuple[int, float, int]] = None
+        self.why_threads = "measuring"
+        #: What the trials measured (None: they have not run).
+        self.load: Optional[Load] = None
         self._prev: Optional[Reading] = None
         self._recent: List[Tuple[int, Sequence[Call]]] = []   # (now_ns, calls)
 
@@ -329,96 +353,109 @@ class Tuner:
         calls = [c for _, cs in self._recent for c in cs]
         if calls:
             self.cost = Cost.fit(calls, self.cost)
-            rows = np.fromiter((c[2] for c in calls), np.int64, len(calls))
-            self.small_batch = float(np.percentile(rows, 25))
-            largest = int(rows.max())
-            if self.decision.max_wait_ns and self.decision.batch_cap < self.max_batch and \
-                    np.mean(rows >= self.decision.batch_cap) > 0.5:
-                # Waiting, and most calls stop at the cap: the population
-                # outgrew the estimate.
-                largest = 2 * self.decision.batch_cap * self.decision.threads
-            self.population = min(self.max_batch, max(r.clients, largest, 1))
+            self._batches(np.fromiter((c[2] for c in calls), np.int64, len(calls)))
         if self.trial is not None:
-            self._trial_window(rate)
-        elif r.calls and self.cost is not None and (self.phase == "measuring"
-                                                    or self._changed()):
+            if _moved(self.trial.clients, r.clients):
+                self._start_trials()   # the load changed under the trial: start over
+            else:
+                self._trial_window(rate)
+        elif r.calls and self.cost is not None and self._changed():
             self._start_trials()
         return self.decision
+
+    def _batches(self, rows: np.ndarray) -> None:
+        """The smaller batches and the population, from the rows per call."""
+        self.small_batch = float(np.percentile(rows, 25))
+        largest = int(rows.max())
+        d = self.decision
+        if d.max_wait_ns and d.batch_cap < self.max_batch and np.mean(rows >= d.batch_cap) > 0.5:
+            # Waiting, and most calls stop at the cap: the population
+            # outgrew the estimate.
+            largest = 2 * d.batch_cap * d.threads
+        self.population = min(self.max_batch, max(self.clients, largest, 1))
 
     def _spin(self, r: Reading) -> None:
         """The evaluator's spin mode from the runnable tasks, smoothed; the
         mode changes once the level is half a task past its region."""
         if self.overrides.spin_ns is not None:
             return
+        first = self.runnable is None
         x = r.runnable
         self.runnable = x if self.runnable is None else 0.5 * (self.runnable + x)
         level, cpus = self.runnable, max(1, r.cpus)
         lo, hi = {SPIN: (-math.inf, cpus), YIELD: (cpus, cpus + 1),
                   SLEEP: (cpus + 1, math.inf)}[self.spin_mode]
-        if not lo - 0.5 < level <= hi + 0.5:
+        if first or not lo - 0.5 < level <= hi + 0.5:
             self.spin_mode = spin_mode(level, cpus)
         spin = {SLEEP: 0, YIELD: self.wake_ns | self.spin_yield, SPIN: self.wake_ns}[self.spin_mode]
         self.decision = replace(self.decision, spin_ns=spin)
 
     # -- trials -----------------------------------------------------------------
 
+    def _predicted(self, rows: float) -> float:
+        """The cost of a call of ``rows`` rows by the current fit (its cost
+        at the mean rows, scaled per row, while the split is unknown)."""
+        c = self.cost
+        assert c is not None
+        if c.per_row is not None:
+            return c.per_call + c.per_row * rows
+        return c.at_mean * rows / c.mean_rows if c.mean_rows else c.at_mean
+
     def _changed(self) -> bool:
-        """The load differs from the one the trials measured by CHANGE_RATIO."""
-        if self.settled_under is None or self.cost is None:
+        """The load differs from the one the trials measured by CHANGE_RATIO:
+        clients, the model's cost at the same rows, the CPUs or the rate."""
+        m = self.load
+        if m is None:
             return True
-        clients, cost, cpus = self.settled_under
-
-        def moved(a: float, b: float) -> bool:
-            lo, hi = sorted((max(a, 1e-9), max(b, 1e-9)))
-            return hi / lo >= CHANGE_RATIO
-
-        return (moved(clients, self.clients) or moved(cost, self.cost.at_mean)
-                or cpus != self.cpus)
+        return (_moved(m.clients, self.clients) or _moved(m.cost, self._predicted(m.rows))
+                or m.cpus != self.cpus or _moved(m.rate, self.rate))
 
     def _start_trials(self) -> None:
         """From the simplest settings: one call in flight, greedy."""
-        d = self.decision
-        base = replace(d, threads=self.overrides.threads or 1,
+        base = replace(self.decision, threads=self.overrides.threads or 1,
                        max_wait_ns=self.overrides.max_wait_ns or 0, batch_cap=self.max_batch)
         self.decision = base
         self.phase = "trials"
         if self.overrides.threads is None and self.max_threads > 1:
             self._begin("threads", base, replace(base, threads=2))
         else:
+            self.why_threads = ("serving_threads set by the caller" if self.overrides.threads
+                                else "one: the model's calls may not overlap (max_concurrency)")
             self._try_waiting()
 
     def _begin(self, knob: str, base: Decision, candidate: Decision) -> None:
-        self.trial = Trial(knob, base, candidate)
-        self.decision = self._with_spin(candidate)
-
-    def _with_spin(self, d: Decision) -> Decision:
-        return replace(d, spin_ns=self.decision.spin_ns)
+        self.trial = Trial(knob, base, candidate, self.clients)
+        self.decision = replace(candidate, spin_ns=self.decision.spin_ns)
 
     def _trial_window(self, rate: float) -> None:
         t = self.trial
         assert t is not None
-        t.windows.append((t.next_is_candidate(), rate))
+        t.rates.append(rate)
         if not t.done():
-            self.decision = self._with_spin(t.candidate if t.next_is_candidate() else t.base)
+            nxt = t.candidate if t.next_is_candidate() else t.base
+            self.decision = replace(nxt, spin_ns=self.decision.spin_ns)
             return
         self.trial = None
         won = t.won()
-        self.last_gain = t.gain()
         keep = t.candidate if won else t.base
-        self.decision = self._with_spin(keep)
+        self.decision = replace(keep, spin_ns=self.decision.spin_ns)
+        self.rate = t.mean(won)   # what the setting kept serves
+        verdict = (f"{t.gain():+.0%}, ahead in {TRIAL_PAIRS} of {TRIAL_PAIRS} window pairs"
+                   if won else f"{t.gain():+.0%}, not ahead in every window pair")
         if t.knob == "threads":
+            self.why_threads = (f"{keep.threads}: {t.candidate.threads} calls in flight served "
+                                f"{verdict} against {t.base.threads}")
             if won and keep.threads < self.max_threads:
                 self._begin("threads", keep, replace(keep, threads=keep.threads + 1))
                 return
             self._try_waiting()
             return
-        self.why_wait = (f"waiting: it served {self.last_gain:+.0%} against greedy, ahead in "
-                         f"{TRIAL_PAIRS} of {TRIAL_PAIRS} window pairs" if won else
-                         f"greedy: waiting lost its trial ({self.last_gain:+.0%})")
+        self.why_wait = (f"waiting: it served {verdict} against greedy" if won else
+                         f"greedy: waiting served {verdict} against greedy")
         self._settle()
 
     def _try_waiting(self) -> None:
-        """Waiting is tried when it can pay (the module's docstring): the
+        """Waiting is tried where it can pay (the module's docstring): the
         rows one fixed cost gathers outnumber those of the smaller batches,
         and the population is larger than those batches."""
         if self.overrides.max_wait_ns is not None:
@@ -431,7 +468,7 @@ class Tuner:
         gathered = self.rate * fixed / 1e9 / d.threads
         if fixed <= 0 or gathered <= self.small_batch or self.population <= self.small_batch:
             self.why_wait = (
-                "greedy: the calls do not show a fixed cost yet" if fixed <= 0 else
+                "greedy: the calls show no fixed cost (one batch size)" if fixed <= 0 else
                 f"greedy: one fixed cost ({fixed / 1e3:.0f} µs) gathers {gathered:.1f} rows, "
                 f"the smaller batches hold {self.small_batch:.0f}" if gathered <= self.small_batch
                 else f"greedy: the batches hold every request ({self.population})")
@@ -443,7 +480,8 @@ class Tuner:
     def _settle(self) -> None:
         self.phase = "settled"
         assert self.cost is not None
-        self.settled_under = (self.clients, self.cost.at_mean, self.cpus)
+        rows = self.cost.mean_rows
+        self.load = Load(self.clients, rows, self._predicted(rows), self.cpus, self.rate)
 
     # -- what stats() shows ---------------------------------------------------------
 
@@ -467,7 +505,8 @@ class Tuner:
             "runnable": round(self.runnable, 2) if self.runnable is not None else None,
             "cpus": self.cpus,
             "clients": self.clients,
-            "why": self.why_wait,
+            "why_wait": self.why_wait,
+            "why_threads": self.why_threads,
         }
 
 

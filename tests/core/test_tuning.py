@@ -1,0 +1,503 @@
+"""The tuner (shmeval.tuning): its decisions from made-up measurements, and
+its place in a running evaluator.
+
+The decisions are fed :class:`Reading` objects built here (a fake clock,
+calls of a stated cost, a stated number of requests served per window), so
+every expectation is exact and nothing is timed:
+- the cost fit recovers a fixed and a per-row cost, and says when it cannot;
+- waiting is tried only where the module's rule says it can pay, and kept
+  only when it wins every window pair of its trial;
+- a second call in flight is tried only for a model that allows it;
+- once settled, the choice holds under the same load whatever its figures
+  do (no oscillation), and the trials run again when the clients, the
+  model's cost or the CPUs change by CHANGE_RATIO;
+- the spin mode follows the runnable tasks with its half-task margin;
+- fixed settings are left alone; "auto" and numbers are validated.
+The last tests run an evaluator: stats()["tuner"] says what was chosen, and
+a caller's settings switch the tuner off.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Callable, List, Sequence
+
+import numpy as np
+import pytest
+
+import shmeval
+from shmeval import tuning
+from shmeval.tuning import (CHANGE_RATIO, SLEEP, SPIN, TRIAL_PAIRS, YIELD, Board, Cost,
+                            Decision, Overrides, Reading, Tuner)
+from helpers import INPUT_SHAPE, OUTPUTS, fake_model, make_state
+
+PERIOD = 200_000_000   # ns between readings (the evaluator's housekeeping period)
+YIELD_FLAG = 1 << 63
+WAKE = 20_000
+
+
+def calls_of(rows: Sequence[int], fixed_ns: float, per_row_ns: float,
+             start: int = 0) -> List[tuple[int, int, int]]:
+    return [(start + i, int(fixed_ns + per_row_ns * n), n) for i, n in enumerate(rows)]
+
+
+class Feed:
+    """Drives a Tuner with readings one period apart.  ``rate(decision)``:
+    requests per second served under a decision; ``rows``: the batch sizes
+    of each period's calls."""
+
+    def __init__(self, tuner: Tuner, clients: int = 16, cpus: int = 2,
+                 runnable: float = 1.0) -> None:
+        self.tuner = tuner
+        self.now = 0
+        self.requests = 0
+        self.clients, self.cpus, self.runnable = clients, cpus, runnable
+
+    def tick(self, rate: Callable[[Decision], float], rows: Sequence[int], fixed_ns: float,
+             per_row_ns: float) -> Decision:
+        self.now += PERIOD
+        self.requests += int(rate(self.tuner.decision) * PERIOD / 1e9)
+        r = Reading(self.now, self.requests, self.clients, self.cpus, self.runnable,
+                    calls_of(rows, fixed_ns, per_row_ns, self.now))
+        return self.tuner.tick(r)
+
+    def run(self, n: int, rate: Callable[[Decision], float], rows: Sequence[int],
+            fixed_ns: float, per_row_ns: float) -> List[Decision]:
+        return [self.tick(rate, rows, fixed_ns, per_row_ns) for _ in range(n)]
+
+
+def waiting_pays(d: Decision) -> float:
+    """A convoy: greedy serves 10,000/s, waiting 13,000/s."""
+    return 13_000.0 if d.max_wait_ns else 10_000.0
+
+
+def waiting_costs(d: Decision) -> float:
+    return 9_000.0 if d.max_wait_ns else 10_000.0
+
+
+CONVOY = [1, 3] * 20          # greedy's alternating small and large batches of 4 clients
+FIXED, PER_ROW = 200_000, 5_000
+
+
+# --- the cost fit -----------------------------------------------------------------------
+
+
+def test_cost_fit_recovers_fixed_and_per_row_costs() -> None:
+    rows = [1, 2, 4, 8, 16, 32] * 10
+    calls = calls_of(rows, 150_000, 3_000)
+    # Outliers (a preempted call) do not move medians.
+    calls += [(0, 10_000_000, 4), (0, 9_000_000, 16)]
+    c = Cost.fit(calls)
+    assert c is not None and c.per_row is not None
+    assert c.per_call == pytest.approx(150_000, rel=1e-6)
+    assert c.per_row == pytest.approx(3_000, rel=1e-6)
+
+
+def test_cost_split_unknown_while_calls_have_one_size() -> None:
+    c = Cost.fit(calls_of([16] * 50, 150_000, 3_000))
+    assert c is not None and c.per_row is None
+    assert c.at_mean == 150_000 + 16 * 3_000
+    assert c.known_fixed == 0.0   # nothing then argues for waiting
+    # A split learnt earlier is kept, scaled to what calls cost now.
+    prior = Cost.fit(calls_of([1, 4, 16] * 10, 100_000, 10_000))
+    assert prior is not None
+    c2 = Cost.fit(calls_of([16] * 50, 200_000, 20_000), prior)
+    assert c2 is not None and c2.per_row is not None
+    assert c2.per_call == pytest.approx(200_000) and c2.per_row == pytest.approx(20_000)
+
+
+def test_cost_fit_without_calls() -> None:
+    assert Cost.fit([]) is None
+
+
+# --- waiting ------------------------------------------------------------------------------
+
+
+def settle(feed: Feed, rate: Callable[[Decision], float], rows: Sequence[int],
+           fixed: float = FIXED, per_row: float = PER_ROW, ticks: int = 40) -> List[Decision]:
+    return feed.run(ticks, rate, rows, fixed, per_row)
+
+
+def test_waiting_is_tried_and_kept_when_it_wins() -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=4)
+    seen = settle(feed, waiting_pays, CONVOY)
+    assert t.phase == "settled"
+    assert t.decision.max_wait_ns == pytest.approx(FIXED, rel=0.01)  # one fixed cost
+    assert t.decision.batch_cap == 4                                # the population
+    assert t.why_wait.startswith("waiting")
+    # The trial alternated candidate and base, then the choice held.
+    waits = [d.max_wait_ns > 0 for d in seen]
+    first = waits.index(True)
+    assert waits[first:first + 2 * TRIAL_PAIRS] == [True, False] * TRIAL_PAIRS
+    assert all(waits[first + 2 * TRIAL_PAIRS:])
+
+
+def test_waiting_is_dropped_when_it_loses() -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=4)
+    seen = settle(feed, waiting_costs, CONVOY)
+    assert t.phase == "settled" and t.decision.max_wait_ns == 0
+    assert t.decision.batch_cap == 256
+    assert t.why_wait.startswith("greedy: waiting served")
+    assert not any(d.max_wait_ns for d in seen[-20:])
+
+
+def test_waiting_must_win_every_pair() -> None:
+    """Ahead on average but behind in one pair: not adopted."""
+    wins = iter([True, True, False] + [True] * 100)
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=4)
+
+    def rate(d: Decision) -> float:
+        if d.max_wait_ns:
+            return 20_000.0 if next(wins) else 9_000.0
+        return 10_000.0
+
+    settle(feed, rate, CONVOY)
+    assert t.decision.max_wait_ns == 0
+
+
+def test_no_waiting_where_the_batches_hold_what_a_fixed_cost_gathers() -> None:
+    """The null model: a few µs of fixed cost gather less than one row."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=16)
+    seen = settle(feed, lambda d: 200_000.0, [8, 12, 16, 16] * 100, fixed=3_000, per_row=300)
+    assert not any(d.max_wait_ns for d in seen)
+    assert t.why_wait.startswith("greedy: one fixed cost")
+
+
+def test_no_waiting_when_every_request_is_in_each_batch() -> None:
+    """16 clients, every batch holds all 16: nothing to wait for."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=16)
+    seen = settle(feed, lambda d: 60_000.0, [16] * 20 + [15] * 3 + [8], fixed=FIXED)
+    assert not any(d.max_wait_ns for d in seen)
+
+
+def test_no_waiting_without_a_fixed_cost() -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=16)
+    seen = settle(feed, lambda d: 60_000.0, [1] * 40)
+    assert not any(d.max_wait_ns for d in seen)
+    assert "no fixed cost" in t.why_wait
+
+
+def test_the_cap_grows_when_batches_stop_at_it() -> None:
+    """Clients sending several rows at once: the population is more than
+    the clients, and a waiting tuner that caps too low raises the cap."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=4)
+    settle(feed, waiting_pays, CONVOY)
+    assert t.decision.batch_cap == 4
+    feed.run(3, waiting_pays, [4] * 40, FIXED, PER_ROW)
+    assert t.population >= 8
+
+
+# --- calls in flight ------------------------------------------------------------------------
+
+
+def test_a_second_call_in_flight_is_kept_when_it_wins() -> None:
+    t = Tuner(256, 2, WAKE)
+    feed = Feed(t, clients=16)
+    seen = settle(feed, lambda d: 10_000.0 * d.threads, [16] * 40)
+    assert t.decision.threads == 2
+    threads = [d.threads for d in seen]
+    first = threads.index(2)
+    assert threads[first:first + 2 * TRIAL_PAIRS] == [2, 1] * TRIAL_PAIRS
+    assert all(x == 2 for x in threads[first + 2 * TRIAL_PAIRS:])
+    assert t.why_threads.startswith("2:")
+
+
+def test_a_second_call_is_dropped_when_it_does_not_pay() -> None:
+    t = Tuner(256, 2, WAKE)
+    feed = Feed(t, clients=16)
+    settle(feed, lambda d: 10_000.0 / d.threads, [16] * 40)
+    assert t.decision.threads == 1
+
+
+def test_one_call_when_the_model_may_not_overlap() -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=16)
+    seen = settle(feed, lambda d: 10_000.0 * d.threads, [16] * 40)
+    assert all(d.threads == 1 for d in seen)
+    assert "max_concurrency" in t.why_threads
+
+
+def test_model_concurrency() -> None:
+    class Overlapping:
+        max_concurrency = 2
+
+    class Odd:
+        max_concurrency = "many"
+
+    assert tuning.model_concurrency(Overlapping()) == 2
+    assert tuning.model_concurrency(fake_model) == 1
+    assert tuning.model_concurrency(Odd()) == 1
+
+
+# --- holding, and changing with the load -----------------------------------------------------
+
+
+def test_settled_choice_holds_while_the_load_does() -> None:
+    """Once waiting is kept, its batches hold the whole population: the rule
+    that proposed waiting would no longer, yet nothing changes."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=4)
+    settle(feed, waiting_pays, CONVOY)
+    chosen = t.decision
+    # The batches are now full, the rate a little noisy: no trial, no change.
+    noise = iter([1.0, 1.1, 0.95, 1.05, 0.9] * 40)
+    seen = feed.run(100, lambda d: 13_000.0 * next(noise), [4] * 40, FIXED, PER_ROW)
+    assert all(d.max_wait_ns == chosen.max_wait_ns and d.batch_cap == chosen.batch_cap
+               for d in seen)
+    assert t.phase == "settled"
+
+
+@pytest.mark.parametrize("change", ["clients", "model cost", "cpus"])
+def test_trials_rerun_when_the_load_changes(change: str) -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=4)
+    settle(feed, waiting_pays, CONVOY)
+    assert t.decision.max_wait_ns
+    fixed = FIXED
+    if change == "clients":
+        feed.clients = 16
+    elif change == "model cost":
+        fixed = 2 * FIXED
+    else:
+        feed.cpus = 1
+    # Waiting no longer pays under the new load: dropped.
+    feed.run(30, waiting_costs, CONVOY, fixed, PER_ROW)
+    assert t.decision.max_wait_ns == 0 and t.phase == "settled"
+
+
+def test_small_changes_do_not_rerun_trials() -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=16)
+    settle(feed, lambda d: 10_000.0, [16] * 40)
+    assert t.phase == "settled"
+    load = t.load
+    feed.clients = int(16 * CHANGE_RATIO) - 1          # 19: within the ratio
+    seen = feed.run(20, lambda d: 10_000.0, [16] * 40, FIXED * 1.1, PER_ROW)
+    assert t.load is load and t.trial is None
+    assert len({(d.max_wait_ns, d.threads) for d in seen}) == 1
+
+
+def test_a_change_during_a_trial_starts_it_over() -> None:
+    t = Tuner(256, 2, WAKE)
+    feed = Feed(t, clients=16)
+    feed.run(3, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
+    assert t.trial is not None and t.trial.knob == "threads"
+    feed.clients = 64
+    feed.tick(lambda d: 10_000.0, [16] * 40, FIXED, PER_ROW)
+    assert t.trial is not None and t.trial.clients == 64 and len(t.trial.rates) == 0
+
+
+def test_idle_evaluator_runs_no_trials() -> None:
+    t = Tuner(256, 2, WAKE)
+    feed = Feed(t, clients=0)
+    seen = feed.run(20, lambda d: 0.0, [], FIXED, PER_ROW)
+    assert t.trial is None and t.phase == "measuring"
+    assert all(d.threads == 1 and d.max_wait_ns == 0 for d in seen)
+
+
+# --- spinning -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runnable, mode", [(1.0, SPIN), (2.0, SPIN), (3.0, YIELD), (4.0, SLEEP),
+                                            (40.0, SLEEP)])
+def test_spin_mode_from_runnable_tasks(runnable: float, mode: str) -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, cpus=2, runnable=runnable)
+    d = feed.run(3, lambda d: 1000.0, [1], FIXED, PER_ROW)[-1]
+    assert t.spin_mode == mode
+    assert d.spin_ns == {SPIN: WAKE, YIELD: WAKE | YIELD_FLAG, SLEEP: 0}[mode]
+
+
+def test_spin_mode_has_a_margin() -> None:
+    """Runnable tasks wandering within half a task of a boundary do not flip
+    the mode; a move past the margin does."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, cpus=2, runnable=1.0)
+    feed.run(4, lambda d: 1000.0, [1], FIXED, PER_ROW)
+    assert t.spin_mode == SPIN
+    modes = []
+    for x in [2.3, 2.4, 2.2, 2.4, 2.3] * 4:
+        feed.runnable = x
+        feed.tick(lambda d: 1000.0, [1], FIXED, PER_ROW)
+        modes.append(t.spin_mode)
+    assert set(modes) == {SPIN}
+    feed.runnable = 4.0
+    feed.run(4, lambda d: 1000.0, [1], FIXED, PER_ROW)
+    assert t.spin_mode == SLEEP
+
+
+def test_spin_mode_follows_the_cpus() -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, cpus=8, runnable=6.0)
+    feed.run(3, lambda d: 1000.0, [1], FIXED, PER_ROW)
+    assert t.spin_mode == SPIN
+    feed.cpus = 2     # another program's affinity, or the evaluator's, narrowed
+    feed.run(3, lambda d: 1000.0, [1], FIXED, PER_ROW)
+    assert t.spin_mode == SLEEP
+
+
+# --- fixed settings -----------------------------------------------------------------------
+
+
+def test_fixed_settings_are_left_alone() -> None:
+    t = Tuner(256, 2, WAKE, Overrides(max_wait_ns=50_000, spin_ns=7_000, threads=1))
+    feed = Feed(t, clients=4, runnable=30.0)
+    seen = settle(feed, lambda d: 10_000.0 * d.threads + (5_000.0 if d.max_wait_ns == 0 else 0),
+                  CONVOY)
+    assert all(d == Decision(50_000, 256, 7_000, 1) for d in seen)
+    assert t.why_wait == "max_wait_us set by the caller"
+    assert t.report()["spin"] == "set by the caller"
+
+
+def test_fixed_wait_still_tunes_threads() -> None:
+    t = Tuner(256, 2, WAKE, Overrides(max_wait_ns=0))
+    feed = Feed(t, clients=4)
+    seen = settle(feed, lambda d: 10_000.0 * d.threads, CONVOY)
+    assert t.decision.threads == 2
+    assert all(d.max_wait_ns == 0 for d in seen)
+
+
+def test_report_says_what_and_why() -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=4)
+    settle(feed, waiting_pays, CONVOY)
+    r = t.report()
+    assert r["model_us_per_call"] == pytest.approx(FIXED / 1e3, rel=0.01)
+    assert r["model_us_per_row"] == pytest.approx(PER_ROW / 1e3, rel=0.01)
+    assert r["max_wait_us"] == pytest.approx(FIXED / 1e3, rel=0.01)
+    assert r["arrivals_per_s"] > 0 and r["clients"] == 4 and r["cpus"] == 2
+    assert r["phase"] == "settled" and r["why_wait"].startswith("waiting")
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["max_wait_us", "evaluator_spin_us", "spin_us",
+                                  "serving_threads"])
+def test_auto_or_a_number(name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name}.*'auto'"):
+        shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
+                          **{name: "fast"})
+
+
+def test_check_auto() -> None:
+    def positive(name: str, v: float) -> float:
+        if v <= 0:
+            raise ValueError(f"{name} must be > 0")
+        return float(v)
+
+    assert tuning.check_auto("x", "auto", positive) == "auto"
+    assert tuning.check_auto("x", 3, positive) == 3.0
+    with pytest.raises(ValueError, match="x must be 'auto' or a number, got 'Auto'"):
+        tuning.check_auto("x", "Auto", positive)
+    with pytest.raises(ValueError, match="x must be > 0"):
+        tuning.check_auto("x", -1, positive)
+
+
+# --- the pieces around it ---------------------------------------------------------------------
+
+
+def test_board_round_trip() -> None:
+    b = Board(mp.get_context("spawn"))
+    assert b.read() is None
+    b.write({"max_wait_us": 12.5, "why_wait": "greedy: ..."})
+    assert b.read() == {"max_wait_us": 12.5, "why_wait": "greedy: ..."}
+
+
+def test_wake_cost_is_measured_once() -> None:
+    a = tuning.wake_cost_ns()
+    assert a > 0 and tuning.wake_cost_ns() == a
+
+
+def test_runnable_tasks_reads_the_machine() -> None:
+    assert tuning.runnable_tasks(1) > 0   # the reader itself is running
+
+
+@pytest.mark.timeout(60)
+def test_stats_show_the_tuner() -> None:
+    with shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE, outputs=OUTPUTS) as ev:
+        assert float(ev.evaluate(make_state(3))["value"]) == -3
+        deadline = time.monotonic() + 30
+        st = ev.stats()
+        while "tuner" not in st and time.monotonic() < deadline:
+            ev.evaluate(make_state(3))
+            st = ev.stats()
+        t = st["tuner"]
+        assert {"model_us_per_call", "model_us_per_row", "arrivals_per_s", "max_wait_us",
+                "spin", "serving_threads", "why_wait", "why_threads"} <= set(t)
+        assert t["serving_threads"] == 1   # a plain function: its calls may not overlap
+        assert ev._policy.threads == 1
+
+
+@pytest.mark.timeout(60)
+def test_callers_settings_switch_the_tuner_off() -> None:
+    with shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
+                           max_wait_us=0, evaluator_spin_us=50, serving_threads=1) as ev:
+        assert float(ev.evaluate(make_state(2))["value"]) == -2
+        assert "tuner" not in ev.stats()
+
+
+class Overlapping:
+    """fake_model, declaring that two calls may overlap."""
+
+    max_concurrency = 2
+
+    def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        return fake_model(x)
+
+
+@pytest.mark.timeout(60)
+def test_parked_threads_stop_with_the_evaluator() -> None:
+    """A model that may overlap gets two serving threads; whichever the
+    tuner parks, closing stops them all."""
+    ev = shmeval.Evaluator(Overlapping(), input_shape=INPUT_SHAPE, outputs=OUTPUTS)
+    try:
+        assert ev._policy.threads == 2
+        for i in range(50):
+            assert float(ev.evaluate(make_state(i))["value"]) == -i
+    finally:
+        ev.close()
+    assert ev._thread is not None and not ev._thread.is_alive()
+
+
+def test_wait_turn_parks_the_threads_beyond_the_decision() -> None:
+    class Seg:
+        def stat(self, name: str) -> int:
+            return 0
+
+        def n_attached(self) -> int:
+            return 0
+
+    st = tuning.ServingTuner(Seg(), Overlapping(), 256, 2, Overrides(), None, PERIOD, YIELD_FLAG)
+    assert st.wait_turn(0, 0.0)
+    assert not st.wait_turn(1, 0.0)        # one call in flight to start with
+    st.tuner.decision = Decision(0, 256, 0, 2)
+    assert st.wait_turn(1, 0.0)
+    st.tuner.decision = Decision(0, 256, 0, 1)
+    st.release()
+    assert not st.wait_turn(1, 3600.0)     # stopping: no wait
+
+
+def test_serving_tuner_records_calls() -> None:
+    class Seg:
+        def stat(self, name: str) -> int:
+            return 0
+
+        def n_attached(self) -> int:
+            return 3
+
+    st = tuning.ServingTuner(Seg(), fake_model, 256, 1, Overrides(), None, PERIOD, YIELD_FLAG)
+    out = st(np.zeros((5,) + INPUT_SHAPE, np.float32))
+    assert out["value"].shape == (5,)
+    assert len(st.calls) == 1 and st.calls[0][2] == 5
+    st.tick(10 * PERIOD)
+    assert st.calls == [] and st.tuner.clients == 3
+    st.tick(10 * PERIOD + 1)            # within the period: no second reading
+    assert st.tuner._prev is not None and st.tuner._prev.now_ns == 10 * PERIOD
