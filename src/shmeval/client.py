@@ -11,11 +11,12 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Union, overload
+from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Literal, Optional,
+                    Sequence, Union, overload)
 
 import numpy as np
 
-from . import _ring, segment
+from . import _ring, pipeline, segment
 from .errors import EvaluatorClosed, EvaluatorDied, ModelError, ShmevalError
 from .spec import Spec
 from .stats import summarize
@@ -237,6 +238,36 @@ class Client(_ring.ClientBase):
             return result, versions
         return result
 
+    # Pipelined evaluation: shmeval.pipeline (docs/guide.md, Pipelining).
+    def submit(self, states: Any, *, block: bool = True,
+               return_version: bool = False) -> "pipeline.Pending":
+        """Posts states ``[n, *input_shape]`` (n at most ``slots_per_client``)
+        and returns at once a :class:`~shmeval.pipeline.Pending`, whose
+        ``result()`` returns what ``evaluate_many`` would.  With too few free
+        slots it waits for the evaluator to answer this process's other
+        requests, or with ``block=False`` raises
+        :class:`~shmeval.pipeline.NoFreeSlots`."""
+        return pipeline.submit(self, states, block, return_version)
+
+    def wait_any(self, pendings: Iterable["pipeline.Pending"],
+                 timeout: Optional[float] = None) -> "pipeline.Pending":
+        """The first of ``pendings`` (submitted through this handle in this
+        process) whose ``result()`` returns or raises without waiting;
+        TimeoutError after ``timeout`` seconds."""
+        return pipeline.wait_any(self, pendings, timeout)
+
+    def as_completed(self, pendings: Iterable["pipeline.Pending"],
+                     timeout: Optional[float] = None) -> Iterator["pipeline.Pending"]:
+        """Yields each of ``pendings`` as it is done, the first done first;
+        TimeoutError once ``timeout`` seconds from the call have passed."""
+        return pipeline.as_completed(self, pendings, timeout)
+
+    async def evaluate_async(self, states: Any, return_version: bool = False) -> Any:
+        """``evaluate_many`` for asyncio: ``await client.evaluate_async(states)``.
+        The event loop is never blocked: one waiter thread per process
+        watches every awaited request."""
+        return await pipeline.evaluate_async(self, states, return_version)
+
     def stats(self) -> Dict[str, Any]:
         """Evaluator statistics read from the segment (any process may ask).
         ``clients`` counts the processes attached now: an exited process's
@@ -294,7 +325,10 @@ class Client(_ring.ClientBase):
             deadline = time.monotonic() + timeout
             while (len(port.free) + len(port.abandoned) < K
                    and self._seg.ev_state() < _ring.CLOSING and time.monotonic() < deadline):
-                time.sleep(0.001)
+                # Answers of submissions not collected yet go into their
+                # Pendings, which stay collectable.
+                if not pipeline.harvest_port(self, port):
+                    time.sleep(0.001)
             port.detached = True
         assert self._finalizer is not None
         self._finalizer()
@@ -416,18 +450,19 @@ class Client(_ring.ClientBase):
         # Slots of requests whose waiting thread was interrupted: they come
         # back once the evaluator has finished with them (or once they were
         # reclaimed: the entry is then unusable, and its next begin says so).
-        # Lock held.
+        # Lock held.  One pop or append at a time: a dropped Pending's
+        # finalizer appends without the lock (pipeline._Lane.abandon).
         seg = self._seg
         assert seg is not None
         if port.detached:
             return
-        still = []
-        for k, gen in port.abandoned:
+        abandoned = port.abandoned
+        for _ in range(len(abandoned)):
+            k, gen = abandoned.pop(0)
             if seg.release(port.c, k, gen) in (0, _ring.STALE):
                 port.free.append(k)
             else:
-                still.append((k, gen))
-        port.abandoned[:] = still
+                abandoned.append((k, gen))
 
     def _give_back(self, port: "_ring.ClientPort", slots: List[int],
                    abandoned: List[tuple[int, int]]) -> None:

@@ -1,0 +1,651 @@
+"""Submit now, collect later: pipelined evaluation for one process.
+
+``Client.submit(states)`` posts a batch into the process's slots and returns
+a :class:`Pending` at once; ``pending.result()`` waits for the answers and
+returns what ``evaluate_many`` returns.  A search can so keep several groups
+of leaves in flight and work on one while the evaluator computes the
+others, and a process that always has an answer waiting rarely sleeps.
+
+Everything here runs over the same client entry, free list and Segment
+calls as ``evaluate_many`` (docs/protocol.md): a submission holds one slot
+per state from the post until its answer is copied out, and errors,
+closes and evaluator deaths are judged by the same ``Client`` checks.
+
+How the slots come back
+    A row's answer is copied into the Pending's own arrays by whichever
+    comes first: ``result()``, ``done()``, ``wait_any``, the asyncio waiter
+    thread, or a ``submit`` (or ``Client.close``) that needs slots and finds
+    the answers of other submissions of this process waiting.  So a process
+    that submits more than its slots hold waits only for the evaluator,
+    never for its own uncollected submissions.
+Rows are claimed, not locked
+    Each Pending keeps the rows still in flight in a list; whoever copies a
+    row out first removes it from that list (one list operation, atomic
+    under the GIL), so a row is fetched exactly once however many threads
+    collect, and nothing here takes a lock that a finalizer could meet
+    held by its own thread.
+Dropped Pendings
+    A Pending garbage-collected with rows in flight puts their slots on the
+    process's abandoned list (``Client._recover_abandoned`` frees each once
+    answered), as ``evaluate_many`` does with a wait interrupted by an
+    exception.
+asyncio
+    ``await client.evaluate_async(states)`` submits without blocking and
+    awaits a future that one waiter thread per process resolves
+    (``loop.call_soon_threadsafe``): the thread sleeps in one
+    ``Segment.wait_any`` over every row of every awaited submission, so
+    there is no thread per call.  It takes the rows it sleeps on when it
+    goes to sleep; a submission made meanwhile joins at its next wake-up
+    (an answer of the earlier ones, or the ticker within 100 ms).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import weakref
+from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence,
+                    Set, Tuple, Union)
+
+import numpy as np
+
+from . import _ring
+from . import client as _client
+from .errors import EvaluatorClosed, ModelError, ShmevalError
+
+if TYPE_CHECKING:
+    from .client import Client
+
+Outputs = Dict[str, np.ndarray]
+Result = Union[Outputs, Tuple[Outputs, np.ndarray]]
+
+#: How long the asyncio waiter thread sleeps when the slots it waits for are
+#: held by other threads' blocking calls (it cannot sleep on those).
+_POLL_S = 0.001
+
+#: This process's pid, kept up to date across forks: os.getpid() is a system
+#: call, and every collect checks that the submitter is the caller.
+_pid = os.getpid()
+
+
+def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+class NoFreeSlots(ShmevalError):
+    """``submit(..., block=False)`` found fewer free slots than states: the
+    process's other requests hold them (``slots_per_client`` in all)."""
+
+
+class _Lane:
+    """The pipelined state of one client entry in one process: its
+    in-flight submissions (weakly), and the asyncio waiter thread once
+    there is one.  A new registration (after ``close()``, or in a forked
+    child) gets a new lane."""
+
+    def __init__(self, client: "Client", port: "_ring.ClientPort") -> None:
+        seg = client._seg
+        assert seg is not None
+        self.client = client
+        self.port = port
+        self.seg = seg
+        self.c = port.c
+        self.pid = _pid
+        self.spin_ns = client._spin_ns()
+        spec = client.spec
+        self.slots = spec.slots_per_client
+        self.outputs = spec.outputs
+        self.names = spec.output_names
+        # Weak references to the submissions with rows in flight: adding,
+        # removing (also from a finalizer: the references' callback) and
+        # taking a snapshot are each one atomic set operation.
+        self.inflight: Set["weakref.ReferenceType[Pending]"] = set()
+        self.waiter: Optional[_AsyncWaiter] = None
+        self.waiter_lock = threading.Lock()
+
+    # -------------------------------------------------------- waiting
+    def check(self, rc: int, k: int, gen: int, outs: List[np.ndarray], row: int) -> None:
+        """After a wait that ended without an answer (rc TIMEOUT, CLOSED or
+        STALE): raises what evaluate_many raises then; returns on a timeout
+        of a healthy evaluator."""
+        client = self.client
+        if rc == _ring.TIMEOUT:
+            client._check_port(self.port, detached=True)
+            client._check_alive(self.seg)
+            return
+        client._wait_slow(self.seg, self.port, k, gen, outs, row, rc)  # raises for these rcs
+        raise AssertionError(f"_wait_slow returned after rc {rc}")  # pragma: no cover
+
+    def pendings(self) -> List["Pending"]:
+        """The submissions with rows in flight (a snapshot)."""
+        out = []
+        for ref in list(self.inflight):
+            p = ref()
+            if p is not None:
+                out.append(p)
+        return out
+
+    def harvest(self) -> int:
+        """Copies out every answer already there, of any submission of this
+        lane; returns how many slots that freed."""
+        return sum(p._harvest() for p in self.pendings())
+
+    # -------------------------------------------------------- slots
+    def take(self, n: int, block: bool) -> List[int]:
+        """n free slots of this entry.  When there are too few, fetches the
+        answers waiting for this process's other submissions first; then
+        waits (block) or raises NoFreeSlots."""
+        client, port = self.client, self.port
+        while True:
+            slots = self._pop(n)
+            if slots is not None:
+                return slots
+            if self.harvest():
+                continue
+            if not block:
+                raise NoFreeSlots(
+                    f"{client}: submit needs {n} free slot(s) and this process has "
+                    f"{len(port.free)} of {self.slots} free; collect a submission first "
+                    f"(or submit with block=True, which waits for one)")
+            rows = [r for p in self.pendings() for r in p._rows_in_flight()]
+            rows += list(port.abandoned)
+            if not rows:
+                # Other threads' calls hold the slots: wait as they do.
+                return client._acquire(n, port)
+            ks, gens = [k for k, _ in rows], [g for _, g in rows]
+            i, rc = self.seg.wait_any(self.c, ks, gens, self.spin_ns,
+                                      _client.WAIT_TIMEOUT_NS, client._ncpu)
+            if i == len(ks):
+                client._check_port(port)
+                if rc == _ring.CLOSED:
+                    client._check_state(self.seg)
+                client._check_alive(self.seg)
+
+    def _pop(self, n: int) -> Optional[List[int]]:
+        """n slots from the free list, or None (nothing taken)."""
+        client, port = self.client, self.port
+        client._check_port(port)
+        if port.abandoned:
+            with client._lock:
+                client._recover_abandoned(port)
+        free = port.free
+        slots: List[int] = []
+        try:
+            while len(slots) < n:
+                slots.append(free.pop())
+        except IndexError:
+            free.extend(slots)
+            if port.waiters:
+                client._notify_waiters()
+            return None
+        if port.retired:  # closed meanwhile: close() waits for what we hold
+            client._give_back(port, slots, [])
+            client._check_port(port)
+        return slots
+
+    def abandon(self, rows: List[Tuple[int, int]]) -> None:
+        """Requests in flight that nobody will collect: their slots come
+        back once answered (Client._recover_abandoned).  Called from
+        finalizers, so it takes no lock that its own thread may hold: a
+        list's extend is atomic, and _recover_abandoned keeps what is
+        appended while it runs."""
+        port = self.port
+        port.abandoned.extend(rows)
+        lock = self.client._lock
+        if port.waiters and lock.acquire(blocking=False):
+            try:
+                self.client._slot_freed.notify_all()
+            finally:
+                lock.release()
+
+    # -------------------------------------------------------- asyncio
+    def async_waiter(self) -> "_AsyncWaiter":
+        with self.waiter_lock:
+            if self.waiter is None:
+                self.waiter = _AsyncWaiter(self)
+                self.waiter.start()
+            return self.waiter
+
+
+def lane_of(client: "Client") -> _Lane:
+    """The calling process's lane of client (registering it on first use)."""
+    if client._pid != _pid:
+        client._register()
+    port = client._port
+    if port is None:  # closed by another thread just now
+        raise EvaluatorClosed(f"{client} was closed in this process")
+    lane: Optional[_Lane] = client.__dict__.get("_pipeline_lane")
+    if lane is None or lane.port is not port or lane.pid != _pid:
+        lane = _Lane(client, port)
+        client.__dict__["_pipeline_lane"] = lane
+    return lane
+
+
+def harvest_port(client: "Client", port: "_ring.ClientPort") -> int:
+    """For ``Client.close``: copies out the answers waiting for this
+    process's submissions on ``port``, so that their slots come back and
+    the Pendings stay collectable; returns how many slots that freed."""
+    lane: Optional[_Lane] = client.__dict__.get("_pipeline_lane")
+    if lane is None or lane.port is not port or lane.pid != _pid:
+        return 0
+    return lane.harvest()
+
+
+class Pending:
+    """The answers to one :meth:`Client.submit`, collected later.
+
+    ``result(timeout=None)`` returns what ``evaluate_many`` would have
+    returned for the same states (and raises what it would have raised);
+    ``done()`` says whether ``result()`` would return or raise without
+    waiting.  Collect it in the process that submitted it.  Dropping it
+    uncollected is allowed: its slots come back once the evaluator has
+    answered them.
+    """
+
+    __slots__ = ("_lane", "_n", "_outs", "_versions", "_ks", "_gens", "_left", "_fetched",
+                 "_error_row", "_error", "_exc", "_result", "_ref", "__weakref__")
+
+    def __init__(self, lane: _Lane, n: int, versioned: bool) -> None:
+        self._lane = lane
+        self._n = n
+        self._outs = [np.empty((n,) + o.shape, o.dtype) for o in lane.outputs]
+        self._versions = np.zeros(n, np.int64) if versioned else None
+        self._ks: List[int] = []
+        self._gens: List[int] = []
+        #: Rows still in flight and claimed by nobody; a row is removed by
+        #: whoever fetches it (or abandons it), once.
+        self._left: List[int] = []
+        #: Rows fetched (appended after the copy).
+        self._fetched: List[int] = []
+        self._error_row = -1
+        self._error: Optional[str] = None
+        self._exc: Optional[BaseException] = None
+        self._result: Optional[Result] = None
+        self._ref: Optional["weakref.ReferenceType[Pending]"] = None
+
+    def _arm(self, slots: List[int], gens: List[int]) -> None:
+        self._ks = slots
+        self._gens = gens
+        self._left = list(range(self._n))
+        inflight = self._lane.inflight
+        self._ref = ref = weakref.ref(self, inflight.discard)
+        inflight.add(ref)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __repr__(self) -> str:
+        left = self._n - len(self._fetched)
+        what = ("failed" if self._exc is not None else
+                f"{left} in flight" if left else "done")
+        return f"<Pending {self._n} state(s), {what}>"
+
+    # -------------------------------------------------------- public
+    def done(self) -> bool:
+        """True when :meth:`result` would return or raise without waiting.
+        Copies out the answers already there (freeing their slots)."""
+        if self._result is not None or self._exc is not None:
+            return True
+        self._check_process()
+        self._harvest()
+        if self._exc is not None or len(self._fetched) == self._n:
+            return True
+        lane = self._lane
+        return lane.port.detached or lane.seg.ev_state() >= _ring.CLOSED_STATE
+
+    def result(self, timeout: Optional[float] = None) -> Result:
+        """The outputs, as ``evaluate_many`` returns them (with
+        ``submit(..., return_version=True)``, the pair ``(outputs,
+        versions)``).  Waits up to ``timeout`` seconds (None: as long as
+        the evaluator lives), then raises TimeoutError with the request
+        still in flight (call again to go on waiting).  Raises ModelError,
+        EvaluatorClosed and EvaluatorDied as evaluate_many does; a second
+        call returns (or raises) the same."""
+        if self._result is not None:
+            return self._result
+        self._check_process()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lane = self._lane
+        seg, c, ks, gens, outs = lane.seg, lane.c, self._ks, self._gens, self._outs
+        left = self._left
+        spin_ns = lane.spin_ns
+        ncpu = lane.client._ncpu
+        while True:
+            self._raise_if_failed()
+            if len(self._fetched) == self._n:
+                return self._finish()
+            try:
+                row = left.pop(0)
+            except IndexError:  # another thread is fetching the last rows
+                time.sleep(_POLL_S)
+                continue
+            wait_ns = _client.WAIT_TIMEOUT_NS
+            if deadline is not None:
+                wait_ns = max(0, min(wait_ns, int((deadline - time.monotonic()) * 1e9)))
+            try:
+                r = seg.answer(c, ks[row], gens[row], outs, row, spin_ns, wait_ns, ncpu)
+            except BaseException:
+                left.insert(0, row)
+                raise
+            if type(r) is int and r < 0:
+                if r != _ring.STALE:
+                    left.insert(0, row)  # still in flight
+                else:
+                    self._abandon_rows([row])  # not ours any more
+                try:
+                    lane.check(r, ks[row], gens[row], outs, row)
+                except ShmevalError as e:
+                    self._fail(e)
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{self!r}: no answer within {timeout} s")
+                continue
+            lane.port.give_back(ks[row])
+            self._record(row, r)
+
+    # -------------------------------------------------------- internals
+    def _check_process(self) -> None:
+        if self._lane.pid != _pid:
+            raise ShmevalError("a Pending is collected in the process that submitted it")
+
+    def _record(self, row: int, r: Union[int, str]) -> None:
+        """Row fetched: r is its model version, or its batch's error text."""
+        if type(r) is str:
+            if row > self._error_row:  # the last failed row's, as evaluate_many
+                self._error_row, self._error = row, r
+        elif self._versions is not None:
+            self._versions[row] = r
+        self._fetched.append(row)
+
+    def _finish(self) -> Result:
+        self._lane.inflight.discard(self._ref)
+        if self._error is not None:
+            self._exc = ModelError(self._error)
+            self._raise_if_failed()
+        result = dict(zip(self._lane.names, self._outs))
+        self._result = result if self._versions is None else (result, self._versions)
+        return self._result
+
+    def _raise_if_failed(self) -> None:
+        if self._exc is not None:
+            raise self._exc.with_traceback(None)
+
+    def _rows_in_flight(self) -> List[Tuple[int, int]]:
+        """(slot, generation) of the rows nobody is fetching now."""
+        return [(self._ks[r], self._gens[r]) for r in list(self._left)]
+
+    def _harvest(self) -> int:
+        """Fetches every row whose answer is there, without waiting;
+        returns how many.  A row found reclaimed fails the Pending as
+        evaluate_many fails then."""
+        left = self._left
+        if not left or self._lane.pid != _pid:
+            return 0
+        lane = self._lane
+        seg, c, ks, gens, outs = lane.seg, lane.c, self._ks, self._gens, self._outs
+        got = 0
+        for row in list(left):
+            state, _waiter, gen = seg.slot_state(c, ks[row])
+            if gen == gens[row] and state != _ring.DONE and state != _ring.FAILED:
+                continue  # not answered yet
+            try:
+                left.remove(row)
+            except ValueError:  # someone else is fetching it
+                continue
+            r = seg.fetch(c, ks[row], gens[row], outs, row) if gen == gens[row] else _ring.STALE
+            if type(r) is int and r < 0:  # reclaimed: the slot is not ours any more
+                self._abandon_rows([row])
+                try:
+                    lane.check(_ring.STALE, ks[row], gens[row], outs, row)
+                except ShmevalError as e:
+                    self._fail(e)
+                return got
+            lane.port.give_back(ks[row])
+            self._record(row, r)
+            got += 1
+        if len(self._fetched) == self._n:
+            lane.inflight.discard(self._ref)
+        return got
+
+    def _claim_all(self) -> List[Tuple[int, int]]:
+        """Claims every row nobody is fetching: (slot, generation) each."""
+        rows: List[Tuple[int, int]] = []
+        left = self._left
+        while True:
+            try:
+                row = left.pop()
+            except IndexError:
+                return rows
+            rows.append((self._ks[row], self._gens[row]))
+
+    def _abandon_rows(self, rows: List[int]) -> None:
+        self._lane.client._give_back(self._lane.port, [],
+                                     [(self._ks[r], self._gens[r]) for r in rows])
+
+    def _fail(self, exc: BaseException) -> None:
+        """The request cannot be answered (closed, dead, reclaimed): result()
+        raises exc; the rows still in flight are abandoned."""
+        if self._exc is None:
+            self._exc = exc
+        rows = self._claim_all()
+        if rows:
+            self._lane.client._give_back(self._lane.port, [], rows)
+        self._lane.inflight.discard(self._ref)
+
+    def __del__(self) -> None:
+        try:
+            lane = self._lane
+            if not self._left or lane.pid != _pid:
+                return
+            rows = self._claim_all()
+            if rows:
+                lane.abandon(rows)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+# ------------------------------------------------------------ the API
+
+
+def submit(client: "Client", states: Any, block: bool = True,
+           return_version: bool = False) -> Pending:
+    """``Client.submit``: posts states ``[n, *input_shape]`` (n at most
+    ``slots_per_client``) and returns their :class:`Pending`."""
+    lane = lane_of(client)
+    a = client._as_input(states, None, "states")
+    n = a.shape[0]
+    if n > lane.slots:
+        raise ValueError(f"submit takes at most slots_per_client ({lane.slots}) states at "
+                         f"once, got {n} (evaluate_many sends more in rounds)")
+    p = Pending(lane, n, return_version)
+    if n == 0:
+        return p
+    slots = lane.take(n, block)
+    seg = lane.seg
+    try:
+        if seg.ev_state() >= _ring.CLOSING:
+            client._check_state(seg)
+        gens = seg.post(lane.c, slots, a, 0)
+    except BaseException:
+        client._give_back(lane.port, slots, [])
+        raise
+    p._arm(slots, gens)
+    return p
+
+
+def _lane_of_all(client: "Client", pendings: Sequence[Pending]) -> _Lane:
+    if not pendings:
+        raise ValueError("no Pending to wait for")
+    lane = pendings[0]._lane
+    if any(p._lane is not lane for p in pendings) or lane.client is not client:
+        raise ValueError("every Pending must come from this client's submit in this process")
+    return lane
+
+
+def wait_any(client: "Client", pendings: Iterable[Pending],
+             timeout: Optional[float] = None) -> Pending:
+    """``Client.wait_any``: the first of ``pendings`` that is done (its
+    ``result()`` returns or raises without waiting), waiting up to
+    ``timeout`` seconds; TimeoutError after that."""
+    ps = list(pendings)
+    lane = _lane_of_all(client, ps)
+    ps[0]._check_process()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    seg, c = lane.seg, lane.c
+    spin_ns = lane.spin_ns
+    while True:
+        for p in ps:
+            if p.done():
+                return p
+        ks: List[int] = []
+        gens: List[int] = []
+        owner: List[Pending] = []
+        for p in ps:
+            for k, g in p._rows_in_flight():
+                ks.append(k)
+                gens.append(g)
+                owner.append(p)
+        if not ks:  # another thread is fetching the last rows
+            time.sleep(_POLL_S)
+            continue
+        wait_ns = _client.WAIT_TIMEOUT_NS
+        if deadline is not None:
+            wait_ns = max(0, min(wait_ns, int((deadline - time.monotonic()) * 1e9)))
+        i, rc = seg.wait_any(c, ks, gens, spin_ns, wait_ns, client._ncpu)
+        if i < len(ks):
+            continue  # answered (or reclaimed): done() fetches it
+        try:
+            p = owner[0]
+            lane.check(rc, ks[0], gens[0], p._outs, 0)
+        except ShmevalError as e:
+            for p in ps:
+                if p._left:
+                    p._fail(e)
+            continue
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"none of {len(ps)} Pending(s) done within {timeout} s")
+
+
+def as_completed(client: "Client", pendings: Iterable[Pending],
+                 timeout: Optional[float] = None) -> Iterator[Pending]:
+    """``Client.as_completed``: yields each of ``pendings`` once it is done,
+    the first done first; TimeoutError if ``timeout`` seconds (from the
+    call) pass before all are."""
+    left = list(pendings)
+    if not left:
+        return
+    _lane_of_all(client, left)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while left:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        p = wait_any(client, left, remaining)
+        left = [q for q in left if q is not p]
+        yield p
+
+
+async def evaluate_async(client: "Client", states: Any, return_version: bool = False) -> Result:
+    """``Client.evaluate_async``: ``evaluate_many`` for asyncio.  Submits
+    without blocking the event loop (awaiting free slots if need be), then
+    awaits the answers, which the process's waiter thread announces."""
+    loop = asyncio.get_running_loop()
+    lane = lane_of(client)
+    while True:
+        try:
+            p = submit(client, states, block=False, return_version=return_version)
+            break
+        except NoFreeSlots:
+            await lane.async_waiter().slots_freed(loop)
+            lane = lane_of(client)
+    if not p.done():
+        await p._lane.async_waiter().watch(p, loop)
+    return p.result()
+
+
+class _AsyncWaiter(threading.Thread):
+    """The thread that waits for the answers of a process's awaited
+    submissions: one ``Segment.wait_any`` over all their rows, then each
+    finished one's future is resolved on its own event loop."""
+
+    def __init__(self, lane: _Lane) -> None:
+        super().__init__(name=f"shmeval-async {lane.client.address}", daemon=True)
+        self.lane = lane
+        self.cond = threading.Condition()
+        # (pending, loop, future) of every awaited submission
+        self.watched: List[Tuple[Pending, asyncio.AbstractEventLoop, "asyncio.Future[None]"]] = []
+        # futures of submits waiting for free slots
+        self.slot_waiters: List[Tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]] = []
+
+    def watch(self, p: Pending, loop: asyncio.AbstractEventLoop) -> "asyncio.Future[None]":
+        fut: "asyncio.Future[None]" = loop.create_future()
+        with self.cond:
+            self.watched.append((p, loop, fut))
+            self.cond.notify()
+        return fut
+
+    def slots_freed(self, loop: asyncio.AbstractEventLoop) -> "asyncio.Future[None]":
+        """A future resolved when slots may have come back."""
+        fut: "asyncio.Future[None]" = loop.create_future()
+        with self.cond:
+            self.slot_waiters.append((loop, fut))
+            self.cond.notify()
+        return fut
+
+    def run(self) -> None:
+        lane = self.lane
+        seg, c, port = lane.seg, lane.c, lane.port
+        while not port.detached:
+            with self.cond:
+                while not self.watched and not self.slot_waiters:
+                    self.cond.wait(1.0)
+                    if port.detached:
+                        return
+                watched = [w for w in self.watched if not w[2].cancelled()]
+                self.watched = watched
+                slot_waiters = bool(self.slot_waiters)
+            rows = [r for p, _, _ in watched for r in p._rows_in_flight()]
+            if slot_waiters:  # anything whose answer frees a slot
+                rows += [r for p in lane.pendings() for r in p._rows_in_flight()]
+                rows += list(port.abandoned)
+            rows = list(dict.fromkeys(rows))
+            if rows:
+                ks, gens = [k for k, _ in rows], [g for _, g in rows]
+                i, rc = seg.wait_any(c, ks, gens, 0, _client.WAIT_TIMEOUT_NS, lane.client._ncpu)
+                if i == len(ks):
+                    try:
+                        lane.check(rc, ks[0], gens[0], [], 0)
+                    except ShmevalError as e:
+                        for p, _, _ in watched:
+                            p._fail(e)
+            else:
+                # Other threads' blocking calls hold the slots, or are
+                # fetching the last rows: neither rings this thread.
+                time.sleep(_POLL_S)
+            lane.harvest()
+            done = [w for w in watched if w[0].done()]
+            del watched, rows
+            with self.cond:
+                ids = {id(w[2]) for w in done}
+                self.watched = [w for w in self.watched if id(w[2]) not in ids]
+                # Submits waiting for slots try again after every round.
+                wake, self.slot_waiters = self.slot_waiters, []
+            for _p, loop, fut in done:
+                _resolve(loop, fut)
+            for loop, fut in wake:
+                _resolve(loop, fut)
+            del done, wake
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: "asyncio.Future[None]") -> None:
+    def set_done() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    try:
+        loop.call_soon_threadsafe(set_done)
+    except RuntimeError:  # the loop is closed: nobody awaits it
+        pass
