@@ -3,7 +3,9 @@ with random small delays, mixing evaluate and evaluate_many (batches larger
 than a client's slots included), and check every answer against the fake
 model's output for that worker's own state.  Used by
 stress/test_conservation.py and core/test_serving_threads.py; a module of its
-own so that spawned workers can import it."""
+own so that spawned workers can import it.  pipelined_worker sends them
+through submit instead and collects them in random order
+(stress/test_pipeline_faults.py)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -54,10 +56,52 @@ def conservation_worker(ev: Any, worker: int, seed: int, q: Any) -> None:
     q.put((worker, sent, bad, first_bad))
 
 
-def run_workers(ev: Any, ctx_name: str) -> None:
+def pipelined_worker(ev: Any, worker: int, seed: int, q: Any) -> None:
+    """As conservation_worker, through ev.submit: batches of 1-3 states,
+    more in flight at times than the client has slots, each collected in a
+    random order by result(), wait_any or as_completed."""
+    rng = random.Random(seed)
+    sent = bad = 0
+    j = 0
+    first_bad = ""
+    pending: list[tuple[Any, list[int]]] = []
+    while j < REQUESTS or pending:
+        if j < REQUESTS and (not pending or rng.random() < 0.55):
+            m = min(rng.randint(1, 3), REQUESTS - j)
+            tags = [tag_of(worker, j + i) for i in range(m)]
+            pending.append((ev.submit(np.stack([make_state(t) for t in tags])), tags))
+            j += m
+            continue
+        how = rng.random()
+        if how < 0.4:
+            done = [pending.pop(rng.randrange(len(pending)))]
+        elif how < 0.8:
+            first = ev.wait_any([p for p, _ in pending])
+            done = [x for x in pending if x[0] is first]
+            pending = [x for x in pending if x[0] is not first]
+        else:
+            by_id = {id(p): (p, tags) for p, tags in pending}
+            done = [by_id[id(p)] for p in ev.as_completed([p for p, _ in pending])]
+            pending = []
+        for p, tags in done:
+            out = p.result()
+            t = np.array(tags, np.float32)
+            want_policy = 2 * t[:, None] + np.arange(7, dtype=np.float32)
+            ok = (out["policy"] == want_policy).all(axis=1) & (out["value"] == -t)
+            if not ok.all() and not first_bad:
+                i = int(np.argmin(ok))
+                first_bad = f"tag {tags[i]}: got policy {out['policy'][i]} value {out['value'][i]}"
+            bad += int((~ok).sum())
+            sent += len(tags)
+        if rng.random() < 0.05:
+            time.sleep(rng.random() * 200e-6)
+    q.put((worker, sent, bad, first_bad))
+
+
+def run_workers(ev: Any, ctx_name: str, worker: Any = conservation_worker) -> None:
     ctx = mp.get_context(ctx_name)
     q = ctx.Queue()
-    procs = [ctx.Process(target=conservation_worker, args=(ev, w, 1234 + w, q))
+    procs = [ctx.Process(target=worker, args=(ev, w, 1234 + w, q))
              for w in range(WORKERS)]
     for p in procs:
         p.start()
