@@ -61,14 +61,28 @@ The walk down the tree, the PUCT arithmetic, expansion and backup run in C
 backs their values up); the game's ``play``, ``terminal_value`` and
 ``legal_moves`` are called from there, once per new node.
 
+Pipelining
+----------
+A worker that waits for every batch leaves its CPU idle while the model
+runs.  ``MCTS.play_games(..., pipeline=K, submit_batch=submitter_fn(client))``
+plays its games in K groups and :func:`run_pipelined` interleaves their
+searches: while one group is searched, the leaves of the other K - 1 are
+being evaluated (``client.submit``, :mod:`shmeval.pipeline`).  Any search
+written as steps (:meth:`MCTS.search_steps`, :meth:`MCTS.play_steps`, a
+generator that yields leaf batches and is sent their ``(policy, value)``)
+can be run this way; :func:`drive` runs one a call at a time.
+
 Speed: :mod:`shmeval.mcts.speed` (``python -m shmeval.mcts``).
 """
-from .evaluators import SupportsEvaluateMany, evaluator_fn, uniform_model
-from .search import (MCTS, EvaluateBatch, Game, GameRecord, Sample, play_games, search_many,
-                     select_move)
+from .evaluators import (SupportsEvaluateMany, SupportsSubmit, as_submit, evaluator_fn,
+                         submitter_fn, uniform_model)
+from .pipelined import run_pipelined
+from .search import (MCTS, EvaluateBatch, Game, GameRecord, Sample, Steps, SubmitBatch, drive,
+                     play_games, search_many, select_move)
 from .speed import measure_speed
 from ._tree import Tree
 
 __all__ = ["MCTS", "Tree", "Game", "EvaluateBatch", "Sample", "GameRecord", "select_move",
            "search_many", "play_games", "evaluator_fn", "SupportsEvaluateMany", "uniform_model",
-           "measure_speed"]
+           "measure_speed", "Steps", "drive", "SubmitBatch", "submitter_fn", "SupportsSubmit",
+           "as_submit", "run_pipelined"]

@@ -3,21 +3,51 @@ one ``evaluate_batch`` call per simulation step for the leaves of all of
 them; :func:`select_move` picks a move from the visit counts;
 :func:`search_many` and :func:`play_games` are one-call forms.  The
 interface a game and an evaluator provide, the sign convention and the
-selection formula are in :mod:`shmeval.mcts`."""
+selection formula are in :mod:`shmeval.mcts`.
+
+The searches are written as *steps*: generators that yield each batch of
+encoded leaves and are sent back its ``(policy, value)``
+(:meth:`MCTS.search_steps`, :meth:`MCTS.play_steps`).  :func:`drive` runs
+one against ``evaluate_batch``, a call at a time;
+:func:`shmeval.mcts.pipelined.run_pipelined` runs several, keeping the
+leaves of all but the one being searched in flight."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import (Any, Callable, Generic, List, NamedTuple, Optional, Protocol, Sequence,
-                    Tuple, TypeVar)
+from typing import (Any, Callable, Generator, Generic, List, NamedTuple, Optional, Protocol,
+                    Sequence, Tuple, TypeVar)
 
 import numpy as np
 
 from ._tree import Tree, expand_backup, select_leaves
 
 S = TypeVar("S")
+R = TypeVar("R")
 
 #: ``evaluate_batch(states [n, *input_shape]) -> (policy [n, n_actions] probabilities, value [n])``
 EvaluateBatch = Callable[[np.ndarray], Tuple[Any, Any]]
+
+#: ``submit_batch(states) -> collect``: starts the evaluation of a batch (it
+#: must have copied or sent ``states`` before it returns) and returns a
+#: function that returns its ``(policy, value)``, waiting if need be.
+SubmitBatch = Callable[[np.ndarray], Callable[[], Tuple[Any, Any]]]
+
+#: A search written as steps: yields batches of encoded leaves (views of a
+#: buffer the search reuses), is sent each one's ``(policy, value)``,
+#: returns its result.
+Steps = Generator[np.ndarray, Tuple[Any, Any], R]
+
+
+def drive(steps: Steps[R], evaluate_batch: EvaluateBatch) -> R:
+    """Runs ``steps`` to the end, one ``evaluate_batch`` call per batch it
+    yields; returns what it returns."""
+    try:
+        x = next(steps)
+        while True:
+            x = steps.send(evaluate_batch(x))
+    except StopIteration as e:
+        result: R = e.value
+        return result
 
 
 class Game(Protocol[S]):
@@ -123,16 +153,18 @@ class MCTS(Generic[S]):
 
     # -- evaluation ----------------------------------------------------------
 
-    def _evaluate(self, states: Sequence[S]) -> Tuple[np.ndarray, np.ndarray]:
-        """Encodes ``states``, makes one ``evaluate_batch`` call, returns the
+    def _evaluate(self, states: Sequence[S]) -> Steps[Tuple[np.ndarray, np.ndarray]]:
+        """Encodes ``states`` and yields them (one evaluation); returns the
         policy ``float64 [k, n_actions]`` and values ``float64 [k]``
-        (C-contiguous, checked)."""
+        (C-contiguous, checked).  The encoding buffer is the search's own,
+        reused by its next batch: whoever is sent a batch copies it (or is
+        done with it) before the search resumes."""
         k = len(states)
         if len(self._buf) < k:
             self._buf = np.empty((max(k, 2 * len(self._buf)),) + self.input_shape,
                                  dtype=np.float32)
         x = self.game.encode_many(states, self._buf)
-        policy, value = self.evaluate_batch(x)
+        policy, value = yield x
         self.calls += 1
         self.evaluated += k
         p = np.ascontiguousarray(policy, dtype=np.float64)
@@ -164,6 +196,13 @@ class MCTS(Generic[S]):
 
         Returns the root visit counts, ``int64 [len(trees), n_actions]``.
         """
+        return drive(self.search_steps(trees, simulations, rng, noise=noise), self.evaluate_batch)
+
+    def search_steps(self, trees: Sequence[Tree[S]], simulations: int,
+                     rng: Optional[np.random.Generator] = None, *,
+                     noise: bool = False) -> Steps[np.ndarray]:
+        """:meth:`search` as steps (see the module): yields each batch of
+        leaves instead of calling ``evaluate_batch``."""
         if simulations < 0:
             raise ValueError("simulations must be >= 0")
         if len({id(t) for t in trees}) != len(trees):
@@ -176,7 +215,7 @@ class MCTS(Generic[S]):
         game = self.game
         fresh = [t for t in trees if not t.is_expanded(t.root)]
         if fresh:
-            p, _ = self._evaluate([t.root_state for t in fresh])
+            p, _ = yield from self._evaluate([t.root_state for t in fresh])
             for j, t in enumerate(fresh):
                 t.expand(t.root, game.legal_moves(t.root_state), p[j])
         for t in trees:
@@ -191,7 +230,7 @@ class MCTS(Generic[S]):
         for _ in range(simulations):
             waiting, states = select_leaves(forest, play, terminal_value, c_puct, fpu)
             if waiting:
-                p, v = self._evaluate(states)
+                p, v = yield from self._evaluate(states)
                 expand_backup(waiting, legal_moves, p, v)
         out = np.zeros((len(trees), self.n_actions), dtype=np.int64)
         for j, t in enumerate(trees):
@@ -201,7 +240,8 @@ class MCTS(Generic[S]):
     def play_games(self, n_games: int, simulations: int, rng: np.random.Generator, *,
                    temperature: float = 1.0, temperature_moves: int = 10, noise: bool = True,
                    reuse_tree: bool = True, concurrent: Optional[int] = None,
-                   start: Optional[S] = None) -> List[GameRecord[S]]:
+                   start: Optional[S] = None, pipeline: int = 1,
+                   submit_batch: Optional[SubmitBatch] = None) -> List[GameRecord[S]]:
         """Plays ``n_games`` games against themselves, concurrently, to the
         end; returns one :class:`GameRecord` per game, in the order started.
 
@@ -214,7 +254,49 @@ class MCTS(Generic[S]):
         ``temperature_moves`` moves of a game and the most visited move
         after that.  ``reuse_tree`` keeps the chosen child's subtree for the
         next move.  ``start``: the start position (default ``game.initial()``).
+
+        ``pipeline`` K > 1 splits the games into K groups, each searched on
+        its own, and evaluates through ``submit_batch``
+        (:func:`shmeval.mcts.pipelined.run_pipelined`): while one group is
+        searched, the leaves of the others are being evaluated.
         """
+        if pipeline < 1:
+            raise ValueError("pipeline must be >= 1")
+        if pipeline == 1:
+            return drive(self.play_steps(n_games, simulations, rng, temperature=temperature,
+                                         temperature_moves=temperature_moves, noise=noise,
+                                         reuse_tree=reuse_tree, concurrent=concurrent,
+                                         start=start), self.evaluate_batch)
+        if submit_batch is None:
+            raise ValueError("pipeline > 1 needs a submit_batch (shmeval.mcts.submitter_fn)")
+        from .pipelined import run_pipelined
+
+        k = min(pipeline, n_games)
+        width = n_games if concurrent is None else max(1, min(int(concurrent), n_games))
+        # Group g plays games g, g + k, g + 2k, ... with its share of the width.
+        sizes = [len(range(g, n_games, k)) for g in range(k)]
+        groups = [MCTS(self.game, self.evaluate_batch, c_puct=self.c_puct, fpu=self.fpu,
+                       dirichlet_alpha=self.dirichlet_alpha,
+                       dirichlet_fraction=self.dirichlet_fraction) for _ in range(k)]
+        steps = [m.play_steps(sizes[g], simulations, rng, temperature=temperature,
+                              temperature_moves=temperature_moves, noise=noise,
+                              reuse_tree=reuse_tree,
+                              concurrent=max(1, len(range(g, width, k))), start=start)
+                 for g, m in enumerate(groups)]
+        played = run_pipelined(steps, submit_batch)
+        for m in groups:
+            self.calls += m.calls
+            self.evaluated += m.evaluated
+        records: List[GameRecord[S]] = [GameRecord() for _ in range(n_games)]
+        for g, recs in enumerate(played):
+            records[g::k] = recs
+        return records
+
+    def play_steps(self, n_games: int, simulations: int, rng: np.random.Generator, *,
+                   temperature: float = 1.0, temperature_moves: int = 10, noise: bool = True,
+                   reuse_tree: bool = True, concurrent: Optional[int] = None,
+                   start: Optional[S] = None) -> Steps[List[GameRecord[S]]]:
+        """:meth:`play_games` (one group) as steps (see the module)."""
         game = self.game
         s0 = game.initial() if start is None else start
         width = n_games if concurrent is None else max(1, min(int(concurrent), n_games))
@@ -236,7 +318,8 @@ class MCTS(Generic[S]):
                 continue
             if not active:
                 return records
-            counts = self.search([trees[g] for g in active], simulations, rng, noise=noise)
+            counts = yield from self.search_steps([trees[g] for g in active], simulations, rng,
+                                                  noise=noise)
             enc = game.encode_many([trees[g].root_state for g in active])
             for j, g in enumerate(active):
                 t, rec = trees[g], records[g]
@@ -278,10 +361,12 @@ def play_games(game: Game[S], evaluate_batch: EvaluateBatch, n_games: int, simul
                rng: np.random.Generator, *, temperature: float = 1.0,
                temperature_moves: int = 10, noise: bool = True, reuse_tree: bool = True,
                concurrent: Optional[int] = None, start: Optional[S] = None,
+               pipeline: int = 1, submit_batch: Optional[SubmitBatch] = None,
                **options: float) -> List[GameRecord[S]]:
     """:meth:`MCTS.play_games` with an MCTS built from ``options``
     (``c_puct``, ``fpu``, ``dirichlet_alpha``, ``dirichlet_fraction``)."""
     return MCTS(game, evaluate_batch, **options).play_games(
         n_games, simulations, rng, temperature=temperature,
         temperature_moves=temperature_moves, noise=noise, reuse_tree=reuse_tree,
-        concurrent=concurrent, start=start)
+        concurrent=concurrent, start=start, pipeline=pipeline, submit_batch=submit_batch)
+
