@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {d.games_per_worker})")
     p.add_argument("--simulations", type=int, default=d.simulations,
                    help=f"MCTS simulations per move (default {d.simulations})")
+    p.add_argument("--pipeline", type=int, default=d.pipeline, metavar="K",
+                   help="shmeval mode: K groups of --games-per-worker games per worker, each "
+                        "searched while the others' leaves are evaluated (default 1: the "
+                        "blocking search; see docs/selfplay.md)")
     p.add_argument("--seconds", type=float, default=d.seconds,
                    help=f"measured window per mode (default {d.seconds:g})")
     p.add_argument("--repeats", type=int, default=d.repeats,
@@ -99,7 +103,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     net = replace(NetConfig(), blocks=args.blocks, filters=args.filters,
                   learning_rate=args.learning_rate)
     return Settings(workers=args.workers, games_per_worker=args.games_per_worker,
-                    simulations=args.simulations, seconds=args.seconds, warmup=args.warmup,
+                    simulations=args.simulations, pipeline=args.pipeline,
+                    seconds=args.seconds, warmup=args.warmup,
                     repeats=args.repeats,
                     seed=args.seed, evaluator_threads=args.evaluator_threads,
                     serving_threads=args.serving_threads, worker_sched=args.worker_sched,
@@ -115,6 +120,8 @@ def _run_on_ray(args: argparse.Namespace, s: Settings, modes: list[str],
     """``--ray``: the shmeval mode on a Ray cluster (shmeval.ray.selfplay)."""
     if modes != ["shmeval"]:
         raise ValueError("--ray plays in the shmeval mode only (no --mode or --compare)")
+    if s.pipeline > 1:
+        raise ValueError("--ray plays the blocking search (no --pipeline)")
     try:
         from ..ray.selfplay import run_on_ray
     except ImportError as e:

@@ -157,6 +157,10 @@ class ShmevalLink:
     def open(self, s: Settings) -> EvaluateBatch:
         return mcts.evaluator_fn(self.evaluator)
 
+    def open_submit(self, s: Settings) -> mcts.SubmitBatch:
+        """The pipelined search's way (``--pipeline``): ``Client.submit``."""
+        return mcts.submitter_fn(self.evaluator)
+
 
 class ShmevalMode(_CentralMode):
     """One ``Evaluator.spawn`` process; each search step of a worker is one
@@ -179,7 +183,7 @@ class ShmevalMode(_CentralMode):
                                     s.serving_threads, s.freeze, self.precision() == "bfloat16")
         return factory, dict(input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS,
                              max_batch=s.max_batch, max_clients=max(64, s.workers + 8),
-                             slots_per_client=min(64, max(16, s.games_per_worker)),
+                             slots_per_client=min(64, max(16, s.pipeline * s.games_per_worker)),
                              serving_threads=s.serving_threads)
 
     def start(self, ctx: Any, cpus: Optional[set[int]]) -> List[NetLink]:

@@ -60,6 +60,9 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if s.pipeline > 1 and list(modes) != ["shmeval"]:
+        raise ValueError("--pipeline searches through Client.submit: the shmeval mode only "
+                         "(no --mode or --compare)")
     if s.train and list(modes) != ["shmeval"]:
         raise ValueError("--train runs in shmeval mode only (the learner pushes its weights "
                          "into the shmeval evaluator)")
@@ -77,7 +80,9 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
     net = s.net
     central = {m: MODE_CLASSES[m](s).tf_threads() for m in ("shmeval", "queue")}
     display.line(
-        f"shmeval selfplay: Connect Four, {s.workers} workers x {s.games_per_worker} games, "
+        f"shmeval selfplay: Connect Four, {s.workers} workers x "
+        + (f"{s.pipeline} pipelined groups of " if s.pipeline > 1 else "")
+        + f"{s.games_per_worker} games, "
         f"{s.simulations} simulations/move; net {net.blocks} residual blocks x {net.filters} "
         f"filters; modes {', '.join(modes)}; {s.seconds:g} s each after {s.warmup:g} s warm-up; "
         f"central evaluators' TF threads: shmeval {central['shmeval'] or 'default'}, "

@@ -13,6 +13,9 @@ from ..games.connect4_net import NetConfig
 MODES = ("shmeval", "queue", "local", "local-batched")
 #: What ``--compare`` runs, in this order.
 COMPARE_MODES = ("shmeval", "queue", "local")
+#: The most games a pipelined worker keeps in flight: an evaluator client's
+#: slots (``slots_per_client`` <= 64), one per game.
+MAX_PIPELINED_GAMES = 64
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,9 @@ class Settings:
     workers: int = 8
     games_per_worker: int = 16
     simulations: int = 32
+    #: Groups of games_per_worker games per worker, each searched while the
+    #: others' leaves are evaluated (Client.submit); 1: the blocking search.
+    pipeline: int = 1
     seconds: float = 10.0
     warmup: float = 1.0
     repeats: int = 1
@@ -83,6 +89,12 @@ class Settings:
     def check(self) -> None:
         if self.workers < 1 or self.games_per_worker < 1 or self.simulations < 1:
             raise ValueError("workers, games per worker and simulations must be >= 1")
+        if self.pipeline < 1:
+            raise ValueError("pipeline must be >= 1")
+        if self.pipeline > 1 and self.pipeline * self.games_per_worker > MAX_PIPELINED_GAMES:
+            raise ValueError(f"--pipeline x --games-per-worker must be at most "
+                             f"{MAX_PIPELINED_GAMES} (a worker's slots), got {self.pipeline} x "
+                             f"{self.games_per_worker}")
         if not self.seconds > 0 or self.warmup < 0 or self.repeats < 1:
             raise ValueError("seconds must be > 0, warmup >= 0 and repeats >= 1")
         if self.train and self.repeats != 1:

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
@@ -35,6 +35,14 @@ class NetLink(Protocol):
     ``open`` runs in the worker and returns its evaluate function."""
 
     def open(self, s: Settings) -> EvaluateBatch: ...
+
+
+@runtime_checkable
+class PipelinedLink(NetLink, Protocol):
+    """A link whose net can be submitted to (``--pipeline``, the shmeval
+    mode): ``open_submit`` returns the pipelined search's submit_batch."""
+
+    def open_submit(self, s: Settings) -> mcts.SubmitBatch: ...
 
 
 class _Stopped(Exception):
@@ -64,6 +72,11 @@ def worker_main(wid: int, s: Settings, counters_raw: Any, flags_raw: Any, go: An
         if policy == "batch":
             use_batch_scheduling()
         inner = link.open(s)
+        submit: Optional[mcts.SubmitBatch] = None
+        if s.pipeline > 1:
+            if not isinstance(link, PipelinedLink):
+                raise TypeError(f"--pipeline needs the shmeval mode, not {type(link).__name__}")
+            submit = link.open_submit(s)
         p, v = inner(probe_states())
         info: Dict[str, Any] = {"pid": os.getpid(), "tensorflow": "tensorflow" in sys.modules,
                                 "startup_s": time.monotonic() - t0,
@@ -78,7 +91,7 @@ def worker_main(wid: int, s: Settings, counters_raw: Any, flags_raw: Any, go: An
             pass
         if not flags[STOP]:
             with contextlib.suppress(_Stopped):
-                _play(wid, s, inner, counters_raw, flags, out_q)
+                _play(wid, s, inner, counters_raw, flags, out_q, submit)
         out_q.put(("done", wid, {"tensorflow": "tensorflow" in sys.modules}))
     except BaseException:
         code = 1
@@ -98,9 +111,12 @@ def worker_main(wid: int, s: Settings, counters_raw: Any, flags_raw: Any, go: An
 
 
 def _play(wid: int, s: Settings, inner: EvaluateBatch, counters_raw: Any, flags: np.ndarray,
-          out_q: Any) -> None:
+          out_q: Any, submit: Optional[mcts.SubmitBatch] = None) -> None:
     """Plays ``games_per_worker`` games at a time, starting a new game each
-    time one ends, until the stop flag is set (raises _Stopped)."""
+    time one ends, until the stop flag is set (raises _Stopped).  With
+    ``s.pipeline`` K > 1, K groups of them, through ``submit``: while one
+    group is searched, the leaves of the others are evaluated
+    (:func:`shmeval.mcts.run_pipelined`)."""
     c = np.frombuffer(counters_raw, dtype=np.int64)[wid * NF:(wid + 1) * NF]
     perf_ns, cpu_ns = time.perf_counter_ns, time.process_time_ns
 
@@ -115,25 +131,54 @@ def _play(wid: int, s: Settings, inner: EvaluateBatch, counters_raw: Any, flags:
         c[CALLS] += 1
         return out
 
+    def submit_batch(x: np.ndarray) -> Callable[[], Tuple[Any, Any]]:
+        if flags[STOP]:
+            raise _Stopped
+        assert submit is not None
+        w0, c0 = perf_ns(), cpu_ns()
+        collect = submit(x)
+        c[EVAL_CPU_NS] += cpu_ns() - c0
+        c[EVAL_WALL_NS] += perf_ns() - w0
+        c[EVALS] += len(x)
+        c[CALLS] += 1
+
+        def timed_collect() -> Tuple[Any, Any]:
+            w0, c0 = perf_ns(), cpu_ns()
+            out = collect()
+            c[EVAL_CPU_NS] += cpu_ns() - c0
+            c[EVAL_WALL_NS] += perf_ns() - w0
+            return out
+
+        return timed_collect
+
     rng = np.random.default_rng([s.seed, 7, wid])
-    search = mcts.MCTS(connect4, evaluate_batch, c_puct=s.c_puct,
-                       dirichlet_alpha=s.dirichlet_alpha, dirichlet_fraction=s.dirichlet_fraction)
     G = s.games_per_worker
-    trees = [search.new_tree(connect4.initial()) for _ in range(G)]
-    moves: List[List[int]] = [[] for _ in range(G)]
-    policies: List[List[np.ndarray]] = [[] for _ in range(G)]
-    while not flags[STOP]:
-        counts = search.search(trees, s.simulations, rng, noise=True)
-        for j, t in enumerate(trees):
-            cj = counts[j]
-            temp = 1.0 if len(moves[j]) < s.temperature_moves else 0.0
-            a = mcts.select_move(cj, temp, rng)
-            policies[j].append((cj / cj.sum()).astype(np.float32))
-            moves[j].append(a)
-            t.advance(connect4, a)
-            if t.term[t.root] is not None:
-                out_q.put(("game", wid, moves[j], np.stack(policies[j])))
-                c[GAMES] += 1
-                trees[j] = search.new_tree(connect4.initial())
-                moves[j], policies[j] = [], []
-        c[MOVES] += G
+
+    def group() -> mcts.Steps[None]:
+        """G games, played until the stop flag is set, as search steps."""
+        search = mcts.MCTS(connect4, evaluate_batch, c_puct=s.c_puct,
+                           dirichlet_alpha=s.dirichlet_alpha,
+                           dirichlet_fraction=s.dirichlet_fraction)
+        trees = [search.new_tree(connect4.initial()) for _ in range(G)]
+        moves: List[List[int]] = [[] for _ in range(G)]
+        policies: List[List[np.ndarray]] = [[] for _ in range(G)]
+        while not flags[STOP]:
+            counts = yield from search.search_steps(trees, s.simulations, rng, noise=True)
+            for j, t in enumerate(trees):
+                cj = counts[j]
+                temp = 1.0 if len(moves[j]) < s.temperature_moves else 0.0
+                a = mcts.select_move(cj, temp, rng)
+                policies[j].append((cj / cj.sum()).astype(np.float32))
+                moves[j].append(a)
+                t.advance(connect4, a)
+                if t.term[t.root] is not None:
+                    out_q.put(("game", wid, moves[j], np.stack(policies[j])))
+                    c[GAMES] += 1
+                    trees[j] = search.new_tree(connect4.initial())
+                    moves[j], policies[j] = [], []
+            c[MOVES] += G
+
+    if s.pipeline == 1:
+        mcts.drive(group(), evaluate_batch)
+    else:
+        mcts.run_pipelined([group() for _ in range(s.pipeline)], submit_batch)
