@@ -6,7 +6,7 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_type_lock
 
-from shmeval._core.ring cimport shm_seg, shm_taken, shm_ticker
+from shmeval._core.ring cimport shm_seg, shm_taken, shm_ticker, SHM_MAX_SLOTS_PER_CLIENT
 
 
 cdef class Segment:
@@ -28,9 +28,15 @@ cdef class Segment:
     cdef int ticker_pid           # the process that started it
     cdef list old_tickers         # stopped ones (addresses), freed with the segment
     cdef readonly object name
+    # The evaluation cache, in this process (used with the GIL held):
+    cdef uint64_t *cbuf           # one entry's data words, scratch
+    cdef readonly uint64_t seen_version  # newest model version of an answer here
+    cdef uint64_t ck1[SHM_MAX_SLOTS_PER_CLIENT]  # each slot's request's keys
+    cdef uint64_t ck2[SHM_MAX_SLOTS_PER_CLIENT]  # (ck1 0: not to be cached)
 
     cdef uint32_t _begin(self, uint32_t c, uint32_t k) except? 0xffffffff
     cdef int _map(self, int fd, uint64_t size) except -1
+    cdef int _alloc_cache_buffer(self) except -1
     cdef void _free_outputs(self)
     cdef cnp.npy_intp *_out_dims(self, Py_ssize_t j) noexcept
     cdef void _retire_ticker(self)
@@ -43,6 +49,13 @@ cdef class Segment:
                    uint64_t timeout_ns, uint32_t ncpu)
     cdef object _fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
                        bint trusted=*)
+    cdef void _deliver(self, const char *src, list dst, Py_ssize_t row)
+    cdef int _check_dst(self, list dst, Py_ssize_t row) except -1
+    cdef int _cache_get(self, uint32_t c, const char *state, object key, list dst,
+                        Py_ssize_t row, uint64_t *k1, uint64_t *k2,
+                        uint64_t *version) except -1
+    cdef void _cache_put(self, uint32_t c, uint64_t k1, uint64_t k2, uint64_t version,
+                         list dst, Py_ssize_t row)
 
 
 cdef class ClientPort:
@@ -69,8 +82,8 @@ cdef class ClientPort:
     cdef public list abandoned # (slot, generation) of requests whose waiter gave up
 
     cpdef give_back(self, uint32_t k)
-    cdef object _evaluate(self, object state, bint versioned)
-    cdef object _evaluate_many(self, object states, bint versioned)
+    cdef object _evaluate(self, object state, bint versioned, object key)
+    cdef object _evaluate_many(self, object states, bint versioned, object keys)
     cdef bint _unreferenced(self, int older)
 
 

@@ -25,6 +25,7 @@ from posix.unistd cimport usleep
 
 cdef extern from "Python.h":
     Py_ssize_t Py_REFCNT(PyObject *o)
+    unsigned long long PyLong_AsUnsignedLongLongMask(object o) except? <unsigned long long>-1
 
 cdef extern from "<pthread.h>" nogil:
     int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
@@ -45,6 +46,10 @@ cdef void _after_fork_in_child() noexcept nogil:
 pthread_atfork(NULL, NULL, _after_fork_in_child)
 
 from shmeval._core.ring cimport *
+
+import operator
+
+import numpy as np
 
 from shmeval.errors import ClientTableFull, EvaluatorClosed, SegmentError, ShmevalError
 
@@ -92,7 +97,7 @@ STAT_NAMES = (
     "requests", "batches", "padded_rows", "failed_requests", "failed_batches",
     "model_ns", "busy_ns", "serve_start_ns", "model_version",
     "reclaimed_clients", "reclaimed_writing", "stale_completions", "warmup_ns",
-    "weight_updates",
+    "weight_updates", "cache_hits", "cache_misses", "cache_stale", "cache_replaced",
 )
 STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
 
@@ -120,10 +125,11 @@ cdef int _check(int rc, str what) except -1:
 
 cdef int _params(shm_params *p, object in_bytes, object out_bytes, object max_clients,
                  object slots_per_client, object max_batch, object replicas,
-                 object servers) except -1:
+                 object servers, object cache_entries) except -1:
     if min(in_bytes, out_bytes, max_clients, slots_per_client, max_batch, replicas,
            servers) <= 0:
         raise ValueError("segment parameters must be positive")
+    cache_log2 = cache_log2_of(cache_entries)
     memset(p, 0, sizeof(shm_params))
     p.in_bytes = in_bytes
     p.out_bytes = out_bytes
@@ -132,19 +138,53 @@ cdef int _params(shm_params *p, object in_bytes, object out_bytes, object max_cl
     p.max_batch = max_batch
     p.replicas = replicas
     p.servers = servers
+    p.cache_log2 = cache_log2
     return 0
 
 
+CACHE_MAX_LOG2 = <object>SHM_CACHE_MAX_LOG2
+CACHE_MAX_ENTRIES = 1 << CACHE_MAX_LOG2
+CACHE_MAX_BYTES = <object>SHM_CACHE_MAX_BYTES
+
+
+def cache_log2_of(cache_entries):
+    """log2 of an evaluation cache size: 0 for no cache (0 or None), else a
+    power of two from 4 to CACHE_MAX_ENTRIES; anything else is a ValueError
+    that names the limit."""
+    if cache_entries is None or cache_entries is False:
+        return 0
+    try:
+        n = operator.index(cache_entries)
+    except TypeError:
+        raise TypeError(f"cache_entries must be an int, got {type(cache_entries).__name__}") \
+            from None
+    if n == 0:
+        return 0
+    if n < 4 or n > CACHE_MAX_ENTRIES or n & (n - 1):
+        raise ValueError(f"cache_entries must be 0 (no cache) or a power of two from 4 to "
+                         f"2**{CACHE_MAX_LOG2}, got {n}")
+    return n.bit_length() - 1
+
+
+def cache_entry_bytes(out_bytes):
+    """Bytes one cache entry takes for outputs of out_bytes."""
+    return 32 + 8 * ((out_bytes + 7) // 8)
+
+
 def segment_size(in_bytes, out_bytes, max_clients, slots_per_client, max_batch, replicas=1,
-                 servers=1):
+                 servers=1, cache_entries=0):
     """Bytes a segment with these parameters needs (the core decides):
     `replicas` model replicas serve it from `servers` serving threads in
-    all."""
+    all; an evaluation cache of cache_entries entries follows the slots."""
     cdef shm_params p
     cdef shm_layout l
     _params(&p, in_bytes, out_bytes, max_clients, slots_per_client, max_batch, replicas,
-            servers)
+            servers, cache_entries)
     if shm_layout_compute(&p, &l) != SHM_OK:
+        if p.cache_log2 and cache_entry_bytes(out_bytes) << p.cache_log2 > CACHE_MAX_BYTES:
+            raise ValueError(
+                f"a cache of {cache_entries} entries of {cache_entry_bytes(out_bytes)} bytes "
+                f"is more than the {CACHE_MAX_BYTES >> 40} TiB a segment's cache may take")
         raise ValueError(
             "segment parameters out of range: in_bytes=%d out_bytes=%d max_clients=%d "
             "slots_per_client=%d max_batch=%d replicas=%d servers=%d"
@@ -211,6 +251,7 @@ cdef class Segment:
         if self.addr != NULL:
             munmap(self.addr, self.size)
         self._free_outputs()
+        free(self.cbuf)
 
     cdef uint32_t _begin(self, uint32_t c, uint32_t k) except? 0xffffffff:
         """FREE -> WRITING for this process; returns the slot's generation,
@@ -222,6 +263,7 @@ cdef class Segment:
         if rc == SHM_STALE:
             raise EvaluatorClosed(_MESSAGES[SHM_STALE])
         _check(rc, "begin")
+        self.ck1[k] = 0  # not cached unless the caller sets its keys
         return gen
 
     cdef int _map(self, int fd, uint64_t size) except -1:
@@ -239,19 +281,20 @@ cdef class Segment:
     @staticmethod
     def create(int fd, uint64_t size, in_bytes, out_bytes, max_clients, slots_per_client,
                max_batch, replicas, servers, bytes spec, int owner_pid, uint64_t pid_ns,
-               uint64_t time_ns, name):
+               uint64_t time_ns, name, cache_entries=0):
         """Maps a new zero-filled segment (fd) and formats it for the owner
         process in the given pid and time namespaces."""
         cdef Segment self = Segment.__new__(Segment)
         cdef shm_params p
         self.name = name
         _params(&p, in_bytes, out_bytes, max_clients, slots_per_client, max_batch, replicas,
-                servers)
+                servers, cache_entries)
         if len(spec) > SHM_SPEC_MAX:
             raise ValueError("spec is %d bytes, the header holds %d" % (len(spec), SHM_SPEC_MAX))
         self._map(fd, size)
         _check(shm_init(&self.seg, self.addr, size, &p, spec, len(spec), owner_pid, pid_ns,
                         time_ns), "create %s" % name)
+        self._alloc_cache_buffer()
         return self
 
     @staticmethod
@@ -263,7 +306,15 @@ cdef class Segment:
             _check(SHM_E_TOO_SMALL, "attach %s" % name)
         self._map(fd, size)
         _check(shm_attach(&self.seg, self.addr, size), "attach %s" % name)
+        self._alloc_cache_buffer()
         return self
+
+    cdef int _alloc_cache_buffer(self) except -1:
+        if self.seg.p.cache_log2:
+            self.cbuf = <uint64_t *>calloc(self.seg.l.cache_words, 8)
+            if self.cbuf == NULL:
+                raise MemoryError()
+        return 0
 
     def set_outputs(self, tuple outputs):
         """The declared outputs (spec.OutputSpec: name, offset, nbytes, shape,
@@ -327,7 +378,7 @@ cdef class Segment:
                     max_clients=self.seg.p.max_clients,
                     slots_per_client=self.seg.p.slots_per_client,
                     max_batch=self.seg.p.max_batch, replicas=self.seg.p.replicas,
-                    servers=self.seg.p.servers)
+                    servers=self.seg.p.servers, cache_entries=shm_cache_entries(&self.seg))
 
     @property
     def nbytes(self):
@@ -526,26 +577,41 @@ cdef class Segment:
             raise IndexError("slot index out of range")
         return 0
 
-    def post(self, uint32_t c, list slots, cnp.ndarray rows, Py_ssize_t row0):
-        """Copies rows[row0 + i] into slots[i], publishes them all, then rings
-        the evaluator's doorbell once; returns the slots' generations.  rows
-        must be C-contiguous with rows of in_bytes each (the client layer
-        guarantees it)."""
+    def post(self, uint32_t c, list slots, cnp.ndarray rows, object at, object k1=None,
+             object k2=None):
+        """Copies rows into slots[i] -- rows[at + i] when at is an int, rows[at[i]]
+        when a list -- publishes them all, then rings the evaluator's
+        doorbell once; returns the slots' generations.  rows must be
+        C-contiguous with rows of in_bytes each (the client layer guarantees
+        it).  k1, k2: uint64 arrays of every row's cache keys (cache_lookup),
+        to cache the answers; None: not cached."""
         cdef uint64_t inb = self.seg.p.in_bytes
-        cdef Py_ssize_t i, n = len(slots)
+        cdef Py_ssize_t i, n = len(slots), r
+        cdef Py_ssize_t nrows = cnp.PyArray_NBYTES(rows) // inb
+        cdef Py_ssize_t idx[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint32_t k
         cdef char *src = <char *>cnp.PyArray_DATA(rows)
         cdef list gens = []
-        if not cnp.PyArray_IS_C_CONTIGUOUS(rows) or \
-                <uint64_t>cnp.PyArray_NBYTES(rows) < <uint64_t>(row0 + n) * inb:
-            raise ValueError("rows buffer too small or not C-contiguous")
+        cdef bint cached = k1 is not None and self.seg.p.cache_log2 != 0
+        if not cnp.PyArray_IS_C_CONTIGUOUS(rows):
+            raise ValueError("rows buffer not C-contiguous")
+        if n > SHM_MAX_SLOTS_PER_CLIENT:
+            raise ValueError("more rows than a client has slots")
         for i in range(n):
             self._slot(c, slots[i])
+            idx[i] = at + i if type(at) is int else at[i]
+            if idx[i] < 0 or idx[i] >= nrows:
+                raise ValueError("rows buffer too small")
+        if cached and (len(k1) < nrows or len(k2) < nrows):
+            raise ValueError("fewer cache keys than rows")
         for i in range(n):
             gens.append(self._begin(c, slots[i]))
+            if cached:
+                self.ck1[<uint32_t>slots[i]] = k1[idx[i]]
+                self.ck2[<uint32_t>slots[i]] = k2[idx[i]]
         for i in range(n):
             k = slots[i]
-            shm_copy(shm_slot_in(&self.seg, c, k), src + (row0 + i) * inb, inb)
+            shm_copy(shm_slot_in(&self.seg, c, k), src + idx[i] * inb, inb)
         # Copy everything first, then publish in a tight loop: an evaluator
         # scanning meanwhile then rarely splits the rows over two batches.
         for i in range(n):
@@ -647,11 +713,11 @@ cdef class Segment:
         reclaimed before or during the copy: the release validates the copy
         (shm_slot_release).  trusted: dst are arrays of the declared outputs
         (ClientPort made or checked them), so their size needs no check."""
-        cdef uint32_t j, st, w
+        cdef uint32_t st, w
         cdef int rc
         cdef shm_slot_meta *m
         cdef char *out
-        cdef cnp.ndarray a
+        cdef uint64_t version = 0
         w = shm_slot_peek(&self.seg, c, k)
         if w >> SLOT_GEN_SHIFT != gen:
             return SHM_STALE  # not worth a copy
@@ -659,16 +725,11 @@ cdef class Segment:
         m = shm_meta(&self.seg, c, k)
         out = shm_slot_out(&self.seg, c, k)
         if st == SLOT_DONE:
-            if not trusted and len(dst) != self.n_out:
-                raise ValueError("wrong number of output buffers")
-            for j in range(self.n_out):
-                a = dst[j]
-                if not trusted and (not cnp.PyArray_IS_C_CONTIGUOUS(a) or
-                        <uint64_t>cnp.PyArray_NBYTES(a) < (row + 1) * self.out_nbytes[j]):
-                    raise ValueError("output buffer too small or not C-contiguous")
-                memcpy(<char *>cnp.PyArray_DATA(a) + row * self.out_nbytes[j],
-                       out + self.out_off[j], self.out_nbytes[j])
-            result = m.model_version
+            if not trusted:
+                self._check_dst(dst, row)
+            self._deliver(out, dst, row)
+            version = m.model_version
+            result = version
         elif st == SLOT_FAILED:
             result = out[:min(m.err_len, self.seg.l.out_area)].decode("utf-8", "replace")
         else:
@@ -677,6 +738,12 @@ cdef class Segment:
         if rc == SHM_STALE:
             return SHM_STALE  # reclaimed during the copy: the copy is not ours
         _check(rc, "fetch")
+        if st == SLOT_DONE:
+            # The copy is validated: ours, whole, and of this version.
+            if version > self.seen_version:
+                self.seen_version = version
+            if self.ck1[k]:
+                self._cache_put(c, self.ck1[k], self.ck2[k], version, dst, row)
         return result
 
     def release(self, uint32_t c, uint32_t k, uint32_t gen):
@@ -736,6 +803,166 @@ cdef class Segment:
             if shm_client_info(&self.seg, c, &st, &pid_ns, &det) != 0:
                 out[c] = shm_client_requests(&self.seg, c)
         return out
+
+    # ------------------------------------------------------------ the cache
+    @property
+    def cache_entries(self):
+        """Entries of the evaluation cache (0: none)."""
+        return shm_cache_entries(&self.seg)
+
+    def cache_keys(self, cnp.ndarray rows):
+        """(key, key2): the cache keys of each row of rows (uint64 arrays),
+        the two hashes of its bytes a client looks it up by."""
+        cdef uint64_t inb = self.seg.p.in_bytes
+        cdef Py_ssize_t i, n
+        cdef const char *src
+        if not cnp.PyArray_IS_C_CONTIGUOUS(rows) or cnp.PyArray_NBYTES(rows) % inb:
+            raise ValueError("rows must be C-contiguous rows of in_bytes each")
+        n = cnp.PyArray_NBYTES(rows) // inb
+        k1 = np.empty(n, np.uint64)
+        k2 = np.empty(n, np.uint64)
+        cdef uint64_t[::1] a = k1
+        cdef uint64_t[::1] b = k2
+        src = <const char *>cnp.PyArray_DATA(rows)
+        for i in range(n):
+            shm_hash_state(src + i * inb, inb, &a[i], &b[i])
+        return k1, k2
+
+    def cache_lookup(self, uint32_t c, cnp.ndarray rows, object keys, list dst,
+                     object versions):
+        """Looks every row of rows up in the cache for client c (by keys[i],
+        the caller's key, or by the hashes of its bytes when keys is None).
+        A hit's outputs go to row i of the arrays dst (and its model version
+        to versions[i] when versions is not None).  Returns (misses, k1, k2):
+        the rows not answered, and every row's cache keys (uint64 arrays),
+        for post() to cache their answers."""
+        cdef uint64_t inb = self.seg.p.in_bytes
+        cdef Py_ssize_t i, n
+        cdef uint64_t v = 0
+        cdef const char *src
+        self._client(c)
+        self._check_dst(dst, 0)
+        if not cnp.PyArray_IS_C_CONTIGUOUS(rows) or cnp.PyArray_NBYTES(rows) % inb:
+            raise ValueError("rows must be C-contiguous rows of in_bytes each")
+        n = cnp.PyArray_NBYTES(rows) // inb
+        if n:
+            self._check_dst(dst, n - 1)
+        if keys is not None and len(keys) != n:
+            raise ValueError(f"{len(keys)} keys for {n} states")
+        k1 = np.zeros(n, np.uint64)
+        k2 = np.zeros(n, np.uint64)
+        cdef uint64_t[::1] a = k1
+        cdef uint64_t[::1] b = k2
+        misses = []
+        if not self.seg.p.cache_log2:
+            return list(range(n)), k1, k2
+        src = <const char *>cnp.PyArray_DATA(rows)
+        for i in range(n):
+            if self._cache_get(c, src + i * inb, None if keys is None else keys[i], dst, i,
+                               &a[i], &b[i], &v):
+                if versions is not None:
+                    versions[i] = v
+            else:
+                misses.append(i)
+        return misses, k1, k2
+
+    def cache_version(self):
+        """The oldest model version a cache lookup accepts now."""
+        return shm_cache_version(&self.seg)
+
+    def cache_set_version(self, uint64_t version):
+        """From now on no lookup accepts an answer older than version (the
+        owner calls it once new weights serve)."""
+        shm_cache_set_version(&self.seg, version)
+
+    def cache_stats(self):
+        """The cache's counters: {"hits", "misses", "stale", "replaced"} in
+        total (reclaimed clients' included), and per live client
+        {index: (hits, misses, stale, replaced)}."""
+        cdef uint32_t c, det
+        cdef uint64_t st, pid_ns
+        cdef uint64_t x[4]
+        names = ("hits", "misses", "stale", "replaced")
+        total = {n: shm_stat_get(&self.seg, STAT_INDEX["cache_" + n]) for n in names}
+        per = {}
+        for c in range(shm_clients_hwm(&self.seg)):
+            if shm_client_info(&self.seg, c, &st, &pid_ns, &det) != 0:
+                shm_client_cache_stats(&self.seg, c, x)
+                per[c] = (x[0], x[1], x[2], x[3])
+                for i in range(4):
+                    total[names[i]] += x[i]
+        return total, per
+
+    def cache_census(self, uint64_t sample=0):
+        """(scanned, held, old): of `sample` entries spread over the table
+        (0: all), how many hold an answer, and how many of those are older
+        than cache_version()."""
+        cdef uint64_t scanned = 0, held = 0, old = 0
+        if self.seg.p.cache_log2:
+            with nogil:
+                shm_cache_census(&self.seg, sample, &scanned, &held, &old)
+        return scanned, held, old
+
+    cdef int _check_dst(self, list dst, Py_ssize_t row) except -1:
+        """dst can take an answer in row `row`: one C-contiguous array per
+        output, big enough."""
+        cdef uint32_t j
+        cdef cnp.ndarray a
+        if len(dst) != self.n_out:
+            raise ValueError("wrong number of output buffers")
+        for j in range(self.n_out):
+            a = dst[j]
+            if not cnp.PyArray_IS_C_CONTIGUOUS(a) or \
+                    <uint64_t>cnp.PyArray_NBYTES(a) < (row + 1) * self.out_nbytes[j]:
+                raise ValueError("output buffer too small or not C-contiguous")
+        return 0
+
+    cdef void _deliver(self, const char *src, list dst, Py_ssize_t row):
+        """Copies one answer (output-area bytes at src) into row `row` of
+        the arrays dst (checked by the caller)."""
+        cdef uint32_t j
+        for j in range(self.n_out):
+            memcpy(<char *>cnp.PyArray_DATA(<cnp.ndarray>dst[j]) + row * self.out_nbytes[j],
+                   src + self.out_off[j], self.out_nbytes[j])
+
+    cdef int _cache_get(self, uint32_t c, const char *state, object key, list dst,
+                        Py_ssize_t row, uint64_t *k1, uint64_t *k2,
+                        uint64_t *version) except -1:
+        """Looks one state up (by key, the caller's, or by the hashes of its
+        bytes when key is None) and on a hit delivers its answer into row
+        `row` of dst and returns 1; else 0.  Either way k1, k2 are set to
+        the state's keys.  The GIL is held (self.cbuf is shared)."""
+        cdef uint64_t v = 0, floor
+        if key is None:
+            shm_hash_state(state, self.seg.p.in_bytes, k1, k2)
+        else:
+            k1[0] = PyLong_AsUnsignedLongLongMask(key)
+            if k1[0] == 0:
+                k1[0] = 0x9E3779B97F4A7C15  # 0 marks an empty entry
+            k2[0] = 0  # never equal to a hash's key2: the key spaces stay apart
+        floor = shm_cache_version(&self.seg)
+        if floor < self.seen_version:
+            floor = self.seen_version
+        if shm_cache_get(&self.seg, c, k1[0], k2[0], floor, self.cbuf, &v) != SHM_CACHE_HIT:
+            return 0
+        self._deliver(<const char *>self.cbuf, dst, row)
+        version[0] = v
+        if v > self.seen_version:
+            self.seen_version = v
+        return 1
+
+    cdef void _cache_put(self, uint32_t c, uint64_t k1, uint64_t k2, uint64_t version,
+                         list dst, Py_ssize_t row):
+        """Caches the answer in row `row` of dst (an answer this process
+        copied out and validated) under (k1, k2).  The GIL is held."""
+        cdef uint32_t j
+        cdef char *buf = <char *>self.cbuf
+        memset(buf, 0, self.seg.l.cache_words * 8)
+        for j in range(self.n_out):
+            memcpy(buf + self.out_off[j],
+                   <char *>cnp.PyArray_DATA(<cnp.ndarray>dst[j]) + row * self.out_nbytes[j],
+                   self.out_nbytes[j])
+        shm_cache_put(&self.seg, c, k1, k2, version, self.cbuf)
 
     def reclaim(self, uint32_t c):
         """Evaluator only, with no batch in flight: frees a dead or detached
@@ -818,28 +1045,30 @@ cdef class ClientPort:
         if self.waiters:
             self.notify()
 
-    def evaluate(self, object state):
+    def evaluate(self, object state, object key=None):
         """Returns the result dict; the error text (str) when the batch
         failed; a tuple (status, slot, generation, outputs) when the wait
         timed out, the evaluator closed (the slot is still in flight) or the
         slot was reclaimed (status STALE); or None when the fast path does
         not apply (the caller takes the general path), which includes a call
-        from a forked child of the registering process."""
-        return self._evaluate(state, False)
+        from a forked child of the registering process.  key: the state's
+        cache key (the caller's), or None to hash its bytes."""
+        return self._evaluate(state, False, key)
 
-    def evaluate_versioned(self, object state):
+    def evaluate_versioned(self, object state, object key=None):
         """As evaluate, but a result comes as (dict, model version)."""
-        return self._evaluate(state, True)
+        return self._evaluate(state, True, key)
 
-    cdef object _evaluate(self, object state, bint versioned):
+    cdef object _evaluate(self, object state, bint versioned, object key):
         cdef cnp.ndarray a
         cdef uint32_t k, j, gen
         cdef int rc, i
-        cdef uint64_t spin
+        cdef uint64_t spin, k1 = 0, k2 = 0, cached_version = 0
         cdef shm_ticker *t
         cdef list outs
         cdef dict result
         cdef bint reuse
+        cdef object r
         if type(state) is not cnp.ndarray or not self.fast or self.pid != _current_pid:
             return None
         a = <cnp.ndarray>state
@@ -851,52 +1080,64 @@ cdef class ClientPort:
         if <PyObject *>cnp.PyArray_DESCR(a) != <PyObject *>self.in_dtype and \
                 a.dtype != self.in_dtype:
             return None
-        if shm_ev_state(&self.seg.seg) >= EV_CLOSING or not self.free:
+        if shm_ev_state(&self.seg.seg) >= EV_CLOSING or self.retired:
             return None
-        k = self.free.pop()
-        if self.retired:  # closed meanwhile (Client.close waits for popped slots)
-            self.free.append(k)
-            return None
-        try:
-            # A cached result is taken out of the port while in use, so that
-            # another thread of this process cannot take it too.
-            reuse = True
-            if self._unreferenced(0):
-                result, outs = self.last, self.last_outs
-                self.last = self.last_outs = None
-            elif self._unreferenced(1):
-                result, outs = self.prev, self.prev_outs
-                self.prev = self.prev_outs = None
-            else:
-                reuse = False
-                outs = []
-                for j in range(self.seg.n_out):
-                    outs.append(cnp.PyArray_EMPTY(self.seg.out_nd[j], self.seg._out_dims(j),
-                                                  self.seg.out_type[j], 0))
-            gen = self.seg._begin(self.c, k)
-        except BaseException:
-            self.free.append(k)
-            raise
-        shm_copy(shm_slot_in(&self.seg.seg, self.c, k), <const char *>cnp.PyArray_DATA(a),
-                 self.seg.seg.p.in_bytes)
-        spin = self.seg._spin(self.spin_ns, self.ncpu)
-        t = self.seg._ticker_for(self.c, self.timeout_ns)
-        if shm_only_python_thread():
-            # The process's only Python thread: no one else wants the GIL, and
-            # releasing and taking it back was about 5% of a worker's CPU time
-            # with 16 workers on 2 cores (docs/performance.md).
-            rc = _publish_and_wait(&self.seg.seg, self.c, k, gen, spin, self.timeout_ns, t)
+        # A cached result is taken out of the port while in use, so that
+        # another thread of this process cannot take it too.
+        reuse = True
+        if self._unreferenced(0):
+            result, outs = self.last, self.last_outs
+            self.last = self.last_outs = None
+        elif self._unreferenced(1):
+            result, outs = self.prev, self.prev_outs
+            self.prev = self.prev_outs = None
         else:
-            with nogil:
-                rc = _publish_and_wait(&self.seg.seg, self.c, k, gen, spin, self.timeout_ns, t)
-        if rc < 0:
-            return (rc, k, gen, outs)
-        r = self.seg._fetch(self.c, k, gen, outs, 0, True)
-        if type(r) is int and r < 0:  # the slot was reclaimed: not ours any more
-            return (r, k, gen, outs)
-        self.give_back(k)
-        if type(r) is str:
-            return r
+            reuse = False
+            outs = []
+            for j in range(self.seg.n_out):
+                outs.append(cnp.PyArray_EMPTY(self.seg.out_nd[j], self.seg._out_dims(j),
+                                              self.seg.out_type[j], 0))
+        if self.seg.seg.p.cache_log2 and self.seg._cache_get(
+                self.c, <const char *>cnp.PyArray_DATA(a), key, outs, 0, &k1, &k2,
+                &cached_version):
+            r = cached_version  # answered here, without a round trip
+        else:
+            if not self.free:
+                return None
+            k = self.free.pop()
+            if self.retired:  # closed meanwhile (Client.close waits for popped slots)
+                self.free.append(k)
+                return None
+            try:
+                gen = self.seg._begin(self.c, k)
+            except BaseException:
+                self.free.append(k)
+                raise
+            if k1:
+                self.seg.ck1[k] = k1
+                self.seg.ck2[k] = k2
+            shm_copy(shm_slot_in(&self.seg.seg, self.c, k),
+                     <const char *>cnp.PyArray_DATA(a), self.seg.seg.p.in_bytes)
+            spin = self.seg._spin(self.spin_ns, self.ncpu)
+            t = self.seg._ticker_for(self.c, self.timeout_ns)
+            if shm_only_python_thread():
+                # The process's only Python thread: no one else wants the GIL,
+                # and releasing and taking it back was about 5% of a worker's
+                # CPU time with 16 workers on 2 cores (docs/performance.md).
+                rc = _publish_and_wait(&self.seg.seg, self.c, k, gen, spin, self.timeout_ns,
+                                       t)
+            else:
+                with nogil:
+                    rc = _publish_and_wait(&self.seg.seg, self.c, k, gen, spin,
+                                           self.timeout_ns, t)
+            if rc < 0:
+                return (rc, k, gen, outs)
+            r = self.seg._fetch(self.c, k, gen, outs, 0, True)
+            if type(r) is int and r < 0:  # the slot was reclaimed: not ours any more
+                return (r, k, gen, outs)
+            self.give_back(k)
+            if type(r) is str:
+                return r
         if not reuse:
             result = {}
             for j in range(self.seg.n_out):
@@ -909,25 +1150,31 @@ cdef class ClientPort:
             return (result, r)
         return result
 
-    cdef object _evaluate_many(self, object states, bint versioned):
+    cdef object _evaluate_many(self, object states, bint versioned, object keys):
         """The common case of ``Client.evaluate_many``: a C-contiguous batch
         of the declared dtype and shape with as many rows as this process has
-        free slots.  Returns the result dict (with ``versioned``, the pair
-        (dict, versions)); the error text (str) when a row's batch failed; a
-        tuple (status, row, slots, outs, versions, exception, error) when a wait
-        timed out, the evaluator closed, a slot was reclaimed or something
-        raised after the rows were posted (``slots`` are the (slot,
-        generation) pairs of the rows from ``row`` on, still in flight;
-        ``error`` the text of an earlier row's failed batch, or None); or
-        None before anything was
-        posted when the fast path does not apply.  One call instead of the
-        Python of ``Client._roundtrip`` around a post and a wait per row:
-        that Python was about 20 us of CPU per call with 8 workers on 2
-        cores (docs/performance.md)."""
+        free slots.  Rows the evaluation cache holds are answered here (by
+        keys[i], the caller's keys, or by the hashes of their bytes), the
+        others sent in one round.  Returns the result dict (with
+        ``versioned``, the pair (dict, versions)); the error text (str) when
+        a row's batch failed; a tuple (status, rows, slots, outs, versions,
+        exception, error) when a wait timed out, the evaluator closed, a
+        slot was reclaimed or something raised after the rows were posted
+        (``rows`` and ``slots``, its (slot, generation) pairs, are the
+        requests still in flight; ``error`` the text of an earlier row's
+        failed batch, or None); or None before anything was posted when the
+        fast path does not apply.  One call instead of the Python of
+        ``Client._roundtrip`` around a post and a wait per row: that Python
+        was about 20 us of CPU per call with 8 workers on 2 cores
+        (docs/performance.md)."""
         cdef cnp.ndarray a
-        cdef Py_ssize_t n, i, j, d
+        cdef Py_ssize_t n, m, i, j, d
         cdef uint32_t ks[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint32_t gens[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef Py_ssize_t rows[SHM_MAX_SLOTS_PER_CLIENT]  # the rows sent
+        cdef uint64_t k1s[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef uint64_t k2s[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef uint64_t v = 0
         cdef uint32_t k
         cdef uint64_t inb
         cdef int rc
@@ -939,6 +1186,7 @@ cdef class ClientPort:
         cdef object r
         cdef object error = None
         cdef dict result
+        cdef bint cache = self.seg.seg.p.cache_log2 != 0
         if type(states) is not cnp.ndarray or not self.fast or self.pid != _current_pid:
             return None
         a = <cnp.ndarray>states
@@ -953,6 +1201,8 @@ cdef class ClientPort:
         if <PyObject *>cnp.PyArray_DESCR(a) != <PyObject *>self.in_dtype and \
                 a.dtype != self.in_dtype:
             return None
+        if keys is not None and len(keys) != n:
+            return None  # the general path says what is wrong
         if shm_ev_state(&self.seg.seg) >= EV_CLOSING or self.retired:
             return None
         outs = []
@@ -965,51 +1215,70 @@ cdef class ClientPort:
                                           self.seg.out_type[j], 0))
         if versioned:
             versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)  # dims[0] is n
-        if n > len(self.free):  # another thread took slots meanwhile
-            return None
-        for i in range(n):
-            ks[i] = self.free.pop()
-        if self.retired:  # closed meanwhile (Client.close waits for popped slots)
-            for i in range(n):
-                self.free.append(ks[i])
-            return None
-        i = 0
-        try:
-            for i in range(n):
-                gens[i] = self.seg._begin(self.c, ks[i])
-        except BaseException:
-            for i in range(n):
-                self.free.append(ks[i])
-            raise
         inb = self.seg.seg.p.in_bytes
         src = <char *>cnp.PyArray_DATA(a)
-        for i in range(n):
-            shm_copy(shm_slot_in(&self.seg.seg, self.c, ks[i]), src + i * inb, inb)
-        # Publish in a tight loop after all the copies, then one doorbell.
-        for i in range(n):
-            shm_slot_publish(&self.seg.seg, self.c, ks[i])
-        shm_notify_evaluator(&self.seg.seg, <uint32_t>n)
+        m = 0
+        try:
+            for i in range(n):
+                if cache and self.seg._cache_get(self.c, src + i * inb,
+                                                 None if keys is None else keys[i], outs, i,
+                                                 &k1s[m], &k2s[m], &v):
+                    if versioned:
+                        (<int64_t *>cnp.PyArray_DATA(versions))[i] = <int64_t>v
+                else:
+                    rows[m] = i
+                    m += 1
+        except TypeError:
+            return None  # a key that is not an int: the general path says so
+        if m:
+            if m > len(self.free):  # another thread took slots meanwhile
+                return None
+            for i in range(m):
+                ks[i] = self.free.pop()
+            if self.retired:  # closed meanwhile (Client.close waits for popped slots)
+                for i in range(m):
+                    self.free.append(ks[i])
+                return None
+            i = 0
+            try:
+                for i in range(m):
+                    gens[i] = self.seg._begin(self.c, ks[i])
+                    if cache:
+                        self.seg.ck1[ks[i]] = k1s[i]
+                        self.seg.ck2[ks[i]] = k2s[i]
+            except BaseException:
+                for i in range(m):
+                    self.free.append(ks[i])
+                raise
+            for i in range(m):
+                shm_copy(shm_slot_in(&self.seg.seg, self.c, ks[i]), src + rows[i] * inb, inb)
+            # Publish in a tight loop after all the copies, then one doorbell.
+            for i in range(m):
+                shm_slot_publish(&self.seg.seg, self.c, ks[i])
+            shm_notify_evaluator(&self.seg.seg, <uint32_t>m)
         i = 0
         try:
-            while i < n:
+            while i < m:
                 k = ks[i]
                 rc = self.seg._wait(self.c, k, gens[i], self.spin_ns, self.timeout_ns, self.ncpu)
                 if rc < 0:
-                    return (rc, i, [(ks[d], gens[d]) for d in range(i, n)], outs, versions,
-                            None, error)
-                r = self.seg._fetch(self.c, k, gens[i], outs, i, True)
+                    return (rc, [rows[d] for d in range(i, m)],
+                            [(ks[d], gens[d]) for d in range(i, m)], outs, versions, None,
+                            error)
+                r = self.seg._fetch(self.c, k, gens[i], outs, rows[i], True)
                 if type(r) is int and <int>r < 0:  # reclaimed: not ours any more
-                    return (r, i, [(ks[d], gens[d]) for d in range(i, n)], outs, versions,
-                            None, error)
+                    return (r, [rows[d] for d in range(i, m)],
+                            [(ks[d], gens[d]) for d in range(i, m)], outs, versions, None,
+                            error)
                 self.give_back(k)
                 if type(r) is str:
                     error = r  # the last failed row's, as in Client._answer_posted
                 elif versioned:
-                    (<int64_t *>cnp.PyArray_DATA(versions))[i] = <int64_t>r
+                    (<int64_t *>cnp.PyArray_DATA(versions))[rows[i]] = <int64_t>r
                 i += 1
         except BaseException as e:
-            return (SHM_E_STATE, i, [(ks[d], gens[d]) for d in range(i, n)], outs, versions, e,
-                    error)
+            return (SHM_E_STATE, [rows[d] for d in range(i, m)],
+                    [(ks[d], gens[d]) for d in range(i, m)], outs, versions, e, error)
         if error is not None:
             return error
         result = {}
@@ -1077,11 +1346,14 @@ cdef class ClientBase:
 
 
 @cython.binding(True)
-def client_evaluate(self, object state, bint return_version=False):
+def client_evaluate(self, object state, bint return_version=False, object key=None):
     """Evaluates one state; returns ``{name: array of the output's shape}``,
     or ``(outputs, model_version)`` with ``return_version=True``: the
     version of the weights that computed it (0 for the model the
     evaluator started with, then as set by ``Evaluator.set_weights``).
+    With an evaluation cache (``cache_entries``), ``key`` is the state's
+    cache key (any int, e.g. a Zobrist hash; taken modulo 2**64) instead of
+    a hash of its bytes; without one it is ignored.
 
     (``Client.evaluate``: written here so that the common case -- the
     process's port exists and ``ClientPort`` answers -- runs no Python
@@ -1089,23 +1361,23 @@ def client_evaluate(self, object state, bint return_version=False):
     port = (<ClientBase?>self)._port
     cdef object r = None
     if port is not None:
-        r = (<ClientPort?>port)._evaluate(state, return_version)
+        r = (<ClientPort?>port)._evaluate(state, return_version, key)
         if _answered(r, return_version):
             return r
-    return self._evaluate_slow(state, r, port, return_version)
+    return self._evaluate_slow(state, r, port, return_version, key)
 
 
 @cython.binding(True)
-def client_evaluate_many(self, object states, bint return_version=False):
+def client_evaluate_many(self, object states, bint return_version=False, object keys=None):
     """``Client.evaluate_many``: the common case in ClientPort (no Python
     frame); anything else goes to ``Client._evaluate_many_slow``."""
     port = (<ClientBase?>self)._port
     cdef object r = None
     if port is not None:
-        r = (<ClientPort?>port)._evaluate_many(states, return_version)
+        r = (<ClientPort?>port)._evaluate_many(states, return_version, keys)
         if _answered(r, return_version):
             return r
-    return self._evaluate_many_slow(states, r, port, return_version)
+    return self._evaluate_many_slow(states, r, port, return_version, keys)
 
 
 def only_python_thread():

@@ -140,31 +140,38 @@ class Client(_ring.ClientBase):
     # ------------------------------------------------------------ public API
     if TYPE_CHECKING:
         @overload
-        def evaluate(self, state: Any) -> Outputs: ...
+        def evaluate(self, state: Any, *, key: Optional[int] = None) -> Outputs: ...
         @overload
-        def evaluate(self, state: Any, return_version: Literal[False]) -> Outputs: ...
+        def evaluate(self, state: Any, return_version: Literal[False],
+                     key: Optional[int] = None) -> Outputs: ...
         @overload
-        def evaluate(self, state: Any, return_version: Literal[True]) -> tuple[Outputs, int]: ...
+        def evaluate(self, state: Any, return_version: Literal[True],
+                     key: Optional[int] = None) -> tuple[Outputs, int]: ...
         @overload
-        def evaluate(self, state: Any, return_version: bool) -> Outputs | tuple[Outputs, int]: ...
+        def evaluate(self, state: Any, return_version: bool,
+                     key: Optional[int] = None) -> Outputs | tuple[Outputs, int]: ...
 
-        def evaluate(self, state: Any, return_version: bool = False) -> Outputs | tuple[Outputs, int]:
+        def evaluate(self, state: Any, return_version: bool = False,
+                     key: Optional[int] = None) -> Outputs | tuple[Outputs, int]:
             """Evaluates one state; returns ``{name: array of the output's shape}``,
-            or ``(outputs, model_version)`` with ``return_version=True``."""
-            return _ring.client_evaluate(self, state, return_version)  # type: ignore[no-any-return]
+            or ``(outputs, model_version)`` with ``return_version=True``.
+            ``key``: the state's evaluation-cache key (e.g. a Zobrist hash)
+            instead of a hash of its bytes."""
+            return _ring.client_evaluate(self, state, return_version, key)  # type: ignore[no-any-return]
     else:
         # Written in Cython (_ring.client_evaluate): the common case runs no
         # Python frame; anything unusual calls _evaluate_slow below.
         evaluate = _ring.client_evaluate
 
     def _evaluate_slow(self, state: Any, r: Any, port: Optional["_ring.ClientPort"],
-                       versioned: bool) -> Outputs | tuple[Outputs, int]:
+                       versioned: bool, key: Optional[int] = None
+                       ) -> Outputs | tuple[Outputs, int]:
         spec = self.spec
         version = np.zeros(1, np.int64)
         if r is None:  # the fast path did not apply: the general one
             a = self._as_input(state, spec.input_shape, "state")
             outs = [np.empty(o.shape, o.dtype) for o in spec.outputs]
-            self._roundtrip(a, 1, outs, version)
+            self._roundtrip(a, 1, outs, version, None if key is None else _cache_keys([key], 1))
         else:
             if isinstance(r, str):
                 raise ModelError(r)
@@ -186,24 +193,28 @@ class Client(_ring.ClientBase):
 
     if TYPE_CHECKING:
         @overload
-        def evaluate_many(self, states: Any) -> Outputs: ...
+        def evaluate_many(self, states: Any, *, keys: Any = None) -> Outputs: ...
         @overload
-        def evaluate_many(self, states: Any, return_version: Literal[False]) -> Outputs: ...
+        def evaluate_many(self, states: Any, return_version: Literal[False],
+                          keys: Any = None) -> Outputs: ...
         @overload
-        def evaluate_many(self, states: Any,
-                          return_version: Literal[True]) -> tuple[Outputs, np.ndarray]: ...
+        def evaluate_many(self, states: Any, return_version: Literal[True],
+                          keys: Any = None) -> tuple[Outputs, np.ndarray]: ...
         @overload
-        def evaluate_many(self, states: Any,
-                          return_version: bool) -> Outputs | tuple[Outputs, np.ndarray]: ...
+        def evaluate_many(self, states: Any, return_version: bool,
+                          keys: Any = None) -> Outputs | tuple[Outputs, np.ndarray]: ...
 
-        def evaluate_many(self, states: Any,
-                          return_version: bool = False) -> Outputs | tuple[Outputs, np.ndarray]:
+        def evaluate_many(self, states: Any, return_version: bool = False,
+                          keys: Any = None) -> Outputs | tuple[Outputs, np.ndarray]:
             """Evaluates a batch ``[n, *input_shape]``; returns arrays with a
             leading dimension n.  Any n works: more than the client's slots are
             sent in several rounds.  With ``return_version=True`` returns
             ``(outputs, versions)``, versions an int64 array of n model versions
-            (rows may be computed in different batches, so versions may differ)."""
-            return _ring.client_evaluate_many(self, states, return_version)  # type: ignore[no-any-return]
+            (rows may be computed in different batches, so versions may differ).
+            ``keys``: n evaluation-cache keys (ints), instead of hashes of
+            the states' bytes; rows the cache holds are answered at once and
+            only the others are sent."""
+            return _ring.client_evaluate_many(self, states, return_version, keys)  # type: ignore[no-any-return]
     else:
         # Written in Cython (_ring.client_evaluate_many): a batch that fits in
         # the free slots runs no Python frame; anything else calls
@@ -211,26 +222,29 @@ class Client(_ring.ClientBase):
         evaluate_many = _ring.client_evaluate_many
 
     def _evaluate_many_slow(self, states: Any, r: Any, port: Optional["_ring.ClientPort"],
-                            versioned: bool) -> Outputs | tuple[Outputs, np.ndarray]:
+                            versioned: bool, keys: Any = None
+                            ) -> Outputs | tuple[Outputs, np.ndarray]:
         spec = self.spec
         if r is None:  # the fast path did not apply: the general one
             a = self._as_input(states, None, "states")
             n = a.shape[0]
             outs = [np.empty((n,) + o.shape, o.dtype) for o in spec.outputs]
             versions = np.zeros(n, np.int64) if versioned else None
+            if keys is not None:
+                keys = _cache_keys(keys, n)
             if n:
-                self._roundtrip(a, n, outs, versions)
+                self._roundtrip(a, n, outs, versions, keys)
         else:
             if isinstance(r, str):
                 raise ModelError(r)
-            # Rows from `row` on are in flight in `slots` ((slot, generation)
+            # Rows `rows` are in flight in `slots` ((slot, generation)
             # pairs); `error`: an earlier row's batch failed.
-            rc, row, slots, outs, versions, exc, error = r
+            rc, rows, slots, outs, versions, exc, error = r
             assert port is not None
             if exc is not None:
                 self._give_back(port, [], slots)
                 raise exc
-            error = self._answer_posted(port, slots, outs, row, versions, rc) or error
+            error = self._answer_posted(port, slots, outs, rows, versions, rc) or error
             if error is not None:
                 raise ModelError(error)
         result = dict(zip(spec.output_names, outs))
@@ -277,6 +291,8 @@ class Client(_ring.ClientBase):
         raw["clients"] = live_clients(seg)
         raw["stop"] = seg.stop_reason()
         raw["replicas"] = seg.replicas()
+        if seg.cache_entries:
+            raw["cache"] = _cache_raw(seg)
         return summarize(raw)
 
     def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
@@ -504,37 +520,46 @@ class Client(_ring.ClientBase):
             rc = r
 
     def _roundtrip(self, a: np.ndarray, n: int, outs: List[np.ndarray],
-                   versions: Optional[np.ndarray] = None) -> None:
+                   versions: Optional[np.ndarray] = None, keys: Any = None) -> None:
+        """Answers rows 0..n of a into outs (and versions): from the
+        evaluation cache where it holds them (by keys, or by the hashes of
+        the rows), the others through the evaluator, a client's slots at a
+        time."""
         c = self._c if self._pid == os.getpid() else self._register()
         port = self._port  # this call stays on this entry, even if closed meanwhile
         seg = self._seg
         assert seg is not None
         if port is None or port.c != c:  # closed by another thread just now
             raise EvaluatorClosed(f"{self} was closed in this process")
+        if seg.cache_entries and seg.ev_state() < _ring.CLOSING:
+            rows, k1, k2 = seg.cache_lookup(c, a, keys, outs, versions)
+        else:
+            rows, k1, k2 = list(range(n)), None, None
         K = self.spec.slots_per_client
         error: Optional[str] = None
         done = 0
-        while done < n:
-            m = min(K, n - done)
-            slots = self._acquire(m, port)
+        while done < len(rows):
+            sent = rows[done:done + K]
+            slots = self._acquire(len(sent), port)
             try:
                 if seg.ev_state() >= _ring.CLOSING:
                     self._check_state(seg)
-                gens = seg.post(c, slots, a, done)
+                gens = seg.post(c, slots, a, sent, k1, k2)
             except BaseException:
                 self._give_back(port, slots, [])
                 raise
-            error = self._answer_posted(port, list(zip(slots, gens)), outs, done,
+            error = self._answer_posted(port, list(zip(slots, gens)), outs, sent,
                                         versions) or error
-            done += m
+            done += len(sent)
         if error is not None:
             raise ModelError(error)
 
     def _answer_posted(self, port: "_ring.ClientPort", slots: List[tuple[int, int]],
-                       outs: List[np.ndarray], row: int, versions: Optional[np.ndarray],
+                       outs: List[np.ndarray], row: Union[int, Sequence[int]],
+                       versions: Optional[np.ndarray],
                        rc: Optional[int] = None) -> Optional[str]:
         """Waits for and fetches posted requests: slots[i] = (slot,
-        generation) holds row + i.  rc: how the wait for slots[0] already
+        generation) holds row rows[i] (row + i when row is an int).  rc: how the wait for slots[0] already
         ended (timed out, closed or reclaimed: the fast path of
         evaluate_many handing over), or None.  Gives every slot back (those
         not answered as abandoned) and returns the error text of the last
@@ -543,24 +568,57 @@ class Client(_ring.ClientBase):
         assert seg is not None
         spin_ns = self._spin_ns()
         error: Optional[str] = None
+        rows = range(row, row + len(slots)) if isinstance(row, int) else row
         fetched = 0
         try:
-            for k, gen in slots:
+            for (k, gen), i in zip(slots, rows):
                 if fetched == 0 and rc is not None:
                     r: Any = rc
                 else:
-                    r = seg.answer(port.c, k, gen, outs, row + fetched, spin_ns,
-                                   WAIT_TIMEOUT_NS, self._ncpu)
+                    r = seg.answer(port.c, k, gen, outs, i, spin_ns, WAIT_TIMEOUT_NS, self._ncpu)
                 if type(r) is int and r < 0:
-                    r = self._wait_slow(seg, port, k, gen, outs, row + fetched, r)
+                    r = self._wait_slow(seg, port, k, gen, outs, i, r)
                 if type(r) is str:
                     error = r
                 elif versions is not None:
-                    versions[row + fetched] = r
+                    versions[i] = r
                 fetched += 1
         finally:
             self._give_back(port, [k for k, _ in slots[:fetched]], slots[fetched:])
         return error
+
+
+#: Cache entries stats() looks at to estimate how many are held (a sample
+#: spread over a larger table).
+CENSUS_SAMPLE = 1 << 16
+
+
+def _cache_raw(seg: "_ring.Segment") -> Dict[str, Any]:
+    """The evaluation cache's counters and census, for stats.summarize."""
+    total, per = seg.cache_stats()
+    scanned, held, old = seg.cache_census(CENSUS_SAMPLE)
+    pids = {c: pid for c, pid, _, _, _ in seg.clients()}
+    return dict(total, entries=seg.cache_entries, scanned=scanned, held=held, old=old,
+                version=seg.cache_version(),
+                clients=[(c, pids.get(c, 0)) + counts for c, counts in sorted(per.items())])
+
+
+def _cache_keys(keys: Any, n: int) -> Any:
+    """The caller's evaluation-cache keys for n states, checked: n ints
+    (an int array or a sequence of ints)."""
+    if isinstance(keys, np.ndarray):
+        if keys.dtype.kind not in "iu":
+            raise TypeError(f"keys must be integers, got an array of {keys.dtype}")
+        if keys.shape != (n,):
+            raise ValueError(f"keys has shape {keys.shape}; {n} states need ({n},)")
+        return keys
+    keys = list(keys)
+    if len(keys) != n:
+        raise ValueError(f"{len(keys)} keys for {n} states")
+    for k in keys:
+        if isinstance(k, (bool, np.bool_)) or not hasattr(k, "__index__"):
+            raise TypeError(f"keys must be integers, got {type(k).__name__}")
+    return keys
 
 
 def live_clients(seg: "_ring.Segment") -> int:

@@ -679,6 +679,16 @@ class Evaluator(Client):
         no call in flight.
     reject_nonfinite:
         fail batches whose float outputs hold NaN or inf (ModelError).
+    cache_entries:
+        an evaluation cache of this many entries (a power of two; 0: none)
+        in shared memory: every client looks a state up there before it
+        sends it, and stores the answers it gets, so a state any process
+        had evaluated is answered in any other without a round trip.
+        Entries carry the model version; after ``set_weights`` returns no
+        lookup accepts an older answer.  Keys are hashes of the states'
+        bytes, or the caller's (``evaluate(state, key=...)``).  One entry
+        takes 32 bytes plus the outputs' (docs/guide.md, *The evaluation
+        cache*).
     metrics_port:
         serve Prometheus metrics of the evaluator on this port of 127.0.0.1
         (0: a port the system picks, see ``metrics_port``), from a thread of
@@ -692,9 +702,10 @@ class Evaluator(Client):
                  spin_us: Union[float, str, None] = None,
                  evaluator_spin_us: Union[float, str] = AUTO, reject_nonfinite: bool = True,
                  name: Optional[str] = None, serving_threads: Union[int, str] = AUTO,
-                 metrics_port: Optional[int] = None) -> None:
+                 cache_entries: int = 0, metrics_port: Optional[int] = None) -> None:
         if not callable(model):
             raise TypeError(f"model must be callable, got {type(model).__name__}")
+        _ring.cache_log2_of(cache_entries)
         _check_metrics_port(metrics_port)
         _check_not_bootstrapping("Evaluator()")
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
@@ -703,7 +714,8 @@ class Evaluator(Client):
         t0 = time.perf_counter_ns()
         policy = _fit_threads(model, _prepare(model, spec, policy))  # before any segment exists
         warmup_ns = time.perf_counter_ns() - t0
-        seg, address = segment.create(spec, name, replicas=1, servers=policy.threads)
+        seg, address = segment.create(spec, name, replicas=1, servers=policy.threads,
+                                      cache_entries=cache_entries)
         super().__init__(address, spec, spin_us, _segment=seg)
         self._owner_pid = os.getpid()
         self._policy = policy
@@ -735,7 +747,7 @@ class Evaluator(Client):
               name: Optional[str] = None, start_timeout: float = 600.0,
               mp_context: str = "spawn", serving_threads: Union[int, str] = AUTO,
               replicas: Optional[int] = None,
-              devices: Optional[Sequence[str]] = None,
+              devices: Optional[Sequence[str]] = None, cache_entries: int = 0,
               metrics_port: Optional[int] = None) -> "Evaluator":
         """Serves from new processes, each of which calls the picklable
         ``factory`` to build its model (so e.g. TensorFlow is imported only
@@ -751,6 +763,7 @@ class Evaluator(Client):
         served by the others; the evaluator dies with its last replica."""
         if not callable(factory):
             raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+        _ring.cache_log2_of(cache_entries)
         _check_metrics_port(metrics_port)
         _check_not_bootstrapping("Evaluator.spawn()")
         if mp_context != "fork":
@@ -760,7 +773,8 @@ class Evaluator(Client):
                                   buckets, max_clients, slots_per_client, evaluator_spin_us,
                                   spin_us, serving_threads)
         seg, address = segment.create(spec, name, replicas=len(devs),
-                                      servers=len(devs) * policy.threads)
+                                      servers=len(devs) * policy.threads,
+                                      cache_entries=cache_entries)
         self = cls.__new__(cls)
         Client.__init__(self, address, spec, spin_us, _segment=seg)
         self._owner_pid = os.getpid()
@@ -927,6 +941,9 @@ class Evaluator(Client):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the evaluator did not apply {method} within "
                                        f"{timeout} s (it may still do so)")
+            if applied:
+                # Before returning: no cache lookup accepts older answers now.
+                seg.cache_set_version(new)
             if refused:
                 if len(self._controls) == 1:
                     raise ModelError(next(iter(refused.values())))

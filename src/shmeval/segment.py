@@ -70,18 +70,50 @@ def _check_name(name: str) -> str:
     return name
 
 
+def _check_fits(size: int, spec: Spec, cache_entries: int) -> None:
+    """ValueError when a segment of size bytes cannot live in this machine's
+    memory: more than /dev/shm has free, or than the machine's RAM (a
+    tmpfs file that big is accepted, and the process dies of SIGBUS once it
+    touches the part that does not fit)."""
+    limits = []
+    try:
+        st = os.statvfs(SHM_DIR)
+        limits.append((st.f_bavail * st.f_frsize, f"the {{}} free in {SHM_DIR}"))
+    except OSError:
+        pass
+    try:
+        limits.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
+                       "this machine's {} of memory"))
+    except (OSError, ValueError):
+        pass
+    for limit, what in limits:
+        if size > limit:
+            whose = (f"a cache of {cache_entries} entries of "
+                     f"{_ring.cache_entry_bytes(spec.out_bytes)} bytes" if cache_entries
+                     else "the segment")
+            raise ValueError(f"{whose} needs {_gib(size)} in all, more than "
+                             f"{what.format(_gib(limit))}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
 def create(spec: Spec, name: Optional[str] = None, replicas: int = 1,
-           servers: int = 1) -> tuple["_ring.Segment", str]:
+           servers: int = 1, cache_entries: int = 0) -> tuple["_ring.Segment", str]:
     """Creates and formats a new segment for spec, served by `replicas`
-    model replicas from `servers` serving threads in all; returns (segment,
+    model replicas from `servers` serving threads in all, with an
+    evaluation cache of `cache_entries` entries (0: none); returns (segment,
     name).
 
     First removes this user's stale segments (see :func:`cleanup_own_stale`),
     so that processes killed without closing do not pile up in /dev/shm."""
     name = _check_name(name) if name else new_name()
-    cleanup_own_stale()
     size = _ring.segment_size(spec.in_bytes, spec.out_bytes, spec.max_clients,
-                              spec.slots_per_client, spec.max_batch, replicas, servers)
+                              spec.slots_per_client, spec.max_batch, replicas, servers,
+                              cache_entries)
+    cleanup_own_stale()
+    _check_fits(size, spec, cache_entries)
     try:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
     except posix_ipc.ExistentialError:
@@ -91,7 +123,7 @@ def create(spec: Spec, name: Optional[str] = None, replicas: int = 1,
         seg = _ring.Segment.create(shm.fd, size, spec.in_bytes, spec.out_bytes,
                                    spec.max_clients, spec.slots_per_client, spec.max_batch,
                                    replicas, servers, spec.to_json(), os.getpid(), ns.pid,
-                                   ns.time, name)
+                                   ns.time, name, cache_entries)
     except BaseException:
         shm.close_fd()
         unlink(name)

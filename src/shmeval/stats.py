@@ -99,4 +99,29 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
         "uptime_s": uptime_ns / 1e9,
         "heartbeat_age_s": (now - int(raw["heartbeat_ns"])) / 1e9 if raw["heartbeat_ns"] else None,
         "replicas": [_replica(r, uptime_ns) for r in raw.get("replicas", ())],
+        "cache": _cache(raw["cache"]) if raw.get("cache") else None,
+    }
+
+
+def _hit_rate(hits: int, misses: int) -> float:
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
+def _cache(c: Dict[str, Any]) -> Dict[str, Any]:
+    """The evaluation cache: its counters in total and per live client, and
+    how full it is (estimated from a sample of its entries when large)."""
+    scale = c["entries"] / c["scanned"] if c["scanned"] else 0.0
+    return {
+        "entries": int(c["entries"]),
+        "held": round(c["held"] * scale),
+        "old_entries": round(c["old"] * scale),
+        "hits": int(c["hits"]),
+        "misses": int(c["misses"]),
+        "hit_rate": _hit_rate(c["hits"], c["misses"]),
+        "stale": int(c["stale"]),
+        "replaced": int(c["replaced"]),
+        "version": int(c["version"]),
+        "clients": [{"client": int(i), "pid": int(pid), "hits": int(h), "misses": int(m),
+                     "hit_rate": _hit_rate(h, m), "stale": int(s), "replaced": int(r)}
+                    for i, pid, h, m, s, r in c["clients"]],
     }

@@ -122,6 +122,30 @@ MUTATIONS = [
         if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n) return rc;
 """,
         "        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);\n"),)),
+    Mutation("the cache reader does not verify the check word", "cache_torn", "plain", ((
+        """        if (atomic_load_explicit(&e->key, memory_order_relaxed) != key ||
+            shm_cache_check(key, key2, v, out, nw) != chk)
+            continue;""",
+        """        (void)chk, (void)key2;
+        if (atomic_load_explicit(&e->key, memory_order_relaxed) != key)
+            continue;"""),)),
+    Mutation("the cache's check word leaves out the data", "cache_torn", "plain", ((
+        """    uint64_t i = 0;
+    for (; i + 2 <= nw; i += 2)
+        h = shm_mum(h ^ data[i] ^ 0xA0761D6478BD642Full,""",
+        """    uint64_t i = nw;
+    for (; i + 2 <= nw; i += 2)
+        h = shm_mum(h ^ data[i] ^ 0xA0761D6478BD642Full,"""),)),
+    Mutation("the cache accepts answers of older weights", "cache", "plain", ((
+        """        if (v < min_version) {
+            old = 1;""",
+        """        if (min_version == UINT64_MAX) {
+            old = 1;"""),)),
+    Mutation("the cache's data words written by plain stores", "cache_threads", "tsan", ((
+        """        atomic_store_explicit(&d[i], data[i], memory_order_relaxed);
+    }""",
+        """        ((uint64_t *)d)[i] = data[i];
+    }"""),)),
 ]
 
 

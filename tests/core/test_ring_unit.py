@@ -607,7 +607,7 @@ def test_header_and_params(rig: Rig) -> None:
     assert seg.spec == rig.spec.to_json()
     assert seg.params == dict(in_bytes=rig.spec.in_bytes, out_bytes=rig.spec.out_bytes,
                               max_clients=4, slots_per_client=4, max_batch=8,
-                              replicas=1, servers=3)
+                              replicas=1, servers=3, cache_entries=0)
     assert seg.owner_pid == os.getpid()
     assert (seg.pid_ns, seg.time_ns) == tuple(segment.namespaces())
     assert seg.pid_ns == os.stat("/proc/self/ns/pid").st_ino != 0
@@ -615,7 +615,7 @@ def test_header_and_params(rig: Rig) -> None:
     assert seg.nbytes == _ring.segment_size(rig.spec.in_bytes, rig.spec.out_bytes, 4, 4, 8)
     assert seg.nbytes == os.stat("/dev/shm" + rig.name).st_size
     assert seg.name == rig.name
-    assert _ring.LAYOUT_VERSION == 4
+    assert _ring.LAYOUT_VERSION == 5
     # A second mapping of the same segment sees the same state words.
     seg2, spec2 = segment.attach(rig.name)
     assert spec2 == rig.spec

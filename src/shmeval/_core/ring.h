@@ -74,7 +74,7 @@
 /* ------------------------------------------------------------------ */
 
 #define SHM_MAGIC 0x314C4156454D4853ULL /* "SHMEVAL1" little-endian */
-#define SHM_LAYOUT_VERSION 4u
+#define SHM_LAYOUT_VERSION 5u
 #define SHM_LINE 64u
 #define SHM_SPEC_MAX 4096u       /* bytes of JSON spec kept in the header */
 #define SHM_HIST_BINS 256u       /* log-scale latency histogram bins */
@@ -85,6 +85,9 @@
 #define SHM_MAX_SERVERS 512u     /* serving threads of all replicas */
 #define SHM_DEVICE_MAX 48u       /* bytes of a replica's device name */
 #define SHM_MAX_ROW_BYTES (1ull << 30)
+#define SHM_CACHE_MAX_LOG2 32u   /* at most 2^32 cache entries */
+#define SHM_CACHE_MAX_BYTES (1ull << 46) /* and 64 TiB of them */
+#define SHM_CACHE_WAYS 4u        /* entries per bucket */
 #define SHM_ERRMSG_MIN 1024u     /* output area is at least this big: a
                                     FAILED slot carries the error text there
                                     (errors.exception_text fits it in) */
@@ -149,7 +152,13 @@ enum shm_stat {
     ST_STALE_COMPLETIONS, /* completions refused by the generation check */
     ST_WARMUP_NS,
     ST_WEIGHT_UPDATES,    /* control requests that changed the model */
-    SHM_N_STATS = 16,
+    /* The evaluation cache's counters of clients whose entries were
+     * reclaimed (live clients keep theirs in shm_client). */
+    ST_CACHE_HITS,
+    ST_CACHE_MISSES,
+    ST_CACHE_STALE,
+    ST_CACHE_REPLACED,
+    SHM_N_STATS = 24,
 };
 
 /* Evaluator lifecycle (header.ev_state). */
@@ -184,7 +193,8 @@ typedef struct {
     uint32_t replicas;          /* model replicas serving the segment */
     uint32_t servers;           /* serving threads of all the replicas; each
                                    keeps its batch in a table of its own */
-    uint32_t _pad;
+    uint32_t cache_log2;        /* 0: no evaluation cache; else it holds
+                                   2^cache_log2 entries (2 or more) */
 } shm_params;
 
 typedef struct {
@@ -199,6 +209,9 @@ typedef struct {
     uint64_t in_off;            /* within a slot */
     uint64_t out_off;           /* within a slot */
     uint64_t out_area;          /* bytes of the output area */
+    uint64_t cache_off;         /* evaluation cache (0 bytes without one) */
+    uint64_t cache_stride;      /* bytes of one cache entry */
+    uint64_t cache_words;       /* data words of one entry */
     uint64_t total;             /* bytes of the whole segment */
 } shm_layout;
 
@@ -243,6 +256,11 @@ typedef struct {
      * server's id (index + 1) | SHM_LOCK_WAITERS when someone may sleep on
      * it (shm_collect_lock) --- */
     _Alignas(SHM_LINE) _Atomic uint32_t collect_lock;
+
+    /* --- the evaluation cache's oldest acceptable model version: the
+     * owner raises it when new weights serve (shm_cache_set_version);
+     * every lookup reads it, so it has a line of its own --- */
+    _Alignas(SHM_LINE) _Atomic uint64_t cache_version;
 
     /* --- evaluator doorbell: written by every client on every submit --- */
     _Alignas(SHM_LINE) _Atomic uint32_t submit_seq; /* futex word */
@@ -320,9 +338,15 @@ typedef struct {
     _Atomic uint64_t starttime;       /* owner's start time (pid reuse) */
     _Atomic uint64_t pid_ns;          /* owner's pid namespace, 0 = unknown */
     _Atomic uint64_t requests;        /* published by this entry's owner(s) */
-    char _pad[SHM_LINE - 32];
+    /* Its owner's lookups in the evaluation cache (shm_cache_get) and the
+     * live entries of other states its answers replaced (shm_cache_put). */
+    _Atomic uint64_t cache_hits;
+    _Atomic uint64_t cache_misses;
+    _Atomic uint64_t cache_stale;     /* misses that found an older version */
+    _Atomic uint64_t cache_replaced;
     /* _Atomic uint32_t state[K], on the next cache line(s) */
 } shm_client;
+_Static_assert(sizeof(shm_client) == SHM_LINE, "shm_client is one line");
 
 /* Per-slot metadata at the start of each slot's data area. */
 typedef struct {
@@ -368,8 +392,19 @@ static inline int shm_layout_compute(const shm_params *p, shm_layout *l) {
         p->out_bytes > SHM_ERRMSG_MIN ? p->out_bytes : SHM_ERRMSG_MIN,
         SHM_LINE);
     l->slot_stride = l->out_off + l->out_area;
-    l->total = l->slots_off + l->slot_stride * (uint64_t)p->max_clients *
-                                  p->slots_per_client;
+    uint64_t end = l->slots_off + l->slot_stride * (uint64_t)p->max_clients *
+                                      p->slots_per_client;
+    l->cache_off = shm_round_up(end, 4096);
+    l->cache_words = (p->out_bytes + 7) / 8;
+    l->cache_stride = 32 + 8 * l->cache_words; /* shm_cache_entry + data */
+    if (p->cache_log2 == 0) {
+        l->total = end;
+        return SHM_OK;
+    }
+    if (p->cache_log2 < 2 || p->cache_log2 > SHM_CACHE_MAX_LOG2 ||
+        l->cache_stride > (SHM_CACHE_MAX_BYTES >> p->cache_log2))
+        return SHM_E_PARAMS;
+    l->total = l->cache_off + (l->cache_stride << p->cache_log2);
     return SHM_OK;
 }
 
@@ -779,6 +814,17 @@ static inline int shm_client_reclaim(shm_seg *s, uint32_t c) {
     atomic_store_explicit(&e->starttime, 0, memory_order_relaxed);
     atomic_store_explicit(&e->pid_ns, 0, memory_order_relaxed);
     atomic_store_explicit(&e->requests, 0, memory_order_relaxed);
+    /* The cache counters go to the totals (st[]), so that they outlive the
+     * client; they are the stats the entry's next owner starts from. */
+    shm_stat_add(&h->st[ST_CACHE_HITS],
+                 atomic_exchange_explicit(&e->cache_hits, 0, memory_order_relaxed));
+    shm_stat_add(&h->st[ST_CACHE_MISSES],
+                 atomic_exchange_explicit(&e->cache_misses, 0, memory_order_relaxed));
+    shm_stat_add(&h->st[ST_CACHE_STALE],
+                 atomic_exchange_explicit(&e->cache_stale, 0, memory_order_relaxed));
+    shm_stat_add(&h->st[ST_CACHE_REPLACED],
+                 atomic_exchange_explicit(&e->cache_replaced, 0,
+                                          memory_order_relaxed));
     /* MO: relaxed; a hint (clients fetch_add it too, hence atomic RMW). */
     atomic_fetch_sub_explicit(&h->n_attached, 1, memory_order_relaxed);
     shm_stat_add(&h->st[ST_RECLAIMED_CLIENTS], 1);
@@ -1252,6 +1298,266 @@ static inline uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k) {
     /* MO: acquire; same pairing as shm_slot_wait. */
     return atomic_load_explicit(shm_slot_word_at(s, c, k),
                                 memory_order_acquire);
+}
+
+/* ------------------------------------------------------------------ */
+/* Evaluation cache                                                    */
+/* ------------------------------------------------------------------ */
+
+/* A table of answers in the segment that every client reads before it
+ * sends a request and writes after it gets an answer: a state one process
+ * had evaluated is answered in any other without a round trip.
+ *
+ * 2^cache_log2 entries in buckets of SHM_CACHE_WAYS; a state's bucket is
+ * chosen by its 64-bit key (a hash of its bytes, or the caller's own key,
+ * e.g. a Zobrist hash).  No locks: every word of an entry is a relaxed
+ * 8-byte atomic, and `check` is a hash over the key, a second independent
+ * key (key2: a second hash of the bytes; 0 for a caller's key), the model
+ * version and the data.  A reader copies the entry out and accepts it only
+ * if the hash of what it copied equals the check it copied: an entry torn
+ * by two writers, half written by a writer that was killed, of another
+ * state with the same key, or scribbled on, fails the check (but with
+ * probability 2^-64) and is a miss.  Writers never wait for each other: two
+ * writing one entry at once leave a torn entry, which reads as a miss until
+ * it is written again.  The order of a writer's stores does not matter to
+ * a reader (the check decides); the key goes last all the same.
+ *
+ * Versions: an entry carries the model version of its answer, and a
+ * reader refuses entries older than cache_version, which the owner raises
+ * when new weights serve (shm_cache_set_version): no sweep of the table.
+ *
+ * Replacement, within a bucket: the entry of the same key, else an empty
+ * one, else one of an older version than cache_version, else the one used
+ * least recently (`stamp`: the time of its last hit or write, in units of
+ * 2^20 ns, written at most once per unit). */
+typedef struct {
+    _Atomic uint64_t key;      /* 0: empty */
+    _Atomic uint64_t version;  /* model version of the answer */
+    _Atomic uint64_t stamp;    /* last use (replacement only; not checked) */
+    _Atomic uint64_t check;    /* shm_cache_check over the rest */
+    /* _Atomic uint64_t data[cache_words]: the output area's first
+     * out_bytes, as a slot holds them */
+} shm_cache_entry;
+
+enum { SHM_CACHE_MISS = 0, SHM_CACHE_HIT = 1, SHM_CACHE_OLD = 2 };
+
+/* 64 x 64 -> 128-bit multiply, folded: the mixing step of the hashes. */
+static inline uint64_t shm_mum(uint64_t a, uint64_t b) {
+    __uint128_t r = (__uint128_t)a * b;
+    return (uint64_t)r ^ (uint64_t)(r >> 64);
+}
+
+static inline uint64_t shm_load64(const char *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
+/* Two independent 64-bit hashes of n bytes (two lanes that read the same
+ * words with different constants and roles), for the cache's key and key2.
+ * Neither is 0: 0 marks an empty entry (key) and a caller's key (key2). */
+static inline void shm_hash_state(const char *p, uint64_t n, uint64_t *k1,
+                                  uint64_t *k2) {
+    uint64_t a = 0x9E3779B97F4A7C15ull ^ n, b = 0xC2B2AE3D27D4EB4Full ^ (n << 1);
+    uint64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        uint64_t w0 = shm_load64(p + i), w1 = shm_load64(p + i + 8);
+        a = shm_mum(w0 ^ a ^ 0xA0761D6478BD642Full, w1 ^ 0xE7037ED1A0B428DBull);
+        b = shm_mum(w1 ^ b ^ 0x8EBC6AF09C88C6E3ull, w0 ^ 0x589965CC75374CC3ull);
+    }
+    if (i < n) {
+        char tail[16] = {0};
+        memcpy(tail, p + i, n - i);
+        uint64_t w0 = shm_load64(tail), w1 = shm_load64(tail + 8);
+        a = shm_mum(w0 ^ a ^ 0xA0761D6478BD642Full, w1 ^ 0xE7037ED1A0B428DBull);
+        b = shm_mum(w1 ^ b ^ 0x8EBC6AF09C88C6E3ull, w0 ^ 0x589965CC75374CC3ull);
+    }
+    a = shm_mum(a ^ 0x1D8E4E27C47D124Full, n ^ 0xD6E8FEB86659FD93ull);
+    b = shm_mum(b ^ 0x94D049BB133111EBull, n ^ 0xBF58476D1CE4E5B9ull);
+    *k1 = a ? a : 1;
+    *k2 = b ? b : 1;
+}
+
+/* The check word of an entry holding `data` (nw words). */
+static inline uint64_t shm_cache_check(uint64_t key, uint64_t key2,
+                                       uint64_t version, const uint64_t *data,
+                                       uint64_t nw) {
+    uint64_t h = shm_mum(key ^ 0x2D358DCCAA6C78A5ull, key2 ^ 0x8BB84B93962EACC9ull);
+    h = shm_mum(h ^ version ^ 0x4B33A62ED433D4A3ull, nw ^ 0x4D5A2DA51DE1AA47ull);
+    uint64_t i = 0;
+    for (; i + 2 <= nw; i += 2)
+        h = shm_mum(h ^ data[i] ^ 0xA0761D6478BD642Full,
+                    data[i + 1] ^ 0xE7037ED1A0B428DBull);
+    if (i < nw)
+        h = shm_mum(h ^ data[i] ^ 0x8EBC6AF09C88C6E3ull, 0x589965CC75374CC3ull);
+    return h;
+}
+
+static inline uint64_t shm_cache_entries(const shm_seg *s) {
+    return s->p.cache_log2 ? 1ull << s->p.cache_log2 : 0;
+}
+static inline shm_cache_entry *shm_cache_entry_at(const shm_seg *s, uint64_t i) {
+    return (shm_cache_entry *)(s->base + s->l.cache_off + i * s->l.cache_stride);
+}
+static inline _Atomic uint64_t *shm_cache_data(shm_cache_entry *e) {
+    return (_Atomic uint64_t *)((char *)e + sizeof(shm_cache_entry));
+}
+/* The first entry of key's bucket (Fibonacci hashing: every key bit counts,
+ * so weak low bits of a caller's key do not crowd buckets). */
+static inline uint64_t shm_cache_bucket(const shm_seg *s, uint64_t key) {
+    uint32_t bits = s->p.cache_log2 - 2; /* log2 of the bucket count */
+    return bits ? (key * 0x9E3779B97F4A7C15ull) >> (64 - bits) : 0;
+}
+/* The current stamp (coarse CLOCK_MONOTONIC). */
+static inline uint64_t shm_cache_now(void) { return shm_now_ns() >> 20; }
+
+/* The oldest model version a lookup accepts now.  MO: acquire; pairs with
+ * the release store in shm_cache_set_version, so a client that learns that
+ * set_weights returned (through any synchronising channel) sees it. */
+static inline uint64_t shm_cache_version(shm_seg *s) {
+    return atomic_load_explicit(&shm_hdr(s)->cache_version,
+                                memory_order_acquire);
+}
+/* Raises the oldest acceptable version (never lowers it); the owner calls
+ * it once every replica serves `version`, before set_weights returns. */
+static inline void shm_cache_set_version(shm_seg *s, uint64_t version) {
+    _Atomic uint64_t *w = &shm_hdr(s)->cache_version;
+    uint64_t cur = atomic_load_explicit(w, memory_order_relaxed);
+    /* MO: release CAS; pairs with the acquire load in shm_cache_version. */
+    while (cur < version &&
+           !atomic_compare_exchange_weak_explicit(w, &cur, version,
+                                                  memory_order_release,
+                                                  memory_order_relaxed)) {
+    }
+}
+
+/* Looks up (key, key2) for client c: on a hit copies the entry's data
+ * (cache_words words) to out, its version to *version and returns
+ * SHM_CACHE_HIT; SHM_CACHE_OLD when the only match is older than
+ * min_version (the caller passes the larger of shm_cache_version and the
+ * newest version it has seen, so its versions never go backwards);
+ * SHM_CACHE_MISS otherwise.  Counts the outcome in c's entry.  out is
+ * scratch on a miss.  Reads only inside the table, whatever it holds. */
+static inline int shm_cache_get(shm_seg *s, uint32_t c, uint64_t key,
+                                uint64_t key2, uint64_t min_version,
+                                uint64_t *out, uint64_t *version) {
+    shm_client *ce = shm_client_at(s, c);
+    uint64_t nw = s->l.cache_words, b = shm_cache_bucket(s, key) * SHM_CACHE_WAYS;
+    int old = 0;
+    for (uint32_t w = 0; w < SHM_CACHE_WAYS; w++) {
+        shm_cache_entry *e = shm_cache_entry_at(s, b + w);
+        /* MO (every load and store of the table): relaxed; the check word
+         * decides what is accepted, not the order of the words. */
+        if (atomic_load_explicit(&e->key, memory_order_relaxed) != key) continue;
+        uint64_t v = atomic_load_explicit(&e->version, memory_order_relaxed);
+        uint64_t chk = atomic_load_explicit(&e->check, memory_order_relaxed);
+        _Atomic uint64_t *d = shm_cache_data(e);
+        for (uint64_t i = 0; i < nw; i++)
+            out[i] = atomic_load_explicit(&d[i], memory_order_relaxed);
+        SHM_HOOK("cache_get_copied");
+        if (atomic_load_explicit(&e->key, memory_order_relaxed) != key ||
+            shm_cache_check(key, key2, v, out, nw) != chk)
+            continue;
+        if (v < min_version) {
+            old = 1;
+            continue;
+        }
+        uint64_t now = shm_cache_now();
+        if (atomic_load_explicit(&e->stamp, memory_order_relaxed) != now)
+            atomic_store_explicit(&e->stamp, now, memory_order_relaxed);
+        *version = v;
+        atomic_fetch_add_explicit(&ce->cache_hits, 1, memory_order_relaxed);
+        return SHM_CACHE_HIT;
+    }
+    atomic_fetch_add_explicit(&ce->cache_misses, 1, memory_order_relaxed);
+    if (old) {
+        atomic_fetch_add_explicit(&ce->cache_stale, 1, memory_order_relaxed);
+        return SHM_CACHE_OLD;
+    }
+    return SHM_CACHE_MISS;
+}
+
+/* Stores client c's answer `data` (cache_words words) of model version
+ * `version` for (key, key2).  Returns 1 if it replaced a live entry of
+ * another state (counted in c's entry), else 0; stores nothing when
+ * version is older than cache_version.  An answer may replace a newer one
+ * of the same state (a request in flight across a weight update): a reader
+ * that has seen the newer version refuses it (shm_cache_get's
+ * min_version), and the next miss puts the newer one back.  (Trusting the
+ * version word of an entry before checking it would let a scribbled entry
+ * block its key for ever.) */
+static inline int shm_cache_put(shm_seg *s, uint32_t c, uint64_t key,
+                                uint64_t key2, uint64_t version,
+                                const uint64_t *data) {
+    uint64_t nw = s->l.cache_words, b = shm_cache_bucket(s, key) * SHM_CACHE_WAYS;
+    uint64_t floor = shm_cache_version(s);
+    if (version < floor) return 0; /* no reader would accept it */
+    shm_cache_entry *victim = shm_cache_entry_at(s, b);
+    int rank = 4; /* 0 same key, 1 empty, 2 old version, 3 least recent */
+    uint64_t oldest = UINT64_MAX;
+    for (uint32_t w = 0; w < SHM_CACHE_WAYS && rank > 0; w++) {
+        shm_cache_entry *e = shm_cache_entry_at(s, b + w);
+        uint64_t k = atomic_load_explicit(&e->key, memory_order_relaxed);
+        if (k == key) {
+            victim = e, rank = 0;
+        } else if (k == 0) {
+            if (rank > 1) victim = e, rank = 1;
+        } else if (atomic_load_explicit(&e->version, memory_order_relaxed) < floor) {
+            if (rank > 2) victim = e, rank = 2;
+        } else if (rank == 4 || rank == 3) {
+            uint64_t st = atomic_load_explicit(&e->stamp, memory_order_relaxed);
+            if (st < oldest) oldest = st, victim = e, rank = 3;
+        }
+    }
+    _Atomic uint64_t *d = shm_cache_data(victim);
+    atomic_store_explicit(&victim->version, version, memory_order_relaxed);
+    for (uint64_t i = 0; i < nw; i++) {
+        if (i == nw / 2) SHM_HOOK("cache_put_half");
+        atomic_store_explicit(&d[i], data[i], memory_order_relaxed);
+    }
+    atomic_store_explicit(&victim->stamp, shm_cache_now(), memory_order_relaxed);
+    atomic_store_explicit(&victim->check,
+                          shm_cache_check(key, key2, version, data, nw),
+                          memory_order_relaxed);
+    atomic_store_explicit(&victim->key, key, memory_order_relaxed);
+    if (rank == 3) {
+        atomic_fetch_add_explicit(&shm_client_at(s, c)->cache_replaced, 1,
+                                  memory_order_relaxed);
+        return 1;
+    }
+    return 0;
+}
+
+/* Client c's cache counters: hits, misses, stale, replaced. */
+static inline void shm_client_cache_stats(shm_seg *s, uint32_t c,
+                                          uint64_t *out) {
+    shm_client *e = shm_client_at(s, c);
+    /* MO: relaxed; statistics. */
+    out[0] = atomic_load_explicit(&e->cache_hits, memory_order_relaxed);
+    out[1] = atomic_load_explicit(&e->cache_misses, memory_order_relaxed);
+    out[2] = atomic_load_explicit(&e->cache_stale, memory_order_relaxed);
+    out[3] = atomic_load_explicit(&e->cache_replaced, memory_order_relaxed);
+}
+
+/* Counts the table's entries that hold a key among `sample` entries spread
+ * over the table (all of them when sample is 0 or at least the table's
+ * size): *scanned, *held, and among those held the ones older than
+ * cache_version, *old; for statistics (checks are not verified). */
+static inline void shm_cache_census(shm_seg *s, uint64_t sample,
+                                    uint64_t *scanned, uint64_t *held,
+                                    uint64_t *old) {
+    uint64_t n = shm_cache_entries(s), floor = shm_cache_version(s);
+    uint64_t step = sample && sample < n ? n / sample : 1;
+    *scanned = *held = *old = 0;
+    for (uint64_t i = 0; i < n; i += step) {
+        shm_cache_entry *e = shm_cache_entry_at(s, i);
+        uint64_t k = atomic_load_explicit(&e->key, memory_order_relaxed);
+        (*scanned)++;
+        if (k == 0) continue;
+        (*held)++; /* (key2 is unknown here: the check is not verified) */
+        if (atomic_load_explicit(&e->version, memory_order_relaxed) < floor)
+            (*old)++;
+    }
 }
 
 /* ------------------------------------------------------------------ */

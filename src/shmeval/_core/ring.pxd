@@ -15,6 +15,7 @@ cdef extern from "ring.h" nogil:
         uint32_t max_batch
         uint32_t replicas
         uint32_t servers
+        uint32_t cache_log2
 
     ctypedef struct shm_layout:
         uint64_t header_bytes
@@ -25,6 +26,9 @@ cdef extern from "ring.h" nogil:
         uint64_t in_off
         uint64_t out_off
         uint64_t out_area
+        uint64_t cache_off
+        uint64_t cache_stride
+        uint64_t cache_words
         uint64_t total
 
     ctypedef struct shm_seg:
@@ -86,6 +90,23 @@ cdef extern from "ring.h" nogil:
         SHM_STOP_CRASHED
         SHM_STOP_EXITED
         ST_BUSY_NS
+        SHM_CACHE_MAX_LOG2
+        SHM_CACHE_MAX_BYTES
+        SHM_CACHE_MISS
+        SHM_CACHE_HIT
+        SHM_CACHE_OLD
+
+    void shm_hash_state(const char *p, uint64_t n, uint64_t *k1, uint64_t *k2)
+    uint64_t shm_cache_entries(const shm_seg *s)
+    uint64_t shm_cache_version(shm_seg *s)
+    void shm_cache_set_version(shm_seg *s, uint64_t version)
+    int shm_cache_get(shm_seg *s, uint32_t c, uint64_t key, uint64_t key2,
+                      uint64_t min_version, uint64_t *out, uint64_t *version)
+    int shm_cache_put(shm_seg *s, uint32_t c, uint64_t key, uint64_t key2, uint64_t version,
+                      const uint64_t *data)
+    void shm_cache_census(shm_seg *s, uint64_t sample, uint64_t *scanned, uint64_t *held,
+                          uint64_t *old)
+    void shm_client_cache_stats(shm_seg *s, uint32_t c, uint64_t *out)
 
     int shm_layout_compute(const shm_params *p, shm_layout *l)
     int shm_init(shm_seg *s, char *base, uint64_t size, const shm_params *p,
