@@ -15,6 +15,9 @@ reference, batchpath
 _timing
     The timing in C (an extension of its own, with pingpong.h): the
     workers' timed loop and the futex ping-pong reference.
+pipelined
+    The pipelined client (``Client.submit``) as methods ``shm_pipe1``,
+    ``shm_pipe2``, ``shm_pipe4``: 1, 2 or 4 submissions in flight per worker.
 demo
     ``shmeval demo``: round trips through a small NumPy net from N
     processes, the shortest look at the core at work.
@@ -29,6 +32,7 @@ import functools
 from typing import Callable
 
 from .baselines import FasterFifoMethod, LocksemMethod, PipeMethod, QueueMethod
+from .pipelined import PipelinedMethod
 from .roundtrip import STATES, Method, ModelFactory, NullModel, ShmevalMethod, StateSpec
 
 MethodFactory = Callable[..., Method]
@@ -40,6 +44,10 @@ METHODS: dict[str, MethodFactory] = {
     "locksem": LocksemMethod,
     "shmeval": functools.partial(ShmevalMethod, threaded=False),
     "shm_thread": functools.partial(ShmevalMethod, threaded=True),
+    # The pipelined client (Client.submit): K submissions in flight per worker.
+    "shm_pipe1": functools.partial(PipelinedMethod, 1),
+    "shm_pipe2": functools.partial(PipelinedMethod, 2),
+    "shm_pipe4": functools.partial(PipelinedMethod, 4),
 }
 # What a run measures unless --methods says otherwise (shm_thread serves from
 # the benchmark's own process, which also runs the harness: opt-in).

@@ -1,0 +1,58 @@
+"""The pipelined shmeval client as a method of ``shmeval bench``: each
+worker keeps ``depth`` submissions of its state in flight
+(``Client.submit``), so that when it collects one, the next answers are
+already being computed or waiting, and it rarely sleeps.
+
+The harness times one call per answer, so a "round trip" here is the time
+between two answers of one worker (a request's own latency is about
+``depth`` of them); the throughput is answers per second, as for every
+other method.  ``depth`` 1 is the blocking round trip split into a submit
+and a collect: the cost of the pipelined path's Python against the C fast
+path of ``evaluate``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from multiprocessing.context import SpawnContext
+from typing import Any, Deque, Dict, Optional
+
+import numpy as np
+
+from .roundtrip import Client, ModelFactory, NullModel, ShmevalMethod, StateSpec
+
+
+class PipelinedClient:
+    """``evaluate(state)`` collects the oldest of ``depth`` submissions of
+    ``state`` in flight and submits it once more.  Picklable: the queue is
+    made in the worker on first use."""
+
+    def __init__(self, evaluator: Any, depth: int) -> None:
+        self.evaluator = evaluator
+        self.depth = depth
+        self.queue: Optional[Deque[Any]] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"evaluator": self.evaluator, "depth": self.depth, "queue": None}
+
+    def evaluate(self, state: np.ndarray) -> Dict[str, np.ndarray]:
+        q = self.queue
+        states = state[None]
+        if q is None:
+            q = self.queue = deque(self.evaluator.submit(states) for _ in range(self.depth))
+        out = q.popleft().result()
+        q.append(self.evaluator.submit(states))
+        return {name: a[0] for name, a in out.items()}
+
+
+class PipelinedMethod(ShmevalMethod):
+    """shmeval.Evaluator.spawn, every worker through a PipelinedClient of
+    ``depth`` submissions in flight."""
+
+    def __init__(self, depth: int, model: ModelFactory = NullModel) -> None:
+        super().__init__(threaded=False, model=model)
+        self.depth = depth
+
+    def start(self, ctx: SpawnContext, n_workers: int, spec: StateSpec,
+              max_batch: int) -> list[Client]:
+        clients = super().start(ctx, n_workers, spec, max_batch)
+        return [PipelinedClient(c, self.depth) for c in clients]
