@@ -44,11 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="initial weights and games (default 0)")
     p.add_argument("--evaluator-threads", type=int, default=d.evaluator_threads,
                    help="TensorFlow intra- and inter-op threads of the central evaluators "
-                        "(0: TensorFlow's default; default: each mode's own, see "
-                        "docs/selfplay.md)")
-    p.add_argument("--serving-threads", type=int, default=d.serving_threads,
-                   help="shmeval mode: model calls the evaluator runs at once "
-                        f"(default {d.serving_threads})")
+                        "(0: TensorFlow's default; default: from the CPUs, each mode's way, "
+                        "see docs/selfplay.md)")
+    p.add_argument("--serving-threads", type=_auto_or_int, default=d.serving_threads,
+                   help="shmeval mode: model calls the evaluator runs at once, or auto "
+                        "(the default): one or two, whichever its tuner measures serving more")
     p.add_argument("--worker-sched", choices=("auto", "normal", "batch"), default=d.worker_sched,
                    help="the workers' scheduling policy: batch is SCHED_BATCH, auto (the "
                         "default) batch when the workers outnumber the CPUs")
@@ -97,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-games", type=int, default=d.eval_games,
                    help=f"games per --eval-every match, the net first in half of them "
                         f"(default {d.eval_games})")
+
+
+def _auto_or_int(text: str) -> "int | str":
+    return text if text == "auto" else int(text)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
@@ -34,6 +35,7 @@ from ..evaluator import Evaluator
 from ..games import connect4
 from .errors import WorkerError
 from .net import OUTPUTS, EvaluateBatch, evaluator_model, local_net
+from .pinning import cpu_split
 from .queue_evaluator import (N_COUNTERS, Q_BATCHES, Q_BUSY_NS, Q_MODEL_NS, Q_REQUESTS, Q_ROWS,
                               QueueLink, queue_evaluator_main)
 from .settings import Settings
@@ -123,8 +125,7 @@ class _CentralMode(Mode):
 
     central = True
     #: TensorFlow threads unless ``--evaluator-threads`` says otherwise (0:
-    #: TensorFlow's default): the mode's best on a 2-core machine
-    #: (docs/selfplay.md).
+    #: TensorFlow's default, one per CPU).
     default_tf_threads = 0
 
     def starting(self) -> str:
@@ -167,9 +168,17 @@ class ShmevalMode(_CentralMode):
     ``evaluate_many`` round trip through shared memory."""
 
     name = "shmeval"
-    # Its serving threads run calls on both cores; TensorFlow's pools make
-    # each call slower and costlier.
-    default_tf_threads = 1
+
+    def tf_threads(self) -> int:
+        """``--evaluator-threads``, else the CPUs the evaluator may use (one
+        with ``--pin``) split between the calls it keeps in flight: its
+        calls already run side by side, and TensorFlow's pools for each
+        would only make each call slower and costlier (docs/selfplay.md)."""
+        if self.s.evaluator_threads is not None:
+            return self.s.evaluator_threads
+        pinned, _ = cpu_split(self.s.pin)
+        cpus = len(pinned) if pinned else len(os.sched_getaffinity(0))
+        return max(1, cpus // self.s.calls_in_flight())
 
     def __init__(self, s: Settings) -> None:
         super().__init__(s)

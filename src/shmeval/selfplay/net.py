@@ -3,7 +3,7 @@ evaluator's and the local workers' functions of it.  TensorFlow is imported
 inside the functions, in the processes that call them."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 
@@ -20,13 +20,15 @@ EvaluateBatch = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]
 
 
 def evaluator_model(net: NetConfig, seed: int, threads: int,
-                    cpus: Optional[set[int]] = None, serving_threads: int = 1,
+                    cpus: Optional[set[int]] = None, serving_threads: Union[int, str] = 1,
                     freeze: bool = False, bfloat16: bool = False) -> Any:
     """Evaluator.spawn's factory: runs in the evaluator process, the only
     process of the shmeval mode that imports TensorFlow.  ``threads`` intra-op
-    threads per model call; with several serving threads, as many inter-op
-    threads as calls in flight (with fewer, concurrent calls partly wait for
-    each other: `bench/tf_model_cost.py --concurrent`)."""
+    threads per model call; as many inter-op threads as calls in flight
+    (``serving_threads``, "auto": TFModel's two; with fewer, concurrent calls
+    partly wait for each other: `bench/tf_model_cost.py --concurrent`).
+    ``freeze``: TFModel's freeze="auto" (folded while that pays), else
+    unfrozen."""
     from ..games.connect4_net import build_resnet, import_tensorflow
 
     pin(cpus)  # before TensorFlow starts its threads
@@ -34,10 +36,11 @@ def evaluator_model(net: NetConfig, seed: int, threads: int,
     from ..backends.tensorflow import TFModel, configure
 
     # Before the net is built: building it initialises TensorFlow.
+    calls = serving_threads if isinstance(serving_threads, int) else TFModel.max_concurrency
     configure(intra_op_threads=threads or None,
-              inter_op_threads=max(threads, serving_threads) if threads else None)
-    return TFModel(build_resnet(net, seed=seed, compile=False), freeze=freeze,
-                   bfloat16=bfloat16)
+              inter_op_threads=max(threads, calls) if threads else None)
+    return TFModel(build_resnet(net, seed=seed, compile=False),
+                   freeze="auto" if freeze else False, bfloat16=bfloat16)
 
 
 def net_function(tf: Any, model: Any, rows: Optional[int], s: Settings

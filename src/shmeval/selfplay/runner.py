@@ -5,11 +5,11 @@ results and games written.
 All modes use the same seeded initial weights, the same number of games
 per worker and of simulations per move.  The central evaluators (``shmeval``
 and ``queue``) run TensorFlow with ``evaluator_threads`` intra- and
-inter-op threads; by default each gets its best on a 2-core machine: one
-for shmeval (two serving threads run calls on both cores; TensorFlow's
-pools make its calls slower and costlier), TensorFlow's default pools for
-queue (its one evaluator thread otherwise leaves a core to the workers
-alone; with 16 games per worker the default pools give it 3-5% more).
+inter-op threads; by default from the CPUs: for shmeval the CPUs its
+evaluator may use split between the calls it keeps in flight (its calls
+already run side by side; TensorFlow's pools would make each slower and
+costlier), TensorFlow's default pools (one thread per CPU) for queue (its
+one evaluator thread reaches the other CPUs only through them).
 
 Moves/s and evals/s are measured over a window that opens ``warmup``
 seconds after every worker has started playing and lasts ``seconds``.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from ..backends._device import cpu_bfloat16, gpu_visible
 from ..games.connect4_net import NetConfig
@@ -33,7 +33,8 @@ class Settings:
     repeats: int = 1
     seed: int = 0
     evaluator_threads: Optional[int] = None
-    serving_threads: int = 2
+    #: The shmeval evaluator's serving_threads ("auto": its tuner's choice).
+    serving_threads: Union[int, str] = "auto"
     worker_sched: str = "auto"
     freeze: bool = True
     precision: str = "auto"
@@ -69,6 +70,11 @@ class Settings:
             cpus = len(os.sched_getaffinity(0))
         return "batch" if self.workers > cpus else "normal"
 
+    def calls_in_flight(self) -> int:
+        """The most model calls the shmeval evaluator keeps in flight:
+        ``serving_threads``, or with "auto" the two ``TFModel`` allows."""
+        return self.serving_threads if isinstance(self.serving_threads, int) else 2
+
     def net_precision(self, batched: bool) -> str:
         """What the net computes in, "bfloat16" or "float32", in a mode
         that calls it with batches of rows (``batched``) or one row at a
@@ -101,8 +107,10 @@ class Settings:
             raise ValueError("--train runs once (no --repeats)")
         if (self.evaluator_threads or 0) < 0 or self.learner_threads < 0:
             raise ValueError("thread counts must be >= 0 (0: TensorFlow's default)")
-        if not 1 <= self.serving_threads <= 8:
-            raise ValueError("serving threads must be from 1 to 8")
+        if self.serving_threads != "auto" and not (
+                isinstance(self.serving_threads, int) and 1 <= self.serving_threads <= 8):
+            raise ValueError(f"serving threads must be 'auto' or from 1 to 8, "
+                             f"got {self.serving_threads!r}")
         if self.worker_sched not in ("auto", "normal", "batch"):
             raise ValueError(f"worker_sched must be auto, normal or batch, "
                              f"got {self.worker_sched!r}")
