@@ -165,7 +165,9 @@ def render(address: str, snap: Snapshot, iv: Optional[Interval], every: float) -
         parts += [Text(), Text("replicas", style="bold"), _replicas(st["replicas"])]
     for name in ("cache", "tuner"):
         if st.get(name):
-            parts += [Text(), _key_values(name, st[name])]
+            # (the cache's per-client counters are in shmeval stats ADDRESS)
+            shown = {k: v for k, v in st[name].items() if k != "clients"}
+            parts += [Text(), _key_values(name, shown)]
     return Group(*parts)
 
 

@@ -34,6 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shmeval mode: K groups of --games-per-worker games per worker, each "
                         "searched while the others' leaves are evaluated (default 1: the "
                         "blocking search; see docs/selfplay.md)")
+    p.add_argument("--cache", type=int, default=d.cache, metavar="N",
+                   help="shmeval mode: a shared evaluation cache of N entries (a power of "
+                        "two), consulted by every worker before it sends a position "
+                        f"(default {d.cache}: see docs/selfplay.md)")
+    p.add_argument("--local-cache", type=int, default=d.local_cache, metavar="N",
+                   help="a cache of N entries in each worker instead (any mode), the scheme "
+                        "of engines that run one search per process; to compare with --cache")
     p.add_argument("--seconds", type=float, default=d.seconds,
                    help=f"measured window per mode (default {d.seconds:g})")
     p.add_argument("--repeats", type=int, default=d.repeats,
@@ -108,6 +115,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                   learning_rate=args.learning_rate)
     return Settings(workers=args.workers, games_per_worker=args.games_per_worker,
                     simulations=args.simulations, pipeline=args.pipeline,
+                    cache=args.cache, local_cache=args.local_cache,
                     seconds=args.seconds, warmup=args.warmup,
                     repeats=args.repeats,
                     seed=args.seed, evaluator_threads=args.evaluator_threads,

@@ -27,8 +27,8 @@ from .records import GameStore
 from .replay_buffer import ReplayBuffer
 from .series import TimeSeries
 from .settings import Settings
-from .worker import (ARENA_STOP, CALLS, EVAL_CPU_NS, EVAL_WALL_NS, EVALS, GAMES, MOVES, N_FLAGS,
-                     NF, STOP, worker_main)
+from .worker import (ARENA_STOP, CALLS, EVAL_CPU_NS, EVAL_WALL_NS, EVALS, GAMES, LOCAL_HITS,
+                     LOCAL_LOOKUPS, MOVES, N_FLAGS, NF, STOP, worker_main)
 
 READY_TIMEOUT_S = 600.0
 TICK_S = 0.5
@@ -162,6 +162,7 @@ class ModeRun:
             "t": time.monotonic(), "moves": int(c[MOVES]), "evals": int(c[EVALS]),
             "calls": int(c[CALLS]), "games": int(c[GAMES]), "eval_wall_ns": int(c[EVAL_WALL_NS]),
             "eval_cpu_ns": int(c[EVAL_CPU_NS]),
+            "local_hits": int(c[LOCAL_HITS]), "local_lookups": int(c[LOCAL_LOOKUPS]),
             "cpu_workers": sum(cpu_s(p.pid) for p in self.procs),
             "cpu_evaluator": cpu_s(pid) if pid else 0.0,
             "cpu_main": cpu_s(os.getpid()), "cpu_machine": machine_busy_s()}
@@ -176,6 +177,8 @@ class ModeRun:
                 f"evals/s {fmt_rate((b['evals'] - a['evals']) / dt)}  "
                 + (f"mean batch {mb:.1f}" if mb is not None else "mean batch -"))
         text += self.mode.status(b)
+        if self.s.local_cache and b["local_lookups"]:
+            text += f"  local caches {b['local_hits'] / b['local_lookups']:.0%} hits"
         if self.learner is not None:
             loss = self.learner.loss
             text += f"  loss {loss:.3f}" if loss is not None else "  loss -"
@@ -302,6 +305,11 @@ class ModeRun:
             },
         }
         r.update(self.mode.result(d, dt))
+        if s.local_cache:
+            r["local_cache"] = {"entries_per_worker": s.local_cache, "hits": d["local_hits"],
+                                "misses": d["local_lookups"] - d["local_hits"],
+                                "hit_rate": (d["local_hits"] / d["local_lookups"]
+                                             if d["local_lookups"] else 0.0)}
         if self.series is not None:
             r["series"] = self.series.to_json()
         if s.eval_every:

@@ -44,6 +44,10 @@ from .worker import NetLink
 Snapshot = Dict[str, Any]
 
 
+def _rate(hits: float, misses: float) -> float:
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
 def _per(a: Snapshot, b: Snapshot, rows: str, calls: str) -> Optional[float]:
     """Rows per call between two snapshots (None without a call)."""
     n = b[calls] - a[calls]
@@ -193,7 +197,7 @@ class ShmevalMode(_CentralMode):
         return factory, dict(input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS,
                              max_batch=s.max_batch, max_clients=max(64, s.workers + 8),
                              slots_per_client=min(64, max(16, s.pipeline * s.games_per_worker)),
-                             serving_threads=s.serving_threads)
+                             serving_threads=s.serving_threads, cache_entries=s.cache)
 
     def start(self, ctx: Any, cpus: Optional[set[int]]) -> List[NetLink]:
         factory, kwargs = self.spawn_args(cpus)
@@ -211,16 +215,28 @@ class ShmevalMode(_CentralMode):
 
     def snapshot(self) -> Snapshot:
         st = self._stats()
-        return {"requests": int(st["requests"]), "batches": int(st["batches"]),
+        snap = {"requests": int(st["requests"]), "batches": int(st["batches"]),
                 "model_s": float(st["model_time_share"]) * float(st["uptime_s"]),
                 "overhead_s": float(st["overhead_us_per_batch"]) * int(st["batches"]) / 1e6,
                 "model_version": int(st["model_version"])}
+        if st["cache"] is not None:
+            snap.update(cache_hits=st["cache"]["hits"], cache_misses=st["cache"]["misses"],
+                        cache_held=st["cache"]["held"])
+        return snap
 
     def status(self, snap: Snapshot) -> str:
-        return f"  model v{snap.get('model_version', 0)}"
+        text = f"  model v{snap.get('model_version', 0)}"
+        if "cache_hits" in snap:
+            text += f"  cache {_rate(snap['cache_hits'], snap['cache_misses']):.0%} hits"
+        return text
 
     def result(self, d: Snapshot, dt: float) -> Dict[str, Any]:
-        return {**super().result(d, dt), "model_version": int(self._stats()["model_version"])}
+        out = {**super().result(d, dt), "model_version": int(self._stats()["model_version"])}
+        if "cache_hits" in d:
+            out["cache"] = {"entries": self.s.cache, "hits": d["cache_hits"],
+                            "misses": d["cache_misses"],
+                            "hit_rate": _rate(d["cache_hits"], d["cache_misses"])}
+        return out
 
     def weights_receiver(self) -> Any:
         return self.ev

@@ -28,6 +28,12 @@ class Settings:
     #: Groups of games_per_worker games per worker, each searched while the
     #: others' leaves are evaluated (Client.submit); 1: the blocking search.
     pipeline: int = 1
+    #: Entries of the shmeval evaluator's shared evaluation cache (0: none;
+    #: a power of two).
+    cache: int = 0
+    #: Entries of a cache in each worker (a dict, least recently used out;
+    #: 0: none): the per-process scheme, to compare with the shared one.
+    local_cache: int = 0
     seconds: float = 10.0
     warmup: float = 1.0
     repeats: int = 1
@@ -101,6 +107,11 @@ class Settings:
             raise ValueError(f"--pipeline x --games-per-worker must be at most "
                              f"{MAX_PIPELINED_GAMES} (a worker's slots), got {self.pipeline} x "
                              f"{self.games_per_worker}")
+        if self.cache:
+            from .._ring import cache_log2_of
+            cache_log2_of(self.cache)  # ValueError naming the limits
+        if self.local_cache < 0:
+            raise ValueError(f"local_cache must be >= 0, got {self.local_cache}")
         if not self.seconds > 0 or self.warmup < 0 or self.repeats < 1:
             raise ValueError("seconds must be > 0, warmup >= 0 and repeats >= 1")
         if self.train and self.repeats != 1:

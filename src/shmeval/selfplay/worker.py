@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import OrderedDict
 import sys
 import time
 import traceback
@@ -21,7 +22,7 @@ from .pinning import pin
 from .settings import Settings
 
 # Per-worker counters (int64 each) in one shared array, NF slots per worker.
-MOVES, EVALS, CALLS, GAMES, EVAL_WALL_NS, EVAL_CPU_NS = range(6)
+MOVES, EVALS, CALLS, GAMES, EVAL_WALL_NS, EVAL_CPU_NS, LOCAL_HITS, LOCAL_LOOKUPS = range(8)
 NF = 8
 # Flags shared by all workers (and the arena).
 STOP = 0
@@ -49,6 +50,39 @@ class _Stopped(Exception):
     """Raised inside a worker's search when the main process asks it to stop."""
 
 
+class LocalCache:
+    """``--local-cache``: an evaluate function behind a cache of this
+    worker's own, the scheme of engines that run one search per process
+    (a dict from the position's bytes to its answer, the least recently
+    used out when full), counted in the worker's counters."""
+
+    def __init__(self, inner: EvaluateBatch, entries: int, counters: np.ndarray) -> None:
+        self.inner = inner
+        self.entries = entries
+        self.c = counters
+        self.table: "OrderedDict[bytes, Tuple[np.ndarray, float]]" = OrderedDict()
+
+    def __call__(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        table = self.table
+        keys = [row.tobytes() for row in x]
+        found = [table.get(k) for k in keys]
+        misses = [i for i, f in enumerate(found) if f is None]
+        for k, f in zip(keys, found):
+            if f is not None:
+                table.move_to_end(k)
+        if misses:
+            p_new, v_new = self.inner(x[misses] if len(misses) < len(x) else x)
+            for j, i in enumerate(misses):
+                found[i] = (np.array(p_new[j]), float(v_new[j]))
+                table[keys[i]] = found[i]  # type: ignore[assignment]
+                if len(table) > self.entries:
+                    table.popitem(last=False)
+        self.c[LOCAL_HITS] += len(x) - len(misses)
+        self.c[LOCAL_LOOKUPS] += len(x)
+        return (np.stack([f[0] for f in found]),  # type: ignore[index]
+                np.array([f[1] for f in found]))  # type: ignore[index]
+
+
 def probe_states() -> np.ndarray:
     """A few fixed positions every mode evaluates before it starts, so the
     runs can be checked to serve the same initial weights."""
@@ -72,6 +106,9 @@ def worker_main(wid: int, s: Settings, counters_raw: Any, flags_raw: Any, go: An
         if policy == "batch":
             use_batch_scheduling()
         inner = link.open(s)
+        if s.local_cache:
+            c = np.frombuffer(counters_raw, dtype=np.int64)[wid * NF:(wid + 1) * NF]
+            inner = LocalCache(inner, s.local_cache, c)
         submit: Optional[mcts.SubmitBatch] = None
         if s.pipeline > 1:
             if not isinstance(link, PipelinedLink):
