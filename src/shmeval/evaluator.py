@@ -282,7 +282,8 @@ class _ServingLoop:
                         return
                     continue
                 d = tuner.decision
-                model, max_batch, spin_ns, wait_ns = tuner, d.batch_cap, d.spin_ns, d.max_wait_ns
+                model, max_batch = tuner.record, d.batch_cap
+                spin_ns, wait_ns = d.spin_ns, d.max_wait_ns
             until = self.housekeeping_at
             if self.control_until:
                 until = min(until, _ring.now_ns() + CONTROL_POLL_NS)

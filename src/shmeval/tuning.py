@@ -42,10 +42,10 @@ What it decides, and from what:
 compared with the simpler one in force in ``TRIAL_PAIRS`` adjacent pairs of
 windows (one housekeeping period each), alternating, and adopted only if it
 served more requests in every pair.  After that the settings hold until the
-load changes: the attached clients, the model's cost per call or the CPUs by
-``CHANGE_RATIO`` or more (a weight update that makes the net slower, workers
-joining or leaving, another program taking the CPUs), when the trials run
-again.  Nothing else moves the wait or the calls in flight, so they do not
+load changes: the attached clients, the model's cost per call, the CPUs or
+the requests served by ``CHANGE_RATIO`` or more for ``HORIZON_NS`` (a weight
+update that makes the net slower, workers joining or leaving, another
+program taking the CPUs), when the trials run again.  Nothing else moves the wait or the calls in flight, so they do not
 oscillate; the spin mode moves with the runnable tasks, smoothed and with a
 margin of half a task on each side of a boundary.
 
@@ -78,9 +78,11 @@ TRIAL_PAIRS = 3
 #: or the CPUs differ from what they measured by this ratio or more (a
 #: quarter up or down): their verdict was made for that load.
 CHANGE_RATIO = 1.25
-#: The cost fit and the population estimate look back this far: long enough
-#: for thousands of calls of a fast model or dozens of a slow one, short
-#: enough that a change shows within the seconds the trials take.
+#: The cost fit and the population estimate look back this far, and a
+#: change of the load must last this long before the trials run again:
+#: long enough for thousands of calls of a fast model or dozens of a slow
+#: one, and for a passing disturbance to pass; short enough that a change
+#: is acted on within the few seconds the issue allows.
 HORIZON_NS = 1_000_000_000
 #: Spin modes (the ``_ring`` flag of a yielding spin is ``SPIN_YIELD``).
 SLEEP, YIELD, SPIN = "sleep", "yield", "spin"
@@ -337,6 +339,7 @@ class Tuner:
         self.load: Optional[Load] = None
         self._prev: Optional[Reading] = None
         self._recent: List[Tuple[int, Sequence[Call]]] = []   # (now_ns, calls)
+        self._changed_at: Optional[int] = None   # when the load was first seen changed
 
     # -- the reading of one window ---------------------------------------------
 
@@ -359,9 +362,21 @@ class Tuner:
                 self._start_trials()   # the load changed under the trial: start over
             else:
                 self._trial_window(rate)
-        elif r.calls and self.cost is not None and self._changed():
+        elif r.calls and self.cost is not None and self._lasting_change(r.now_ns):
             self._start_trials()
         return self.decision
+
+    def _lasting_change(self, now_ns: int) -> bool:
+        """The load has differed from the trials' for HORIZON_NS (at once
+        before the first trials)."""
+        if self.load is None:
+            return True
+        if not self._changed():
+            self._changed_at = None
+            return False
+        if self._changed_at is None:
+            self._changed_at = now_ns
+        return now_ns - self._changed_at >= HORIZON_NS
 
     def _batches(self, rows: np.ndarray) -> None:
         """The smaller batches and the population, from the rows per call."""
@@ -412,6 +427,7 @@ class Tuner:
 
     def _start_trials(self) -> None:
         """From the simplest settings: one call in flight, greedy."""
+        self._changed_at = None
         base = replace(self.decision, threads=self.overrides.threads or 1,
                        max_wait_ns=self.overrides.max_wait_ns or 0, batch_cap=self.max_batch)
         self.decision = base
@@ -539,11 +555,26 @@ class Board:
         return None
 
 
+def _recorder(model: Any, calls: List[Call]) -> Callable[[Any], Any]:
+    """``model`` wrapped to append (start, duration, rows) of each call to
+    ``calls`` (a closure: cheaper than a method on the serving path)."""
+    now, append = time.monotonic_ns, calls.append
+
+    def record(batch: Any) -> Any:
+        t0 = now()
+        out = model(batch)
+        append((t0, now() - t0, len(batch)))
+        return out
+
+    return record
+
+
 class ServingTuner:
     """Feeds a :class:`Tuner` from a serving loop.
 
-    The loop calls :meth:`__call__` in place of the model (each call's start,
-    duration and rows are recorded: a few hundred ns), :meth:`tick` at its
+    The loop calls :attr:`record` in place of the model (each call's start,
+    duration and rows are recorded: two clock reads, under a microsecond),
+    :meth:`tick` at its
     housekeeping (a reading of the segment's counters, the CPUs and the
     runnable tasks once per ``period_ns``; the report goes to the board),
     and :meth:`wait_turn` before each round of serving, which parks the
@@ -559,15 +590,10 @@ class ServingTuner:
         self.board = board
         self.period_ns = period_ns
         self.calls: List[Call] = []
+        self.record = _recorder(model, self.calls)
         self.next_tick = 0
         self.turns = threading.Condition()
         self.stopped = False
-
-    def __call__(self, batch: Any) -> Any:
-        t0 = time.monotonic_ns()
-        out = self.model(batch)
-        self.calls.append((t0, time.monotonic_ns() - t0, len(batch)))
-        return out
 
     @property
     def decision(self) -> Decision:
@@ -579,7 +605,8 @@ class ServingTuner:
         if now_ns < self.next_tick:
             return
         self.next_tick = now_ns + self.period_ns
-        calls, self.calls = self.calls, []
+        calls = self.calls[:]   # no call is in flight during housekeeping
+        self.calls.clear()
         try:
             cpus = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - not Linux

@@ -284,6 +284,21 @@ def test_small_changes_do_not_rerun_trials() -> None:
     assert len({(d.max_wait_ns, d.threads) for d in seen}) == 1
 
 
+def test_a_passing_disturbance_runs_no_trials() -> None:
+    """Half the rate for less than HORIZON_NS (another program's burst):
+    nothing; for longer: the trials run again."""
+    t = Tuner(256, 2, WAKE)
+    feed = Feed(t, clients=16)
+    settle(feed, lambda d: 10_000.0, [16] * 40)
+    load = t.load
+    short = (tuning.HORIZON_NS // PERIOD) - 1
+    feed.run(short, lambda d: 5_000.0, [16] * 40, FIXED, PER_ROW)
+    feed.run(10, lambda d: 10_000.0, [16] * 40, FIXED, PER_ROW)
+    assert t.load is load and t.trial is None
+    feed.run(short + 2, lambda d: 5_000.0, [16] * 40, FIXED, PER_ROW)
+    assert t.trial is not None
+
+
 def test_a_change_during_a_trial_starts_it_over() -> None:
     t = Tuner(256, 2, WAKE)
     feed = Feed(t, clients=16)
@@ -494,7 +509,7 @@ def test_serving_tuner_records_calls() -> None:
             return 3
 
     st = tuning.ServingTuner(Seg(), fake_model, 256, 1, Overrides(), None, PERIOD, YIELD_FLAG)
-    out = st(np.zeros((5,) + INPUT_SHAPE, np.float32))
+    out = st.record(np.zeros((5,) + INPUT_SHAPE, np.float32))
     assert out["value"].shape == (5,)
     assert len(st.calls) == 1 and st.calls[0][2] == 5
     st.tick(10 * PERIOD)
