@@ -24,9 +24,8 @@ What it decides, and from what:
   overlaps one batch's gathering and answering with another's computation,
   which pays when the model releases the GIL and the machine has a free
   core or device; it is only tried for a model that says its calls may
-  overlap (``max_concurrency``, which ``TFModel`` and the other backends set:
-  whether concurrent calls are safe cannot be measured), and kept only if it
-  wins its trial.
+  overlap (``max_concurrency``, which ``TFModel`` sets: whether concurrent
+  calls are safe cannot be measured), and kept only if it wins its trial.
 * **Whether the evaluator spins, yields or sleeps** while it waits for
   requests: from the CPUs it may use (``os.sched_getaffinity``) and the tasks
   runnable on them (``/proc/loadavg``, scaled to those CPUs), with the rule
@@ -45,9 +44,14 @@ served more requests in every pair.  After that the settings hold until the
 load changes: the attached clients, the model's cost per call, the CPUs or
 the requests served by ``CHANGE_RATIO`` or more for ``HORIZON_NS`` (a weight
 update that makes the net slower, workers joining or leaving, another
-program taking the CPUs), when the trials run again.  Nothing else moves the wait or the calls in flight, so they do not
-oscillate; the spin mode moves with the runnable tasks, smoothed and with a
-margin of half a task on each side of a boundary.
+program taking the CPUs), when the trials run again.  Nothing else moves
+the wait or the calls in flight, so they do not oscillate; the spin mode
+moves with the runnable tasks, smoothed and with a margin of half a task on
+each side of a boundary.
+
+The report (:meth:`Tuner.report`) reaches ``stats()`` through a
+:class:`Board` that the evaluator's owner creates: it lives in the creating
+process, not in the shared segment.
 
 The tuner itself is plain arithmetic on :class:`Reading` objects, so that
 its decisions can be tested with made-up measurements
@@ -74,9 +78,9 @@ AUTO = "auto"
 #: each of this many adjacent pairs of windows: a sign test, passed by
 #: chance one time in 2**TRIAL_PAIRS when both serve alike.
 TRIAL_PAIRS = 3
-#: The trials run again when the attached clients, the model's cost per call
-#: or the CPUs differ from what they measured by this ratio or more (a
-#: quarter up or down): their verdict was made for that load.
+#: The trials run again when the attached clients, the model's cost per call,
+#: the CPUs or the requests served differ from what they measured by this
+#: ratio or more (a quarter up or down): their verdict was made for that load.
 CHANGE_RATIO = 1.25
 #: The cost fit and the population estimate look back this far, and a
 #: change of the load must last this long before the trials run again:

@@ -1,0 +1,573 @@
+#!/usr/bin/env python
+"""The tuner's settings (every knob "auto", the default) against settings
+chosen by hand, for each load: does "no knobs" cost throughput anywhere?
+
+Each cell of the table is one load: N worker processes (1, 2, 4, 16, 64),
+each evaluating one Connect Four state at a time in a closed loop, against
+one model:
+
+  null    a NumPy function of the batch (the evaluator's own cost only)
+  device  a fixed 200 µs plus 5 µs per row, with the GIL released: the
+          calls sleep, one at a time, on a lock standing for a device;
+          it declares max_concurrency = 2 (two calls may overlap)
+  tfnet   the self-play demo's residual net (2 blocks of 32 filters) in
+          TFModel, loaded from a .keras file
+
+on 1 or 2 CPUs: the whole run (this script's process, the evaluator, the
+workers) under `taskset -c 0` or `taskset -c 0,1`.  In each cell every
+setting serves the same workers:
+
+  auto      Evaluator.spawn's defaults (max_wait_us, spin_us,
+            evaluator_spin_us, serving_threads "auto"; TFModel's defaults)
+  today     the defaults before the tuner: greedy, client spin 100 µs,
+            evaluator spin 50 µs, one serving thread, TFModel(path)
+            unfrozen with TensorFlow's default thread pools
+  threads2, wait100, wait500, threads2-wait100, nospin
+            hand settings: two serving threads and/or max_wait_us 100 or
+            500, or no spinning; the TensorFlow net then frozen with one
+            intra-op and two inter-op threads (the README's hand-tuned
+            factory before the tuner)
+
+Each setting has its own evaluator, all of a model's up at once; each
+worker count serves every setting in turn (the order rotated from one
+worker count to the next), a window of --seconds after a warm-up
+(--warmup for auto, which must settle after every change of the worker
+count, --hand-warmup for the rest).  The table prints each cell's rates, the best hand setting and the
+ratios auto/best and auto/today; the targets are auto >= 0.9x the best hand
+setting and >= today's in every cell.
+
+--timeline runs a second experiment instead, on the CPUs it has: the device
+model served with every knob "auto" while 16 workers become 64 and then
+16 again, and then the model's cost doubles, sampling ev.stats() every
+0.2 s: the plot shows throughput and the wait the tuner chose over time,
+and the table how long each phase took to settle.
+
+    python bench/autotune.py --json bench/results/autotune.json --plot docs/img/autotune.png
+    python bench/autotune.py --quick                        # 2 CPUs, 1 and 16 workers, 3 settings
+    python bench/autotune.py --timeline --json bench/results/autotune-timeline.json \\
+        --plot docs/img/autotune-timeline.png
+
+The full grid takes about 15 minutes on 2 cores; --workers, --models,
+--cpus and --settings select part of it.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing import shared_memory
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+import shmeval  # noqa: E402
+from shmeval._util.children import child_setup, start_process  # noqa: E402
+from shmeval._util.jsonout import write_json  # noqa: E402
+from shmeval._util.machine import machine_info  # noqa: E402
+
+INPUT_SHAPE = (6, 7, 2)
+OUTPUTS = {"policy": ((7,), "float32"), "value": ((), "float32")}
+MODELS = ("null", "device", "tfnet")
+WORKERS = (1, 2, 4, 16, 64)
+CPUS = (1, 2)
+TODAY = dict(max_wait_us=0, spin_us=100, evaluator_spin_us=50, serving_threads=1)
+#: name -> (Evaluator.spawn keyword arguments, how the TensorFlow net is built)
+SETTINGS: Dict[str, Tuple[Dict[str, Any], str]] = {
+    "auto": ({}, "auto"),
+    "today": (TODAY, "plain"),
+    "threads2": (dict(TODAY, serving_threads=2), "hand"),
+    "wait100": (dict(TODAY, max_wait_us=100), "hand"),
+    "wait500": (dict(TODAY, max_wait_us=500), "hand"),
+    "threads2-wait100": (dict(TODAY, serving_threads=2, max_wait_us=100), "hand"),
+    "nospin": (dict(TODAY, spin_us=0, evaluator_spin_us=0), "hand"),
+}
+QUICK_SETTINGS = ("auto", "today", "threads2")
+START_DELAY_S = 0.3  # the workers are past their queue.get() when the warm-up begins
+#: The device model: fixed and per-row cost.
+DEVICE_FIXED_S, DEVICE_ROW_S = 200e-6, 5e-6
+
+
+# --- the models (built in the evaluator process) ----------------------------------------
+
+
+class NullModel:
+    """Uniform policy, the state's mean as value."""
+
+    def __call__(self, batch: np.ndarray) -> Dict[str, np.ndarray]:
+        n = len(batch)
+        return {"policy": np.full((n, 7), 1 / 7, np.float32),
+                "value": batch.reshape(n, -1).mean(axis=1)}
+
+
+class DeviceModel:
+    """A fixed cost plus a cost per row, the GIL released: each call sleeps
+    on a lock standing for one device (calls from two threads overlap only
+    outside it).  ``scale`` (the name of a shared-memory block holding a
+    float64, default: none, 1) multiplies the cost: --timeline doubles it."""
+
+    max_concurrency = 2
+
+    def __init__(self, scale: Optional[str] = None) -> None:
+        self.shm = shared_memory.SharedMemory(scale) if scale else None
+        self.scale = np.ndarray((1,), np.float64, self.shm.buf) if self.shm else None
+        self.device = threading.Lock()
+        self.local = threading.local()
+
+    def __call__(self, batch: np.ndarray) -> Dict[str, np.ndarray]:
+        if not getattr(self.local, "slack", False):
+            shmeval._ring.set_timer_slack_ns(1000)  # sleeps of tens of µs stay precise
+            self.local.slack = True
+        n = len(batch)
+        k = float(self.scale[0]) if self.scale is not None else 1.0
+        with self.device:
+            time.sleep(k * (DEVICE_FIXED_S + DEVICE_ROW_S * n))
+        return {"policy": np.full((n, 7), 1 / 7, np.float32),
+                "value": batch.reshape(n, -1).mean(axis=1)}
+
+
+def make_model(kind: str, style: str, net_path: str, scale: Optional[str] = None) -> Any:
+    """Evaluator.spawn's factory (module-level: it is pickled)."""
+    if kind == "null":
+        return NullModel()
+    if kind == "device":
+        return DeviceModel(scale)
+    from shmeval.backends.tensorflow import TFModel
+    if style == "auto":
+        return TFModel(net_path)
+    if style == "plain":  # TFModel's defaults before the tuner
+        return TFModel(net_path, freeze=False, intra_op_threads=None, inter_op_threads=None)
+    return TFModel(net_path, freeze=True, intra_op_threads=1, inter_op_threads=2)
+
+
+def save_net(path: str) -> None:
+    """The demo's net, saved as a .keras file (in a process of its own, so
+    that this one never imports TensorFlow)."""
+    from shmeval.games.connect4_net import NetConfig, build_resnet, import_tensorflow
+    import_tensorflow()
+    build_resnet(NetConfig(), seed=0, compile=False).save(path)
+
+
+# --- the workers ---------------------------------------------------------------------------
+
+
+def worker_main(i: int, commands: Any, results: Any) -> None:
+    """Runs each command (handle, start, measure_from, end; CLOCK_MONOTONIC
+    seconds): from start, evaluates one state at a time until end, and
+    reports the calls that returned in [measure_from, end)."""
+    child_setup()
+    rng = np.random.default_rng(i)
+    state = rng.integers(0, 2, INPUT_SHAPE).astype(np.float32)
+    while True:
+        cmd = commands.get()
+        if cmd is None:
+            return
+        handle, start, measure_from, end = cmd
+        delay = start - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        counted = 0
+        now = time.monotonic
+        evaluate = handle.evaluate
+        while True:
+            evaluate(state)
+            t = now()
+            if t >= end:
+                break
+            if t >= measure_from:
+                counted += 1
+        handle.close()
+        results.put((i, counted))
+
+
+class Pool:
+    """Worker processes started once and reused by every cell."""
+
+    def __init__(self, n: int) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.commands = [self.ctx.Queue() for _ in range(n)]
+        self.procs = [start_process(self.ctx, worker_main, f"autotune-worker-{i}",
+                                    (i, self.commands[i], self.results)) for i in range(n)]
+
+    def run(self, ev: Any, plan: Sequence[Tuple[int, float, float, float]]) -> List[int]:
+        """plan: (worker, start, measure_from, end) each; returns the counts
+        in plan order."""
+        for w, start, measure_from, end in plan:
+            self.commands[w].put((ev, start, measure_from, end))
+        got: Dict[int, int] = {}
+        while len(got) < len(plan):
+            i, counted = self.results.get(timeout=600)
+            got[i] = counted
+        return [got[w] for w, *_ in plan]
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+# --- the grid ------------------------------------------------------------------------------
+
+
+def spawn(kind: str, setting: str, net_path: str, scale: Optional[str] = None) -> Any:
+    kwargs, style = SETTINGS[setting]
+    factory = functools.partial(make_model, kind, style, net_path, scale)
+    return shmeval.Evaluator.spawn(factory, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
+                                   max_batch=256, max_clients=128, **kwargs)
+
+
+def run_grid(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """This process's part of the grid: its CPUs, every model, setting and
+    worker count asked for.  A model's evaluators (one per setting) are
+    started together and stay up; each worker count then serves every
+    setting in turn, the order rotated from one worker count to the next,
+    so that the settings of a cell are measured in the same minute."""
+    workers = sorted(args.workers)
+    pool = Pool(max(workers))
+    rows: List[Dict[str, Any]] = []
+    try:
+        for kind in args.models:
+            evs: Dict[str, Any] = {}
+            startup: Dict[str, float] = {}
+            try:
+                for setting in args.settings:
+                    t_start = time.monotonic()
+                    evs[setting] = spawn(kind, setting, args.net)
+                    startup[setting] = time.monotonic() - t_start
+                for k, n in enumerate(workers):
+                    order = args.settings[k % len(args.settings):] + \
+                        args.settings[:k % len(args.settings)]
+                    for setting in order:
+                        ev = evs[setting]
+                        warm = args.warmup if setting == "auto" else args.hand_warmup
+                        t0 = time.monotonic() + START_DELAY_S
+                        plan = [(w, t0, t0 + warm, t0 + warm + args.seconds) for w in range(n)]
+                        counts = pool.run(ev, plan)
+                        st = ev.stats()
+                        row = {"cpus": args.ncpu, "model": kind, "setting": setting,
+                               "workers": n, "rate": sum(counts) / args.seconds,
+                               "slowest_share": (min(counts) * n / sum(counts)
+                                                 if sum(counts) else 0.0),
+                               "mean_batch": st["mean_batch"], "startup_s": startup[setting],
+                               "load_avg": os.getloadavg()[0], "tuner": st.get("tuner")}
+                        rows.append(row)
+                        print(f"  {args.ncpu} cpu  {kind:6s} {setting:17s} {n:3d} workers  "
+                              f"{row['rate']:10,.0f}/s", flush=True)
+            finally:
+                for ev in evs.values():
+                    ev.close()
+    finally:
+        pool.close()
+    return rows
+
+
+def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dict[str, Any]]:
+    """The Markdown table of the grid and its summary."""
+    cells: Dict[Tuple[str, int, int], Dict[str, float]] = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["cpus"], r["workers"]), {})[r["setting"]] = r["rate"]
+    hand = [s for s in settings if s != "auto"]
+    head = ("| model | CPUs | workers | auto | " + " | ".join(hand) +
+            " | best hand | auto / best | auto / today |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    ratios_best, ratios_today = [], []
+    for (model, cpus, n), rates in sorted(cells.items(), key=lambda kv: (
+            MODELS.index(kv[0][0]) if kv[0][0] in MODELS else 9, kv[0][1], kv[0][2])):
+        auto = rates.get("auto")
+        hands = {s: rates[s] for s in hand if s in rates}
+        best = max(hands, key=lambda s: hands[s]) if hands else None
+        rb = auto / hands[best] if auto and best else None
+        rt = auto / rates["today"] if auto and rates.get("today") else None
+        if rb is not None:
+            ratios_best.append(rb)
+        if rt is not None:
+            ratios_today.append(rt)
+
+        def fmt(x: Optional[float]) -> str:
+            return f"{x:,.0f}" if x is not None else "-"
+
+        lines.append(f"| {model} | {cpus} | {n} | **{fmt(auto)}** | " +
+                     " | ".join(fmt(rates.get(s)) for s in hand) +
+                     f" | {best or '-'} | {f'{rb:.2f}' if rb else '-'} | "
+                     f"{f'{rt:.2f}' if rt else '-'} |")
+    summary = {
+        "cells": len(cells),
+        "min_auto_over_best": min(ratios_best) if ratios_best else None,
+        "median_auto_over_best": statistics.median(ratios_best) if ratios_best else None,
+        "cells_auto_at_least_0.9_best": sum(r >= 0.9 for r in ratios_best),
+        "min_auto_over_today": min(ratios_today) if ratios_today else None,
+        "median_auto_over_today": statistics.median(ratios_today) if ratios_today else None,
+        "cells_auto_at_least_today": sum(r >= 1.0 for r in ratios_today),
+    }
+    return "\n".join(lines), summary
+
+
+def plot_grid(rows: List[Dict[str, Any]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in MODELS if any(r["model"] == m for r in rows)]
+    cpus = sorted({r["cpus"] for r in rows})
+    fig, axes = plt.subplots(len(cpus), len(models), figsize=(4.2 * len(models), 3.4 * len(cpus)),
+                             squeeze=False)
+    for i, c in enumerate(cpus):
+        for j, m in enumerate(models):
+            ax = axes[i][j]
+            mine = [r for r in rows if r["cpus"] == c and r["model"] == m]
+            ws = sorted({r["workers"] for r in mine})
+            for setting in sorted({r["setting"] for r in mine}, key=lambda s: s != "auto"):
+                ys = [next((r["rate"] for r in mine if r["workers"] == w and
+                            r["setting"] == setting), np.nan) for w in ws]
+                style = dict(lw=2.5, color="k", zorder=3) if setting == "auto" else (
+                    dict(lw=1.5, color="tab:red", ls="--") if setting == "today" else
+                    dict(lw=0.8, alpha=0.6))
+                ax.plot(ws, ys, marker="o", ms=3, label=setting, **style)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ws, [str(w) for w in ws])
+            ax.set_title(f"{m}, {c} CPU{'s' if c > 1 else ''}", fontsize=10)
+            ax.set_xlabel("workers")
+            if j == 0:
+                ax.set_ylabel("evaluations/s")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# --- the timeline --------------------------------------------------------------------------
+
+
+PHASES = (("16 workers", 16, 1.0), ("64 workers", 64, 1.0), ("16 workers", 16, 1.0),
+          ("16 workers, model cost x2", 16, 2.0))
+
+
+def run_timeline(args: argparse.Namespace) -> Dict[str, Any]:
+    shm = shared_memory.SharedMemory(create=True, size=8)
+    scale = np.ndarray((1,), np.float64, shm.buf)
+    scale[0] = 1.0
+    pool = Pool(64)
+    ev = spawn("device", "auto", args.net, shm.name)
+    samples: List[Dict[str, Any]] = []
+    try:
+        t0 = time.monotonic() + 1.0
+        spans: Dict[int, List[float]] = {}
+        for k, (_, n, _) in enumerate(PHASES):
+            a, b = t0 + k * args.phase, t0 + (k + 1) * args.phase
+            for w in range(n):
+                if w in spans and spans[w][1] == a:
+                    spans[w][1] = b
+                else:
+                    spans.setdefault(w, [a, b])
+        # Workers 16-63 run in phase 2 only; 0-15 throughout.
+        plan = [(w, s, s, e) for w, (s, e) in sorted(spans.items())]
+        done: List[List[int]] = []
+        runner = threading.Thread(target=lambda: done.append(pool.run(ev, plan)), daemon=True)
+        runner.start()
+        end = t0 + len(PHASES) * args.phase
+        prev = None
+        while time.monotonic() < end:
+            now = time.monotonic()
+            phase = int((now - t0) // args.phase) if now >= t0 else -1
+            scale[0] = PHASES[phase][2] if phase >= 0 else 1.0
+            st = ev.stats()
+            tuner = st.get("tuner") or {}
+            s = {"t": now - t0, "phase": phase, "requests": st["requests"],
+                 "clients": st["clients"], "max_wait_us": tuner.get("max_wait_us"),
+                 "serving_threads": tuner.get("serving_threads"),
+                 "batch_cap": tuner.get("batch_cap"), "spin": tuner.get("spin"),
+                 "tuner_phase": tuner.get("phase"), "mean_batch_total": st["mean_batch"],
+                 "model_us_at_mean_batch": tuner.get("model_us_at_mean_batch")}
+            if prev is not None:
+                s["rate"] = (s["requests"] - prev["requests"]) / (s["t"] - prev["t"])
+            samples.append(s)
+            prev = s
+            time.sleep(max(0.0, 0.2 - (time.monotonic() - now)))
+        runner.join(60)
+    finally:
+        ev.close()
+        pool.close()
+        del scale
+        shm.close()
+        shm.unlink()
+    return {"samples": samples, "phases": [p[0] for p in PHASES], "phase_s": args.phase,
+            "settle": settle_times(samples, args.phase)}
+
+
+def settle_times(samples: List[Dict[str, Any]], phase_s: float) -> List[Dict[str, Any]]:
+    """Per phase: when the tuner's choice (wait, threads) last changed, and
+    from when on the 1 s rolling throughput stayed within 15% of the phase's
+    last half's mean."""
+    out = []
+    for k in range(len(PHASES)):
+        mine = [s for s in samples if s["phase"] == k and "rate" in s]
+        if not mine:
+            continue
+        start = k * phase_s
+        choice = [(s["max_wait_us"], s["serving_threads"]) for s in mine]
+        last_change = start
+        for a, b in zip(mine, mine[1:]):
+            if (a["max_wait_us"], a["serving_threads"]) != (b["max_wait_us"], b["serving_threads"]):
+                last_change = b["t"]
+        rates = np.array([s["rate"] for s in mine])
+        ts = np.array([s["t"] for s in mine])
+        roll = np.array([rates[max(0, i - 4):i + 1].mean() for i in range(len(rates))])
+        final = rates[ts >= start + phase_s / 2].mean()
+        ok = np.abs(roll / final - 1) <= 0.15
+        settled_at = ts[-1]
+        for i in range(len(ok) - 1, -1, -1):
+            if not ok[i]:
+                break
+            settled_at = ts[i]
+        out.append({"phase": PHASES[k][0], "choice_settled_s": round(last_change - start, 2),
+                    "rate_settled_s": round(float(settled_at) - start, 2),
+                    "final_rate": float(final), "final_choice": list(choice[-1])})
+    return out
+
+
+def plot_timeline(res: Dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = [x for x in res["samples"] if "rate" in x and x["t"] >= 0]
+    t = [x["t"] for x in s]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 5), sharex=True)
+    a1.plot(t, [x["rate"] for x in s], color="k", lw=1)
+    a1.set_ylabel("evaluations/s")
+    a1.set_ylim(bottom=0)
+    a2.step(t, [x["max_wait_us"] or 0 for x in s], where="post", color="tab:blue",
+            label="max wait (µs)")
+    a2.set_ylabel("chosen wait (µs)")
+    a3 = a2.twinx()
+    a3.step(t, [x["serving_threads"] or 0 for x in s], where="post", color="tab:orange",
+            label="calls in flight")
+    a3.set_ylabel("calls in flight")
+    a3.set_ylim(0, 3)
+    for k, name in enumerate(res["phases"]):
+        for ax in (a1, a2):
+            ax.axvline(k * res["phase_s"], color="grey", lw=0.6, ls=":")
+        a1.text(k * res["phase_s"] + 0.2, 0.02, name, transform=a1.get_xaxis_transform(),
+                fontsize=8, color="grey")
+    a2.set_xlabel("seconds")
+    a1.set_title("the device model (200 µs + 5 µs/row), every knob \"auto\"", fontsize=10)
+    fig.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="2 CPUs, null and device models, 1 and 16 workers, auto/today/threads2, "
+                        "short windows (about 2 minutes)")
+    p.add_argument("--timeline", action="store_true",
+                   help="the timeline experiment instead of the grid")
+    p.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")],
+                   default=list(WORKERS))
+    p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    p.add_argument("--cpus", type=lambda s: [int(x) for x in s.split(",")], default=list(CPUS),
+                   help="CPU counts to run under taskset (default 1,2)")
+    p.add_argument("--settings", type=lambda s: s.split(","), default=list(SETTINGS))
+    p.add_argument("--seconds", type=float, default=1.5, help="measured window per cell")
+    p.add_argument("--warmup", type=float, default=4.5,
+                   help="auto's warm-up before each window: it settles after each change")
+    p.add_argument("--hand-warmup", type=float, default=0.5)
+    p.add_argument("--phase", type=float, default=10.0, help="--timeline: seconds per phase")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH.png")
+    p.add_argument("--net", help=argparse.SUPPRESS)          # the .keras file (children)
+    p.add_argument("--ncpu", type=int, help=argparse.SUPPRESS)  # a child under taskset
+    p.add_argument("--rows-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.cpus, args.workers, args.models = [2], [1, 16], ["null", "device"]
+        args.settings = list(QUICK_SETTINGS)
+        args.seconds, args.warmup = 1.0, 3.0
+    for s in args.settings:
+        if s not in SETTINGS:
+            p.error(f"unknown setting {s!r} (choose from {', '.join(SETTINGS)})")
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r} (choose from {', '.join(MODELS)})")
+    if "auto" not in args.settings:
+        args.settings.insert(0, "auto")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse(argv)
+    if args.ncpu is not None:  # a child: this CPU count's part of the grid
+        write_json(args.rows_out, run_grid(args))
+        return 0
+    tmp = tempfile.mkdtemp(prefix="shmeval-autotune-")
+    if args.net is None:
+        args.net = os.path.join(tmp, "net.keras")
+        if "tfnet" in args.models or args.timeline:
+            proc = mp.get_context("spawn").Process(target=save_net, args=(args.net,))
+            proc.start()
+            proc.join()
+    t_start = time.monotonic()
+    if args.timeline:
+        res = run_timeline(args)
+        print("| phase | choice settled after | throughput settled after | evaluations/s | "
+              "wait µs, calls in flight |\n|---|---|---|---|---|")
+        for s in res["settle"]:
+            print(f"| {s['phase']} | {s['choice_settled_s']:.1f} s | {s['rate_settled_s']:.1f} s | "
+                  f"{s['final_rate']:,.0f} | {s['final_choice'][0]}, {s['final_choice'][1]} |")
+        out: Dict[str, Any] = {"experiment": "timeline", "machine": machine_info(), **res}
+        if args.plot:
+            plot_timeline(res, args.plot)
+    else:
+        rows: List[Dict[str, Any]] = []
+        for c in args.cpus:
+            cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))[:c]))
+            rows_out = os.path.join(tmp, f"rows-{c}.json")
+            cmd = ["taskset", "-c", cpus, sys.executable, os.path.abspath(__file__),
+                   "--ncpu", str(c), "--rows-out", rows_out, "--net", args.net,
+                   "--workers", ",".join(map(str, args.workers)),
+                   "--models", ",".join(args.models), "--settings", ",".join(args.settings),
+                   "--seconds", str(args.seconds), "--warmup", str(args.warmup),
+                   "--hand-warmup", str(args.hand_warmup)]
+            print(f"taskset -c {cpus}: ...", flush=True)
+            subprocess.run(cmd, check=True)
+            with open(rows_out) as f:
+                rows += json.load(f)
+        text, summary = table(rows, args.settings)
+        print()
+        print(text)
+        print()
+        print(json.dumps(summary, indent=1))
+        out = {"experiment": "grid", "machine": machine_info(),
+               "args": {k: v for k, v in vars(args).items() if k not in ("net", "rows_out")},
+               "rows": rows, "summary": summary, "table": text}
+        if args.plot:
+            plot_grid(rows, args.plot)
+    out["wall_s"] = time.monotonic() - t_start
+    if args.json:
+        write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
