@@ -31,7 +31,8 @@ answers from every evaluator before the first window.
 
 Per cell (medians of the windows): evaluations/s, as a multiple of the same
 design with one replica; p50 and p99 latency; the mean batch per replica
-(requests per model call, with the range over the replicas); each replica's
+(requests per model call, with the range over the replicas) and the rows
+of the model calls at their 10th, 50th and 90th percentile; each replica's
 model busy share (its time inside the model over the window, counted as
 each call ends, so off by up to one call; the smallest and largest
 replica); the busy cores of the machine, and the part of them that belongs
@@ -224,9 +225,13 @@ def worker_main(worker_id: int, addresses: dict[int, str], requests: dict[int, A
 # Per consumer, in a shared array of doubles: requests, batches, seconds in the model.
 COUNTERS = 3
 
+# What a design has counted so far: (requests, batches, model seconds) per
+# replica, and the model calls by rows (index: rows per call).
+Counts = tuple[list[tuple[float, float, float]], np.ndarray]
+
 
 def consumer_main(index: int, requests: Any, responses: list[Any], call_s: float, row_s: float,
-                  counters: Any, conn: Connection) -> None:
+                  counters: Any, calls: Any, conn: Connection) -> None:
     """One replica of the queue design: batches of what is queued, one model
     call each, every answer put on its worker's Queue."""
     child_setup()
@@ -234,6 +239,7 @@ def consumer_main(index: int, requests: Any, responses: list[Any], call_s: float
     conn.send(("ready", os.getpid()))
     conn.close()
     base = COUNTERS * index
+    calls_base = (MAX_BATCH + 1) * index  # each consumer its own row: no lost increments
     for items in queued_batches(requests, MAX_BATCH):
         batch = np.frombuffer(b"".join(s for _, s in items), dtype=np.float32)
         t0 = time.perf_counter_ns()
@@ -243,6 +249,7 @@ def consumer_main(index: int, requests: Any, responses: list[Any], call_s: float
             responses[worker_id].put(value.tobytes())
         counters[base] += len(items)
         counters[base + 1] += 1
+        calls[calls_base + len(items)] += 1
 
 
 class QueueReplicas:
@@ -253,13 +260,15 @@ class QueueReplicas:
                  row_s: float) -> None:
         self.requests = ctx.Queue()
         self.counters = ctx.Array("d", COUNTERS * replicas, lock=False)
+        self.calls = ctx.Array("q", (MAX_BATCH + 1) * replicas, lock=False)
         self.procs: list[BaseProcess] = []
         conns = []
         for r in range(replicas):
             parent_end, child_end = ctx.Pipe()
             self.procs.append(start_process(
                 ctx, consumer_main, f"bench-queue-{replicas}-{r}",
-                (r, self.requests, responses, call_s, row_s, self.counters, child_end)))
+                (r, self.requests, responses, call_s, row_s, self.counters, self.calls,
+                 child_end)))
             child_end.close()
             conns.append(parent_end)
         self.pids: list[int] = []
@@ -274,10 +283,10 @@ class QueueReplicas:
             for conn in conns:
                 conn.close()
 
-    def per_replica(self) -> list[tuple[float, float, float]]:
-        """(requests, batches, model seconds) of each consumer so far."""
+    def counts(self) -> Counts:
         c = self.counters
-        return [(c[i], c[i + 1], c[i + 2]) for i in range(0, len(c), COUNTERS)]
+        calls = np.ctypeslib.as_array(self.calls).reshape(-1, MAX_BATCH + 1).sum(axis=0)
+        return [(c[i], c[i + 1], c[i + 2]) for i in range(0, len(c), COUNTERS)], calls
 
     def stop(self) -> list[str]:
         for _ in self.procs:
@@ -289,11 +298,18 @@ class QueueReplicas:
         return stuck
 
 
-def shmeval_per_replica(ev: Any) -> list[tuple[float, float, float]]:
-    """(requests, batches, model seconds) of each of ``ev``'s replicas so far."""
+def shmeval_counts(ev: Any) -> Counts:
     st = ev.stats()
+    calls = np.zeros(MAX_BATCH + 1, dtype=np.int64)
+    for rows, n in st["batch_hist"].items():
+        calls[rows] = n
     return [(r["requests"], r["batches"], r["model_time_share"] * st["uptime_s"])
-            for r in st["replicas"]]
+            for r in st["replicas"]], calls
+
+
+def rows_per_call(calls: np.ndarray, q: float) -> int:
+    """The rows of the model call at quantile ``q`` of the calls."""
+    return int(np.searchsorted(np.cumsum(calls), q * calls.sum()))
 
 
 # --- one worker count --------------------------------------------------------------------
@@ -344,10 +360,10 @@ class WorkerCount:
             return list(self.evaluators[replicas].pids)
         return self.queues[replicas].pids
 
-    def per_replica(self, design: str, replicas: int) -> list[tuple[float, float, float]]:
+    def counts(self, design: str, replicas: int) -> Counts:
         if design == "shmeval":
-            return shmeval_per_replica(self.evaluators[replicas])
-        return self.queues[replicas].per_replica()
+            return shmeval_counts(self.evaluators[replicas])
+        return self.queues[replicas].counts()
 
     def window(self, design: str, replicas: int, repeat: int) -> dict[str, Any]:
         args = self.args
@@ -357,10 +373,10 @@ class WorkerCount:
             conn.send(("run", design, replicas, start_ns, end_ns, args.samples))
         servers = self.server_pids(design, replicas)
         time.sleep(max(0.0, (start_ns - time.perf_counter_ns()) / 1e9))
-        busy0, before = machine_busy_s(), self.per_replica(design, replicas)
+        busy0, (before, calls0) = machine_busy_s(), self.counts(design, replicas)
         cpu0 = [cpu_s(p) for p in self.pids], [cpu_s(p) for p in servers]
         time.sleep(max(0.0, (end_ns - time.perf_counter_ns()) / 1e9))
-        busy1, after = machine_busy_s(), self.per_replica(design, replicas)
+        busy1, (after, calls1) = machine_busy_s(), self.counts(design, replicas)
         cpu1 = [cpu_s(p) for p in self.pids], [cpu_s(p) for p in servers]
 
         label = f"{design} x{replicas}, {self.n_workers} workers"
@@ -380,6 +396,7 @@ class WorkerCount:
         busy_share = [(y[2] - x[2]) / args.seconds for x, y in zip(before, after)]
         cpu_workers = sum(y - x for x, y in zip(cpu0[0], cpu1[0]))
         cpu_servers = sum(y - x for x, y in zip(cpu0[1], cpu1[1]))
+        calls = calls1 - calls0
         return {
             "design": design, "replicas": replicas, "workers": self.n_workers, "repeat": repeat,
             "seconds": args.seconds, "evaluations": total, "throughput": total / args.seconds,
@@ -388,6 +405,8 @@ class WorkerCount:
             "replica_mean_batch": [r / b if b else None for r, b in zip(requests, batches)],
             "mean_batch": sum(requests) / sum(batches) if sum(batches) else None,
             "model_busy_share": busy_share,
+            "rows_per_call": {f"p{q:g}": rows_per_call(calls, q / 100) for q in (10, 50, 90)},
+            "calls_by_rows": {int(rows): int(calls[rows]) for rows in np.flatnonzero(calls)},
             "busy_cores": (busy1 - busy0) / args.seconds,
             "cpu_cores_workers": cpu_workers / args.seconds,
             "cpu_cores_servers": cpu_servers / args.seconds,
@@ -451,7 +470,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[s
                         print(f"[{n_workers:>2} workers, {design:<7} x{replicas} "
                               f"{repeat + 1}/{args.repeats}] {t['throughput']:>8,.0f} evals/s  "
                               f"p50 {t['p50_ms']:6.2f} ms  p99 {t['p99_ms']:6.2f} ms  "
-                              f"batch/replica {t['mean_batch']:5.1f}  model busy "
+                              f"batch/replica {t['mean_batch']:5.1f}  rows/call "
+                              f"{'-'.join(str(v) for v in t['rows_per_call'].values())}  model busy "
                               f"{min(busy):.2f}-{max(busy):.2f}  busy cores "
                               f"{t['busy_cores']:.2f}", file=sys.stderr)
         except BaseException:
@@ -493,6 +513,8 @@ def summarise(trials: list[dict[str, Any]], args: argparse.Namespace) -> list[di
                for key in ("throughput", "p50_ms", "p99_ms", "mean_batch", "busy_cores",
                            "cpu_cores_workers", "cpu_cores_servers", "other_load_cores")},
             "replica_mean_batch": batch, "model_busy_share": busy,
+            "rows_per_call": {q: statistics.median(t["rows_per_call"][q] for t in ts)
+                              for q in ("p10", "p50", "p90")},
             "model_bound": min(busy) >= MODEL_BOUND_SHARE,
             "even_split_multiple": even_split_multiple(args, workers, replicas),
         })
@@ -534,11 +556,13 @@ def print_report(summary: list[dict[str, Any]], checked: list[dict[str, Any]],
         print(f"\n{workers} workers")
         _print_table(
             ["replicas", "design", "evals/s", "x 1 replica", "even split", "p50 ms", "p99 ms",
-             "batch/replica", "model busy", "model-bound", "busy cores", "other load"],
+             "batch/replica", "rows/call p10-p50-p90", "model busy", "model-bound",
+             "busy cores", "other load"],
             [[str(r["replicas"]), r["design"], f"{r['throughput']['median']:,.0f}",
               f"{r['multiple_of_one']:.2f}x", f"{r['even_split_multiple']:.2f}x",
               f"{r['p50_ms']['median']:.2f}", f"{r['p99_ms']['median']:.2f}",
               _range(r["mean_batch"]["median"], r["replica_mean_batch"], ".1f"),
+              "-".join(f"{v:g}" for v in r["rows_per_call"].values()),
               _range(None, r["model_busy_share"], ".2f"),
               "yes" if r["model_bound"] else "no", f"{r['busy_cores']['median']:.2f}",
               f"{r['other_load_cores']['median']:.2f}"]

@@ -44,6 +44,14 @@ def test_quick_run(tmp_path: Path) -> None:
         # Every request is counted by exactly one replica.
         assert sum(trial["replica_requests"]) > 0
         assert 0 < trial["p50_ms"] <= trial["p99_ms"]
+        # The calls by rows add up to the replicas' batches and requests, but
+        # for a batch per replica being recorded while the counters were read.
+        calls = {int(rows): n for rows, n in trial["calls_by_rows"].items()}
+        replicas = trial["replicas"]
+        assert abs(sum(calls.values()) - sum(trial["replica_batches"])) <= replicas
+        assert abs(sum(rows * n for rows, n in calls.items())
+                   - sum(trial["replica_requests"])) <= 4 * replicas
+        assert 1 <= trial["rows_per_call"]["p10"] <= trial["rows_per_call"]["p90"] <= 4
 
     [target] = result["targets"]
     assert target["workers"] == 4 and target["replicas"] == 2 and target["target"] == 1.8
