@@ -146,6 +146,9 @@ MUTATIONS = [
     }""",
         """        ((uint64_t *)d)[i] = data[i];
     }"""),)),
+    Mutation("the cache forgets which entries were hit", "cache", "plain", ((
+        "        uint64_t stamp = SHM_CACHE_HIT_BIT | shm_cache_now();",
+        "        uint64_t stamp = shm_cache_now();"),)),
 ]
 
 

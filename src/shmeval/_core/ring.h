@@ -1327,9 +1327,13 @@ static inline uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k) {
  * when new weights serve (shm_cache_set_version): no sweep of the table.
  *
  * Replacement, within a bucket: the entry of the same key, else an empty
- * one, else one of an older version than cache_version, else the one used
- * least recently (`stamp`: the time of its last hit or write, in units of
- * 2^20 ns, written at most once per unit). */
+ * one, else one of an older version than cache_version, else the smallest
+ * `stamp`: entries never hit since they were stored before those that
+ * were, and among each the least recently used.  (`stamp` is the time of
+ * the last hit or store in units of 2^20 ns, written at most once per unit,
+ * with SHM_CACHE_HIT_BIT once hit.  On the demo's positions keeping hit
+ * entries holds most of what keeping the openings would, which plain LRU
+ * and FIFO lose in small tables: bench/cache.py.) */
 typedef struct {
     _Atomic uint64_t key;      /* 0: empty */
     _Atomic uint64_t version;  /* model version of the answer */
@@ -1340,6 +1344,7 @@ typedef struct {
 } shm_cache_entry;
 
 enum { SHM_CACHE_MISS = 0, SHM_CACHE_HIT = 1, SHM_CACHE_OLD = 2 };
+#define SHM_CACHE_HIT_BIT (1ull << 63)
 
 /* 64 x 64 -> 128-bit multiply, folded: the mixing step of the hashes. */
 static inline uint64_t shm_mum(uint64_t a, uint64_t b) {
@@ -1462,9 +1467,9 @@ static inline int shm_cache_get(shm_seg *s, uint32_t c, uint64_t key,
             old = 1;
             continue;
         }
-        uint64_t now = shm_cache_now();
-        if (atomic_load_explicit(&e->stamp, memory_order_relaxed) != now)
-            atomic_store_explicit(&e->stamp, now, memory_order_relaxed);
+        uint64_t stamp = SHM_CACHE_HIT_BIT | shm_cache_now();
+        if (atomic_load_explicit(&e->stamp, memory_order_relaxed) != stamp)
+            atomic_store_explicit(&e->stamp, stamp, memory_order_relaxed);
         *version = v;
         atomic_fetch_add_explicit(&ce->cache_hits, 1, memory_order_relaxed);
         return SHM_CACHE_HIT;
@@ -1493,7 +1498,7 @@ static inline int shm_cache_put(shm_seg *s, uint32_t c, uint64_t key,
     uint64_t floor = shm_cache_version(s);
     if (version < floor) return 0; /* no reader would accept it */
     shm_cache_entry *victim = shm_cache_entry_at(s, b);
-    int rank = 4; /* 0 same key, 1 empty, 2 old version, 3 least recent */
+    int rank = 4; /* 0 same key, 1 empty, 2 old version, 3 smallest stamp */
     uint64_t oldest = UINT64_MAX;
     for (uint32_t w = 0; w < SHM_CACHE_WAYS && rank > 0; w++) {
         shm_cache_entry *e = shm_cache_entry_at(s, b + w);

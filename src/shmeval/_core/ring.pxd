@@ -91,11 +91,11 @@ cdef extern from "ring.h" nogil:
         SHM_STOP_EXITED
         ST_BUSY_NS
         SHM_CACHE_MAX_LOG2
-        SHM_CACHE_MAX_BYTES
         SHM_CACHE_MISS
         SHM_CACHE_HIT
         SHM_CACHE_OLD
 
+    const uint64_t SHM_CACHE_MAX_BYTES
     void shm_hash_state(const char *p, uint64_t n, uint64_t *k1, uint64_t *k2)
     uint64_t shm_cache_entries(const shm_seg *s)
     uint64_t shm_cache_version(shm_seg *s)

@@ -3384,7 +3384,7 @@ static void test_cache(void) {
     CHECK(is_answer(d, 5, 2, 0) && v == 2);
 
     /* replacement in the one bucket: empty ways first, then the least
-     * recently used (stamps are about 1 ms apart) */
+     * recently used (stamps are about 1 ms apart, hence the sleeps) */
     for (uint64_t k = 6; k <= 8; k++) CHECK_EQ(t_put(s, k, k, 2, 0), 0);
     CHECK_EQU(client_cache(s, 3), 0u);
     sleep_ns(3 * MS);
@@ -3397,6 +3397,24 @@ static void test_cache(void) {
     CHECK_EQ(t_get(s, 7, 7, d, &v), SHM_CACHE_MISS);
     for (uint64_t k = 5; k <= 9; k++)
         if (k != 7) CHECK_EQ(t_get(s, k, k == 5 ? 55 : k, d, &v), SHM_CACHE_HIT);
+    /* an entry that has been hit outlives more recent ones that have not:
+     * 9 and 6 are stored again (no hit since), 5 and 8 were hit before */
+    sleep_ns(3 * MS);
+    CHECK_EQ(t_put(s, 9, 9, 2, 0), 0);
+    sleep_ns(3 * MS);
+    CHECK_EQ(t_put(s, 6, 6, 2, 0), 0);
+    sleep_ns(3 * MS);
+    CHECK_EQ(t_put(s, 11, 11, 2, 0), 1); /* replaces 9: never hit, oldest */
+    CHECK_EQ(t_get(s, 9, 9, d, &v), SHM_CACHE_MISS);
+    CHECK_EQ(t_get(s, 5, 55, d, &v), SHM_CACHE_HIT);
+    CHECK_EQ(t_get(s, 8, 8, d, &v), SHM_CACHE_HIT);
+    sleep_ns(3 * MS);
+    CHECK_EQ(t_put(s, 9, 9, 2, 0), 1);   /* replaces 6 (11 is more recent) */
+    CHECK_EQ(t_get(s, 6, 6, d, &v), SHM_CACHE_MISS);
+    CHECK_EQ(t_put(s, 6, 6, 2, 0), 1);   /* replaces 11, not the hit 5 or 8 */
+    CHECK_EQ(t_get(s, 11, 11, d, &v), SHM_CACHE_MISS);
+    CHECK_EQ(t_get(s, 6, 6, d, &v), SHM_CACHE_HIT);
+    CHECK_EQ(t_get(s, 9, 9, d, &v), SHM_CACHE_HIT);
     /* an entry of an old version goes before any live one, however recent */
     CHECK_EQ(t_put(s, 6, 6, 3, 0), 0); /* same key: refreshed, not replaced */
     shm_cache_set_version(s, 3);        /* 5, 8, 9 are old now */
