@@ -429,7 +429,10 @@ class Pending:
 
     def _fail(self, exc: BaseException) -> None:
         """The request cannot be answered (closed, dead, reclaimed): result()
-        raises exc; the rows still in flight are abandoned."""
+        raises exc; the rows still in flight are abandoned.  A request whose
+        every answer is already in is not failed."""
+        if len(self._fetched) == self._n:
+            return
         if self._exc is None:
             self._exc = exc
         rows = self._claim_all()
@@ -456,7 +459,12 @@ def submit(client: "Client", states: Any, block: bool = True,
            return_version: bool = False) -> Pending:
     """``Client.submit``: posts states ``[n, *input_shape]`` (n at most
     ``slots_per_client``) and returns their :class:`Pending`."""
-    lane = lane_of(client)
+    return _submit(lane_of(client), states, block, return_version)
+
+
+def _submit(lane: _Lane, states: Any, block: bool, return_version: bool) -> Pending:
+    """submit on a given lane (a closed one raises EvaluatorClosed)."""
+    client = lane.client
     a = client._as_input(states, None, "states")
     n = a.shape[0]
     if n > lane.slots:
@@ -553,16 +561,15 @@ async def evaluate_async(client: "Client", states: Any, return_version: bool = F
     without blocking the event loop (awaiting free slots if need be), then
     awaits the answers, which the process's waiter thread announces."""
     loop = asyncio.get_running_loop()
-    lane = lane_of(client)
+    lane = lane_of(client)  # kept: a close meanwhile raises, as evaluate_many does
     while True:
         try:
-            p = submit(client, states, block=False, return_version=return_version)
+            p = _submit(lane, states, block=False, return_version=return_version)
             break
         except NoFreeSlots:
             await lane.async_waiter().slots_freed(loop)
-            lane = lane_of(client)
     if not p.done():
-        await p._lane.async_waiter().watch(p, loop)
+        await lane.async_waiter().watch(p, loop)
     return p.result()
 
 
@@ -579,10 +586,18 @@ class _AsyncWaiter(threading.Thread):
         self.watched: List[Tuple[Pending, asyncio.AbstractEventLoop, "asyncio.Future[None]"]] = []
         # futures of submits waiting for free slots
         self.slot_waiters: List[Tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]] = []
+        # Set when the thread ends (its entry was detached): futures asked
+        # for after that are resolved at once, and their callers find the
+        # handle closed.
+        self.stopped = False
 
     def watch(self, p: Pending, loop: asyncio.AbstractEventLoop) -> "asyncio.Future[None]":
+        """A future resolved once p is done."""
         fut: "asyncio.Future[None]" = loop.create_future()
         with self.cond:
+            if self.stopped:
+                fut.set_result(None)
+                return fut
             self.watched.append((p, loop, fut))
             self.cond.notify()
         return fut
@@ -591,11 +606,27 @@ class _AsyncWaiter(threading.Thread):
         """A future resolved when slots may have come back."""
         fut: "asyncio.Future[None]" = loop.create_future()
         with self.cond:
+            if self.stopped:
+                fut.set_result(None)
+                return fut
             self.slot_waiters.append((loop, fut))
             self.cond.notify()
         return fut
 
     def run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            with self.cond:
+                self.stopped = True
+                watched, self.watched = self.watched, []
+                waiters, self.slot_waiters = self.slot_waiters, []
+            for _p, loop, fut in watched:
+                _resolve(loop, fut)
+            for loop, fut in waiters:
+                _resolve(loop, fut)
+
+    def _serve(self) -> None:
         lane = self.lane
         seg, c, port = lane.seg, lane.c, lane.port
         while not port.detached:
@@ -621,6 +652,8 @@ class _AsyncWaiter(threading.Thread):
                     except ShmevalError as e:
                         for p, _, _ in watched:
                             p._fail(e)
+                        if port.detached:
+                            return
             else:
                 # Other threads' blocking calls hold the slots, or are
                 # fetching the last rows: neither rings this thread.

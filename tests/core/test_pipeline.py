@@ -389,6 +389,30 @@ def test_evaluate_async_closed_evaluator() -> None:
         ev.close()
 
 
+def test_evaluate_async_handle_closed() -> None:
+    """Client.close() while a request is awaited: the await ends (with
+    EvaluatorClosed), and so does one waiting for slots."""
+    gate = threading.Event()
+    with make_ev(gated(gate), slots_per_client=SLOTS) as ev:
+        client = shmeval.connect(ev.address)
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            held = asyncio.ensure_future(client.evaluate_async(states(list(range(SLOTS)))))
+            await asyncio.sleep(0.05)
+            short = asyncio.ensure_future(client.evaluate_async(states([1])))  # no free slot
+            await asyncio.sleep(0.05)
+            await loop.run_in_executor(None, lambda: client.close(timeout=0.1))
+            for task in (held, short):
+                with pytest.raises(shmeval.EvaluatorClosed):
+                    await asyncio.wait_for(task, NO_HANG)
+
+        try:
+            asyncio.run(main())
+        finally:
+            gate.set()
+
+
 def test_lane_per_registration() -> None:
     """A new registration of the handle (after close) gets a new lane."""
     with make_ev(slots_per_client=SLOTS) as ev:
