@@ -143,19 +143,34 @@ def test_waiting_is_dropped_when_it_loses() -> None:
     assert not any(d.max_wait_ns for d in seen[-20:])
 
 
-def test_waiting_must_win_every_pair() -> None:
-    """Ahead on average but behind in one pair: not adopted."""
-    wins = iter([True, True, False] + [True] * 100)
+@pytest.mark.parametrize("wins, adopted, pairs", [
+    ([True, True, True], True, 3),                       # all of the first three
+    ([False, False, False], False, 3),                   # none: dropped at once
+    ([True, True, False, True, True, True], True, 6),    # five of six
+    ([True, False, True, True, False, True], False, 6),  # four of six: not enough
+])
+def test_the_sequential_sign_test(wins: List[bool], adopted: bool, pairs: int) -> None:
+    """Waiting ahead by a lot in the windows it wins: what counts is in how
+    many pairs it is ahead, and the trial takes three pairs when they agree,
+    six when they do not."""
+    outcome = iter(wins + [True] * 100)
     t = Tuner(256, 1, WAKE)
     feed = Feed(t, clients=4)
+    waits: List[bool] = []
 
     def rate(d: Decision) -> float:
+        waits.append(bool(d.max_wait_ns))
         if d.max_wait_ns:
-            return 20_000.0 if next(wins) else 9_000.0
+            return 20_000.0 if next(outcome) else 9_000.0
         return 10_000.0
 
     settle(feed, rate, CONVOY)
-    assert t.decision.max_wait_ns == 0
+    assert bool(t.decision.max_wait_ns) == adopted
+    first = waits.index(True)
+    trial = waits[first:first + 2 * pairs]
+    assert trial == [True, False] * pairs
+    assert all(w == adopted for w in waits[first + 2 * pairs:])
+    assert t.why_wait.endswith("against greedy") and f"of {pairs} window pairs" in t.why_wait
 
 
 def test_no_waiting_where_the_batches_hold_what_a_fixed_cost_gathers() -> None:
