@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "blocking search; see docs/selfplay.md)")
     p.add_argument("--cache", type=int, default=d.cache, metavar="N",
                    help="shmeval mode: a shared evaluation cache of N entries (a power of "
-                        "two), consulted by every worker before it sends a position "
-                        f"(default {d.cache}: see docs/selfplay.md)")
+                        "two; 0: none), consulted by every worker before it sends a position "
+                        f"(default {d.cache:,}, 16 MiB; see docs/selfplay.md)")
     p.add_argument("--local-cache", type=int, default=d.local_cache, metavar="N",
                    help="a cache of N entries in each worker instead (any mode), the scheme "
                         "of engines that run one search per process; to compare with --cache")
