@@ -31,8 +31,9 @@ answers from every evaluator before the first window.
 
 Per cell (medians of the windows): evaluations/s, as a multiple of the same
 design with one replica; p50 and p99 latency; the mean batch per replica
-(requests per model call, with the range over the replicas) and the rows
-of the model calls at their 10th, 50th and 90th percentile; each replica's
+(requests per model call over all the cell's windows, with the range over
+the replicas) and the rows of those calls at their 10th, 50th and 90th
+percentile; each replica's
 model busy share (its time inside the model over the window, counted as
 each call ends, so off by up to one call; the smallest and largest
 replica); the busy cores of the machine, and the part of them that belongs
@@ -497,24 +498,30 @@ def even_split_multiple(args: argparse.Namespace, workers: int, replicas: int) -
 
 
 def summarise(trials: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Medians [min, max] over the windows of each cell, with the multiple of
-    the same design's one replica and whether the cell is model-bound."""
+    """Medians [min, max] over the windows of each cell (batches and rows
+    per call: over all its windows' calls), with the multiple of the same
+    design's one replica and whether the cell is model-bound."""
     groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     for t in trials:
         groups.setdefault((t["workers"], t["replicas"], t["design"]), []).append(t)
     rows = []
     for (workers, replicas, design), ts in groups.items():
         busy = [statistics.median(t["model_busy_share"][r] for t in ts) for r in range(replicas)]
-        batch = [statistics.median(t["replica_mean_batch"][r] or 0.0 for t in ts)
-                 for r in range(replicas)]
+        requests = np.sum([t["replica_requests"] for t in ts], axis=0)
+        batches = np.sum([t["replica_batches"] for t in ts], axis=0)
+        calls = np.zeros(MAX_BATCH + 1, dtype=np.int64)
+        for t in ts:
+            for n_rows, n_calls in t["calls_by_rows"].items():
+                calls[n_rows] += n_calls
         rows.append({
             "workers": workers, "replicas": replicas, "design": design, "repeats": len(ts),
             **{key: _stat([t[key] for t in ts])
-               for key in ("throughput", "p50_ms", "p99_ms", "mean_batch", "busy_cores",
+               for key in ("throughput", "p50_ms", "p99_ms", "busy_cores",
                            "cpu_cores_workers", "cpu_cores_servers", "other_load_cores")},
-            "replica_mean_batch": batch, "model_busy_share": busy,
-            "rows_per_call": {q: statistics.median(t["rows_per_call"][q] for t in ts)
-                              for q in ("p10", "p50", "p90")},
+            "mean_batch": requests.sum() / max(1, batches.sum()),
+            "replica_mean_batch": (requests / np.maximum(1, batches)).tolist(),
+            "model_busy_share": busy,
+            "rows_per_call": {f"p{q:g}": rows_per_call(calls, q / 100) for q in (10, 50, 90)},
             "model_bound": min(busy) >= MODEL_BOUND_SHARE,
             "even_split_multiple": even_split_multiple(args, workers, replicas),
         })
@@ -547,7 +554,8 @@ def targets(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_report(summary: list[dict[str, Any]], checked: list[dict[str, Any]],
                  args: argparse.Namespace) -> None:
-    print(f"\nmedians of {args.repeats} window(s) of {args.seconds:g} s; model: "
+    print(f"\nmedians of {args.repeats} window(s) of {args.seconds:g} s (batches: over all "
+          f"their calls); model: "
           f"{args.call_ms:g} ms per call + {args.row_us:g} us per row; model-bound: every "
           f"replica's model busy >= {MODEL_BOUND_SHARE:.0%} of the window")
     for workers in args.workers:
@@ -561,7 +569,7 @@ def print_report(summary: list[dict[str, Any]], checked: list[dict[str, Any]],
             [[str(r["replicas"]), r["design"], f"{r['throughput']['median']:,.0f}",
               f"{r['multiple_of_one']:.2f}x", f"{r['even_split_multiple']:.2f}x",
               f"{r['p50_ms']['median']:.2f}", f"{r['p99_ms']['median']:.2f}",
-              _range(r["mean_batch"]["median"], r["replica_mean_batch"], ".1f"),
+              _range(r["mean_batch"], r["replica_mean_batch"], ".1f"),
               "-".join(f"{v:g}" for v in r["rows_per_call"].values()),
               _range(None, r["model_busy_share"], ".2f"),
               "yes" if r["model_bound"] else "no", f"{r['busy_cores']['median']:.2f}",
@@ -585,7 +593,7 @@ def _range(overall: Optional[float], per_replica: Sequence[float], spec: str) ->
     if overall is None:
         return spread
     text = format(overall, spec)
-    return text if len(per_replica) == 1 else f"{text} [{spread}]"
+    return text if lo == hi else f"{text} [{spread}]"
 
 
 # --- the command line ---------------------------------------------------------------------
