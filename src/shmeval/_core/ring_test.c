@@ -4073,10 +4073,9 @@ static void rep_run(int die_after, int die_locked) {
     /* A dying replica's batch was computed by it but never delivered: those
      * requests are computed twice, answered once. */
     CHECK(total >= (uint64_t)x.nclients * x.nreq);
-    if (!die_after) {
-        CHECK_EQU(total, (uint64_t)x.nclients * x.nreq);
-        CHECK(x.servers[0].answered > 0 && x.servers[1].answered > 0);
-    }
+    /* (How the work splits between the replicas is the scheduler's: on a
+     * loaded machine one may take every batch; the counts are printed.) */
+    if (!die_after) CHECK_EQU(total, (uint64_t)x.nclients * x.nreq);
     printf("  replicas: die_after %d%s: replica answers %" PRIu64 " + %" PRIu64
            "\n", die_after, die_locked ? " (holding the lock)" : "",
            x.servers[0].answered, x.servers[1].answered);
