@@ -22,17 +22,18 @@ setting serves the same workers:
   today     the defaults before the tuner: greedy, client spin 100 µs,
             evaluator spin 50 µs, one serving thread, TFModel(path)
             unfrozen with TensorFlow's default thread pools
-  threads2, wait100, wait500, threads2-wait100, nospin
-            hand settings: two serving threads and/or max_wait_us 100 or
-            500, or no spinning; the TensorFlow net then frozen with one
-            intra-op and two inter-op threads (the README's hand-tuned
-            factory before the tuner)
+  threads2, wait100, nospin
+            hand settings: two serving threads, max_wait_us 100, or no
+            spinning (and, on request, wait500 and threads2-wait100); the
+            TensorFlow net then frozen with one intra-op and two inter-op
+            threads (the README's hand-tuned factory before the tuner)
 
 Each setting has its own evaluator, all of a model's up at once; each
-worker count serves every setting in turn (the order rotated from one
-worker count to the next), a window of --seconds after a warm-up
-(--warmup for auto, which must settle after every change of the worker
-count, --hand-warmup for the rest).  The table prints each cell's rates, the best hand setting and the
+worker count serves every setting in turn, --repeats rounds with the order
+rotated each round, a window of --seconds after a warm-up (--warmup for
+auto's first window of a cell, since it must settle after every change of
+the worker count; --hand-warmup otherwise), and the cell's figure is the
+median of its windows.  The table prints each cell's rates, the best hand setting and the
 ratios auto/best and auto/today; the targets are auto >= 0.9x the best hand
 setting and >= today's in every cell.
 
@@ -91,6 +92,8 @@ SETTINGS: Dict[str, Tuple[Dict[str, Any], str]] = {
     "threads2-wait100": (dict(TODAY, serving_threads=2, max_wait_us=100), "hand"),
     "nospin": (dict(TODAY, spin_us=0, evaluator_spin_us=0), "hand"),
 }
+#: The grid run by default (the others on request: --settings).
+DEFAULT_SETTINGS = ("auto", "today", "threads2", "wait100", "nospin")
 QUICK_SETTINGS = ("auto", "today", "threads2")
 START_DELAY_S = 0.3  # the workers are past their queue.get() when the warm-up begins
 #: The device model: fixed and per-row cost.
@@ -233,39 +236,48 @@ def run_grid(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """This process's part of the grid: its CPUs, every model, setting and
     worker count asked for.  A model's evaluators (one per setting) are
     started together and stay up; each worker count then serves every
-    setting in turn, the order rotated from one worker count to the next,
-    so that the settings of a cell are measured in the same minute."""
+    setting in turn, --repeats times, the order rotated each round, so
+    that the settings of a cell are measured in the same minute; a cell's
+    figure is the median of its windows."""
     workers = sorted(args.workers)
     pool = Pool(max(workers))
     rows: List[Dict[str, Any]] = []
+    settings = list(args.settings)
     try:
         for kind in args.models:
             evs: Dict[str, Any] = {}
             startup: Dict[str, float] = {}
             try:
-                for setting in args.settings:
+                for setting in settings:
                     t_start = time.monotonic()
                     evs[setting] = spawn(kind, setting, args.net)
                     startup[setting] = time.monotonic() - t_start
                 for k, n in enumerate(workers):
-                    order = args.settings[k % len(args.settings):] + \
-                        args.settings[:k % len(args.settings)]
-                    for setting in order:
-                        ev = evs[setting]
-                        warm = args.warmup if setting == "auto" else args.hand_warmup
-                        t0 = time.monotonic() + START_DELAY_S
-                        plan = [(w, t0, t0 + warm, t0 + warm + args.seconds) for w in range(n)]
-                        counts = pool.run(ev, plan)
-                        st = ev.stats()
+                    rates: Dict[str, List[float]] = {s: [] for s in settings}
+                    for r in range(args.repeats):
+                        shift = (k + r) % len(settings)
+                        for setting in settings[shift:] + settings[:shift]:
+                            # auto settles after the worker count changed (its
+                            # first window of the cell); later rounds find the
+                            # same load and no settling to do.
+                            warm = (args.warmup if setting == "auto" and r == 0
+                                    else args.hand_warmup)
+                            t0 = time.monotonic() + START_DELAY_S
+                            plan = [(w, t0, t0 + warm, t0 + warm + args.seconds)
+                                    for w in range(n)]
+                            rates[setting].append(sum(pool.run(evs[setting], plan)) /
+                                                  args.seconds)
+                    for setting in settings:
+                        st = evs[setting].stats()
                         row = {"cpus": args.ncpu, "model": kind, "setting": setting,
-                               "workers": n, "rate": sum(counts) / args.seconds,
-                               "slowest_share": (min(counts) * n / sum(counts)
-                                                 if sum(counts) else 0.0),
-                               "mean_batch": st["mean_batch"], "startup_s": startup[setting],
-                               "load_avg": os.getloadavg()[0], "tuner": st.get("tuner")}
+                               "workers": n, "rate": statistics.median(rates[setting]),
+                               "rates": rates[setting], "mean_batch": st["mean_batch"],
+                               "startup_s": startup[setting], "load_avg": os.getloadavg()[0],
+                               "tuner": st.get("tuner")}
                         rows.append(row)
                         print(f"  {args.ncpu} cpu  {kind:6s} {setting:17s} {n:3d} workers  "
-                              f"{row['rate']:10,.0f}/s", flush=True)
+                              f"{row['rate']:10,.0f}/s  ({', '.join(f'{x:,.0f}' for x in rates[setting])})",
+                              flush=True)
             finally:
                 for ev in evs.values():
                     ev.close()
@@ -488,8 +500,12 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     p.add_argument("--cpus", type=lambda s: [int(x) for x in s.split(",")], default=list(CPUS),
                    help="CPU counts to run under taskset (default 1,2)")
-    p.add_argument("--settings", type=lambda s: s.split(","), default=list(SETTINGS))
-    p.add_argument("--seconds", type=float, default=1.5, help="measured window per cell")
+    p.add_argument("--settings", type=lambda s: s.split(","), default=list(DEFAULT_SETTINGS),
+                   help=f"default {','.join(DEFAULT_SETTINGS)}; also: "
+                        f"{','.join(s for s in SETTINGS if s not in DEFAULT_SETTINGS)}")
+    p.add_argument("--seconds", type=float, default=1.2, help="measured window")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="windows per setting and cell, in rotated rounds (median)")
     p.add_argument("--warmup", type=float, default=4.5,
                    help="auto's warm-up before each window: it settles after each change")
     p.add_argument("--hand-warmup", type=float, default=0.5)
@@ -503,7 +519,7 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.quick:
         args.cpus, args.workers, args.models = [2], [1, 16], ["null", "device"]
         args.settings = list(QUICK_SETTINGS)
-        args.seconds, args.warmup = 1.0, 3.0
+        args.seconds, args.warmup, args.repeats = 1.0, 4.0, 1
     for s in args.settings:
         if s not in SETTINGS:
             p.error(f"unknown setting {s!r} (choose from {', '.join(SETTINGS)})")
@@ -548,6 +564,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "--workers", ",".join(map(str, args.workers)),
                    "--models", ",".join(args.models), "--settings", ",".join(args.settings),
                    "--seconds", str(args.seconds), "--warmup", str(args.warmup),
+                   "--repeats", str(args.repeats),
                    "--hand-warmup", str(args.hand_warmup)]
             print(f"taskset -c {cpus}: ...", flush=True)
             subprocess.run(cmd, check=True)

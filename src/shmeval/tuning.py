@@ -42,10 +42,12 @@ compared with the simpler one in force in adjacent pairs of windows (one
 housekeeping period each), alternating, and adopted only if it served more
 requests in every pair of three, or in five of six when the first three
 disagree (``TRIAL_PAIRS``).  After that the settings hold until the
-load changes: the attached clients, the model's cost per call, the CPUs or
-the requests served by ``CHANGE_RATIO`` or more for ``HORIZON_NS`` (a weight
-update that makes the net slower, workers joining or leaving, another
-program taking the CPUs), when the trials run again.  Nothing else moves
+load changes: the attached clients, the model's cost per call or the CPUs
+by ``CHANGE_RATIO`` or more for ``HORIZON_NS`` (a weight update that makes
+the net slower, workers joining or leaving, another program taking the
+CPUs the model computes on), when the trials run again.  The requests served
+are no such sign: they move with every disturbance of a shared machine,
+and trials started by them cost more than they found.  Nothing else moves
 the wait or the calls in flight, so they do not oscillate; the spin mode
 moves with the runnable tasks, smoothed and with a margin of half a task on
 each side of a boundary.
@@ -83,9 +85,9 @@ AUTO = "auto"
 #: the first look, 3/64 at the second), which costs nothing; a better one
 #: is rarely lost to the noise of a single window.
 TRIAL_PAIRS = 3
-#: The trials run again when the attached clients, the model's cost per call,
-#: the CPUs or the requests served differ from what they measured by this
-#: ratio or more (a quarter up or down): their verdict was made for that load.
+#: The trials run again when the attached clients, the model's cost per call
+#: or the CPUs differ from what they measured by this ratio or more (a
+#: quarter up or down): their verdict was made for that load.
 CHANGE_RATIO = 1.25
 #: The cost fit and the population estimate look back this far, and a
 #: change of the load must last this long before the trials run again:
@@ -436,12 +438,12 @@ class Tuner:
 
     def _changed(self) -> bool:
         """The load differs from the one the trials measured by CHANGE_RATIO:
-        clients, the model's cost at the same rows, the CPUs or the rate."""
+        clients, the model's cost at the same rows, the CPUs."""
         m = self.load
         if m is None:
             return True
         return (_moved(m.clients, self.clients) or _moved(m.cost, self._predicted(m.rows))
-                or m.cpus != self.cpus or _moved(m.rate, self.rate))
+                or m.cpus != self.cpus)
 
     def _start_trials(self) -> None:
         """From the simplest settings: one call in flight, greedy."""

@@ -300,17 +300,22 @@ def test_small_changes_do_not_rerun_trials() -> None:
 
 
 def test_a_passing_disturbance_runs_no_trials() -> None:
-    """Half the rate for less than HORIZON_NS (another program's burst):
-    nothing; for longer: the trials run again."""
+    """Calls twice as slow for less than HORIZON_NS (another program's
+    burst): nothing; for longer: the trials run again.  The rate served
+    alone, however much it moves, starts none."""
     t = Tuner(256, 2, WAKE)
     feed = Feed(t, clients=16)
     settle(feed, lambda d: 10_000.0, [16] * 40)
     load = t.load
+    feed.run(20, lambda d: 5_000.0 if feed.now % 3 else 15_000.0, [16] * 40, FIXED, PER_ROW)
+    assert t.load is load and t.trial is None
     short = (tuning.HORIZON_NS // PERIOD) - 1
-    feed.run(short, lambda d: 5_000.0, [16] * 40, FIXED, PER_ROW)
+    feed.run(short, lambda d: 5_000.0, [16] * 40, 2 * FIXED, 2 * PER_ROW)
     feed.run(10, lambda d: 10_000.0, [16] * 40, FIXED, PER_ROW)
     assert t.load is load and t.trial is None
-    feed.run(short + 2, lambda d: 5_000.0, [16] * 40, FIXED, PER_ROW)
+    # Lasting: seen once the median call of the last HORIZON_NS is slower,
+    # and acted on HORIZON_NS later.
+    feed.run(2 * (short + 1) + 1, lambda d: 5_000.0, [16] * 40, 2 * FIXED, 2 * PER_ROW)
     assert t.trial is not None
 
 
