@@ -670,7 +670,7 @@ class Evaluator(Client):
         sleep while the runnable tasks fill the CPUs.
     serving_threads:
         ``"auto"`` (default): one or two model calls in flight, two only for
-        a model whose ``max_concurrency`` allows it (the backends' do) and
+        a model whose ``max_concurrency`` allows it (TFModel's does) and
         where two serve more.  1: one model call at a time.  N > 1: N threads take turns
         collecting batches and run up to N model calls at once, which pays
         when the model releases the GIL and a core would otherwise idle
