@@ -12,7 +12,10 @@ Connect Four state at a time in a loop, with 1, 2, 4 ... replicas:
 
   shmeval  Evaluator.spawn(factory, replicas=N): N replica processes behind
            one address; they take turns collecting, a replica taking a
-           batch whenever its model is free
+           batch whenever its model is free; greedy batching and one call
+           in flight per replica (max_wait_us=0, serving_threads=1), as in
+           the queue design, so that the two differ in the hand-out only
+           and no tuner trial runs inside a window
   queue    N consumer processes pulling from one multiprocessing.Queue (the
            scheme of lc0's multiplexing backend and KataGo's server threads
            per GPU): each waits for one request, takes whatever else is
@@ -337,7 +340,7 @@ class WorkerCount:
             self.evaluators[n] = shmeval.Evaluator.spawn(
                 functools.partial(SleepModel, call_s, row_s), input_shape=STATE_SHAPE,
                 outputs=OUTPUTS, max_batch=MAX_BATCH, max_clients=max(64, self.n_workers),
-                replicas=n)
+                max_wait_us=0.0, serving_threads=1, replicas=n)
         self.responses = [self.ctx.Queue() for _ in range(self.n_workers)]
         for n in args.replicas:
             self.queues[n] = QueueReplicas(self.ctx, n, self.responses, call_s, row_s)
@@ -442,19 +445,21 @@ class WorkerCount:
                 ev.close()
         return stuck
 
-    def processes(self) -> dict[str, Any]:
-        """The pid of every process this worker count started."""
-        return {"workers": self.pids,
-                "shmeval_replicas": {n: list(ev.pids) for n, ev in self.evaluators.items()},
-                "queue_consumers": {n: q.pids for n, q in self.queues.items()}}
+    def record(self) -> dict[str, Any]:
+        """The pid of every process this worker count started, and each
+        evaluator's stats() (its settings, its batches over all windows)."""
+        return {"worker_pids": self.pids,
+                "shmeval_replica_pids": {n: list(ev.pids) for n, ev in self.evaluators.items()},
+                "queue_consumer_pids": {n: q.pids for n, q in self.queues.items()},
+                "shmeval_stats": {n: ev.stats() for n, ev in self.evaluators.items()}}
 
 
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every worker count, its cells in rounds: (trials, processes started),
-    printing a line per window.  Any error stops every process of the worker
-    count in progress."""
+    """Every worker count, its cells in rounds: (trials, a record of each
+    worker count), printing a line per window.  Any error stops every
+    process of the worker count in progress."""
     trials: list[dict[str, Any]] = []
-    started: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = []
     for n_workers in args.workers:
         run = WorkerCount(n_workers, args)
         try:
@@ -478,13 +483,13 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[s
         except BaseException:
             run.stop(abort=True)
             raise
-        started.append({"workers": n_workers, **run.processes()})
+        records.append({"workers": n_workers, **run.record()})
         stuck = run.stop()
         if stuck:
             print(f"warning: {n_workers} workers: had to terminate {', '.join(stuck)}",
                   file=sys.stderr)
         gc.collect()  # finalises the worker count's queues and pipes now
-    return trials, started
+    return trials, records
 
 
 # --- the report --------------------------------------------------------------------------
@@ -644,7 +649,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{','.join(map(str, args.replicas))}; {args.repeats} x {args.seconds:g} s windows")
     began = time.monotonic()
     try:
-        trials, started = measure(args)
+        trials, records = measure(args)
     except KeyboardInterrupt:
         return 130
     elapsed = time.monotonic() - began
@@ -653,11 +658,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print_report(summary, checked, args)
     print(f"\nwall time {elapsed:.0f} s")
     if args.json:
-        settings = {**vars(args), "max_batch": MAX_BATCH,
+        settings = {**vars(args), "max_batch": MAX_BATCH, "shmeval_max_wait_us": 0.0,
+                    "shmeval_serving_threads": 1,
                     "model_bound_share": MODEL_BOUND_SHARE,
                     "target_per_replica": TARGET_PER_REPLICA}
         write_json(args.json, {"machine": machine, "settings": settings, "trials": trials,
-                               "summary": summary, "targets": checked, "processes": started,
+                               "summary": summary, "targets": checked, "runs": records,
                                "wall_s": elapsed})
         print(f"raw results: {args.json}")
     return 0

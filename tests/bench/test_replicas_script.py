@@ -57,9 +57,11 @@ def test_quick_run(tmp_path: Path) -> None:
     assert target["workers"] == 4 and target["replicas"] == 2 and target["target"] == 1.8
     assert "4 workers" in r.stdout and "target: shmeval with N replicas" in r.stdout
 
-    [started] = result["processes"]
-    pids = [*started["workers"], *(p for ps in started["shmeval_replicas"].values() for p in ps),
-            *(p for ps in started["queue_consumers"].values() for p in ps)]
+    [run] = result["runs"]
+    assert run["shmeval_stats"]["2"]["failed_requests"] == 0
+    assert run["workers"] == 4
+    pids = [*run["worker_pids"], *(p for ps in run["shmeval_replica_pids"].values() for p in ps),
+            *(p for ps in run["queue_consumer_pids"].values() for p in ps)]
     assert len(pids) == 4 + 3 + 3
     deadline = time.monotonic() + 5.0
     while _alive(pids) and time.monotonic() < deadline:
