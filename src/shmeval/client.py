@@ -253,15 +253,15 @@ class Client(_ring.ClientBase):
         return result
 
     # Pipelined evaluation: shmeval.pipeline (docs/guide.md, Pipelining).
-    def submit(self, states: Any, *, block: bool = True,
-               return_version: bool = False) -> "pipeline.Pending":
+    def submit(self, states: Any, *, block: bool = True, return_version: bool = False,
+               keys: Any = None) -> "pipeline.Pending":
         """Posts states ``[n, *input_shape]`` (n at most ``slots_per_client``)
         and returns at once a :class:`~shmeval.pipeline.Pending`, whose
-        ``result()`` returns what ``evaluate_many`` would.  With too few free
-        slots it waits for the evaluator to answer this process's other
-        requests, or with ``block=False`` raises
+        ``result()`` returns what ``evaluate_many`` would (``keys``: as
+        there).  With too few free slots it waits for the evaluator to
+        answer this process's other requests, or with ``block=False`` raises
         :class:`~shmeval.pipeline.NoFreeSlots`."""
-        return pipeline.submit(self, states, block, return_version)
+        return pipeline.submit(self, states, block, return_version, keys)
 
     def wait_any(self, pendings: Iterable["pipeline.Pending"],
                  timeout: Optional[float] = None) -> "pipeline.Pending":
@@ -276,11 +276,12 @@ class Client(_ring.ClientBase):
         TimeoutError once ``timeout`` seconds from the call have passed."""
         return pipeline.as_completed(self, pendings, timeout)
 
-    async def evaluate_async(self, states: Any, return_version: bool = False) -> Any:
+    async def evaluate_async(self, states: Any, return_version: bool = False,
+                             keys: Any = None) -> Any:
         """``evaluate_many`` for asyncio: ``await client.evaluate_async(states)``.
         The event loop is never blocked: one waiter thread per process
         watches every awaited request."""
-        return await pipeline.evaluate_async(self, states, return_version)
+        return await pipeline.evaluate_async(self, states, return_version, keys)
 
     def stats(self) -> Dict[str, Any]:
         """Evaluator statistics read from the segment (any process may ask).

@@ -245,22 +245,28 @@ class Pending:
     waiting.  Collect it in the process that submitted it.  Dropping it
     uncollected is allowed: its slots come back once the evaluator has
     answered them.
+
+    Internally a request is the states posted (those the evaluation cache
+    did not answer at the submit): request i is output row ``_rows[i]``,
+    in slot ``_ks[i]`` begun with generation ``_gens[i]``.
     """
 
-    __slots__ = ("_lane", "_n", "_outs", "_versions", "_ks", "_gens", "_left", "_fetched",
-                 "_error_row", "_error", "_exc", "_result", "_ref", "__weakref__")
+    __slots__ = ("_lane", "_n", "_m", "_outs", "_versions", "_rows", "_ks", "_gens", "_left",
+                 "_fetched", "_error_row", "_error", "_exc", "_result", "_ref", "__weakref__")
 
     def __init__(self, lane: _Lane, n: int, versioned: bool) -> None:
         self._lane = lane
         self._n = n
+        self._m = 0
         self._outs = [np.empty((n,) + o.shape, o.dtype) for o in lane.outputs]
         self._versions = np.zeros(n, np.int64) if versioned else None
+        self._rows: List[int] = []
         self._ks: List[int] = []
         self._gens: List[int] = []
-        #: Rows still in flight and claimed by nobody; a row is removed by
+        #: Requests still in flight and claimed by nobody; one is removed by
         #: whoever fetches it (or abandons it), once.
         self._left: List[int] = []
-        #: Rows fetched (appended after the copy).
+        #: Requests fetched (appended after the copy).
         self._fetched: List[int] = []
         self._error_row = -1
         self._error: Optional[str] = None
@@ -268,10 +274,12 @@ class Pending:
         self._result: Optional[Result] = None
         self._ref: Optional["weakref.ReferenceType[Pending]"] = None
 
-    def _arm(self, slots: List[int], gens: List[int]) -> None:
+    def _arm(self, rows: List[int], slots: List[int], gens: List[int]) -> None:
+        self._rows = rows
         self._ks = slots
         self._gens = gens
-        self._left = list(range(self._n))
+        self._m = len(rows)
+        self._left = list(range(self._m))
         inflight = self._lane.inflight
         self._ref = ref = weakref.ref(self, inflight.discard)
         inflight.add(ref)
@@ -280,7 +288,7 @@ class Pending:
         return self._n
 
     def __repr__(self) -> str:
-        left = self._n - len(self._fetched)
+        left = self._m - len(self._fetched)
         what = ("failed" if self._exc is not None else
                 f"{left} in flight" if left else "done")
         return f"<Pending {self._n} state(s), {what}>"
@@ -293,7 +301,7 @@ class Pending:
             return True
         self._check_process()
         self._harvest()
-        if self._exc is not None or len(self._fetched) == self._n:
+        if self._exc is not None or len(self._fetched) == self._m:
             return True
         lane = self._lane
         return lane.port.detached or lane.seg.ev_state() >= _ring.CLOSED_STATE
@@ -311,16 +319,17 @@ class Pending:
         self._check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         lane = self._lane
-        seg, c, ks, gens, outs = lane.seg, lane.c, self._ks, self._gens, self._outs
+        seg, c, rows, ks, gens, outs = (lane.seg, lane.c, self._rows, self._ks, self._gens,
+                                        self._outs)
         left = self._left
         spin_ns = lane.spin_ns
         ncpu = lane.client._ncpu
         while True:
             self._raise_if_failed()
-            if len(self._fetched) == self._n:
+            if len(self._fetched) == self._m:
                 return self._finish()
             try:
-                row = left.pop(0)
+                i = left.pop(0)
             except IndexError:  # another thread is fetching the last rows
                 time.sleep(_POLL_S)
                 continue
@@ -328,39 +337,41 @@ class Pending:
             if deadline is not None:
                 wait_ns = max(0, min(wait_ns, int((deadline - time.monotonic()) * 1e9)))
             try:
-                r = seg.answer(c, ks[row], gens[row], outs, row, spin_ns, wait_ns, ncpu)
+                r = seg.answer(c, ks[i], gens[i], outs, rows[i], spin_ns, wait_ns, ncpu)
             except BaseException:
-                left.insert(0, row)
+                left.insert(0, i)
                 raise
             if type(r) is int and r < 0:
                 if r != _ring.STALE:
-                    left.insert(0, row)  # still in flight
+                    left.insert(0, i)  # still in flight
                 else:
-                    self._abandon_rows([row])  # not ours any more
+                    self._abandon([i])  # not ours any more
                 try:
-                    lane.check(r, ks[row], gens[row], outs, row)
+                    lane.check(r, ks[i], gens[i], outs, rows[i])
                 except ShmevalError as e:
                     self._fail(e)
                     raise
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{self!r}: no answer within {timeout} s")
                 continue
-            lane.port.give_back(ks[row])
-            self._record(row, r)
+            lane.port.give_back(ks[i])
+            self._record(i, r)
 
     # -------------------------------------------------------- internals
     def _check_process(self) -> None:
         if self._lane.pid != _pid:
             raise ShmevalError("a Pending is collected in the process that submitted it")
 
-    def _record(self, row: int, r: Union[int, str]) -> None:
-        """Row fetched: r is its model version, or its batch's error text."""
+    def _record(self, i: int, r: Union[int, str]) -> None:
+        """Request i fetched: r is its model version, or its batch's error
+        text."""
+        row = self._rows[i]
         if type(r) is str:
             if row > self._error_row:  # the last failed row's, as evaluate_many
                 self._error_row, self._error = row, r
         elif self._versions is not None:
             self._versions[row] = r
-        self._fetched.append(row)
+        self._fetched.append(i)
 
     def _finish(self) -> Result:
         self._lane.inflight.discard(self._ref)
@@ -376,62 +387,63 @@ class Pending:
             raise self._exc.with_traceback(None)
 
     def _rows_in_flight(self) -> List[Tuple[int, int]]:
-        """(slot, generation) of the rows nobody is fetching now."""
-        return [(self._ks[r], self._gens[r]) for r in list(self._left)]
+        """(slot, generation) of the requests nobody is fetching now."""
+        return [(self._ks[i], self._gens[i]) for i in list(self._left)]
 
     def _harvest(self) -> int:
-        """Fetches every row whose answer is there, without waiting;
-        returns how many.  A row found reclaimed fails the Pending as
+        """Fetches every request whose answer is there, without waiting;
+        returns how many.  One found reclaimed fails the Pending as
         evaluate_many fails then."""
         left = self._left
         if not left or self._lane.pid != _pid:
             return 0
         lane = self._lane
-        seg, c, ks, gens, outs = lane.seg, lane.c, self._ks, self._gens, self._outs
+        seg, c, rows, ks, gens, outs = (lane.seg, lane.c, self._rows, self._ks, self._gens,
+                                        self._outs)
         got = 0
-        for row in list(left):
-            state, _waiter, gen = seg.slot_state(c, ks[row])
-            if gen == gens[row] and state != _ring.DONE and state != _ring.FAILED:
+        for i in list(left):
+            state, _waiter, gen = seg.slot_state(c, ks[i])
+            if gen == gens[i] and state != _ring.DONE and state != _ring.FAILED:
                 continue  # not answered yet
             try:
-                left.remove(row)
+                left.remove(i)
             except ValueError:  # someone else is fetching it
                 continue
-            r = seg.fetch(c, ks[row], gens[row], outs, row) if gen == gens[row] else _ring.STALE
+            r = seg.fetch(c, ks[i], gens[i], outs, rows[i]) if gen == gens[i] else _ring.STALE
             if type(r) is int and r < 0:  # reclaimed: the slot is not ours any more
-                self._abandon_rows([row])
+                self._abandon([i])
                 try:
-                    lane.check(_ring.STALE, ks[row], gens[row], outs, row)
+                    lane.check(_ring.STALE, ks[i], gens[i], outs, rows[i])
                 except ShmevalError as e:
                     self._fail(e)
                 return got
-            lane.port.give_back(ks[row])
-            self._record(row, r)
+            lane.port.give_back(ks[i])
+            self._record(i, r)
             got += 1
-        if len(self._fetched) == self._n:
+        if len(self._fetched) == self._m:
             lane.inflight.discard(self._ref)
         return got
 
     def _claim_all(self) -> List[Tuple[int, int]]:
-        """Claims every row nobody is fetching: (slot, generation) each."""
-        rows: List[Tuple[int, int]] = []
+        """Claims every request nobody is fetching: (slot, generation) each."""
+        out: List[Tuple[int, int]] = []
         left = self._left
         while True:
             try:
-                row = left.pop()
+                i = left.pop()
             except IndexError:
-                return rows
-            rows.append((self._ks[row], self._gens[row]))
+                return out
+            out.append((self._ks[i], self._gens[i]))
 
-    def _abandon_rows(self, rows: List[int]) -> None:
+    def _abandon(self, requests: List[int]) -> None:
         self._lane.client._give_back(self._lane.port, [],
-                                     [(self._ks[r], self._gens[r]) for r in rows])
+                                     [(self._ks[i], self._gens[i]) for i in requests])
 
     def _fail(self, exc: BaseException) -> None:
         """The request cannot be answered (closed, dead, reclaimed): result()
         raises exc; the rows still in flight are abandoned.  A request whose
         every answer is already in is not failed."""
-        if len(self._fetched) == self._n:
+        if len(self._fetched) == self._m:
             return
         if self._exc is None:
             self._exc = exc
@@ -456,33 +468,43 @@ class Pending:
 
 
 def submit(client: "Client", states: Any, block: bool = True,
-           return_version: bool = False) -> Pending:
+           return_version: bool = False, keys: Any = None) -> Pending:
     """``Client.submit``: posts states ``[n, *input_shape]`` (n at most
     ``slots_per_client``) and returns their :class:`Pending`."""
-    return _submit(lane_of(client), states, block, return_version)
+    return _submit(lane_of(client), states, block, return_version, keys)
 
 
-def _submit(lane: _Lane, states: Any, block: bool, return_version: bool) -> Pending:
-    """submit on a given lane (a closed one raises EvaluatorClosed)."""
+def _submit(lane: _Lane, states: Any, block: bool, return_version: bool,
+            keys: Any = None) -> Pending:
+    """submit on a given lane (a closed one raises EvaluatorClosed).  As
+    evaluate_many, the rows the evaluation cache holds (by keys, or by the
+    hashes of the states) are answered here, and only the others posted,
+    their answers to be cached."""
     client = lane.client
     a = client._as_input(states, None, "states")
     n = a.shape[0]
     if n > lane.slots:
         raise ValueError(f"submit takes at most slots_per_client ({lane.slots}) states at "
                          f"once, got {n} (evaluate_many sends more in rounds)")
+    if keys is not None:
+        keys = _client._cache_keys(keys, n)
     p = Pending(lane, n, return_version)
-    if n == 0:
-        return p
-    slots = lane.take(n, block)
     seg = lane.seg
+    if n and seg.cache_entries and seg.ev_state() < _ring.CLOSING:
+        rows, k1, k2 = seg.cache_lookup(lane.c, a, keys, p._outs, p._versions)
+    else:
+        rows, k1, k2 = list(range(n)), None, None
+    if not rows:
+        return p  # nothing to post: answered already
+    slots = lane.take(len(rows), block)
     try:
         if seg.ev_state() >= _ring.CLOSING:
             client._check_state(seg)
-        gens = seg.post(lane.c, slots, a, 0)
+        gens = seg.post(lane.c, slots, a, rows, k1, k2)
     except BaseException:
         client._give_back(lane.port, slots, [])
         raise
-    p._arm(slots, gens)
+    p._arm(rows, slots, gens)
     return p
 
 
@@ -556,7 +578,8 @@ def as_completed(client: "Client", pendings: Iterable[Pending],
         yield p
 
 
-async def evaluate_async(client: "Client", states: Any, return_version: bool = False) -> Result:
+async def evaluate_async(client: "Client", states: Any, return_version: bool = False,
+                         keys: Any = None) -> Result:
     """``Client.evaluate_async``: ``evaluate_many`` for asyncio.  Submits
     without blocking the event loop (awaiting free slots if need be), then
     awaits the answers, which the process's waiter thread announces."""
@@ -564,7 +587,7 @@ async def evaluate_async(client: "Client", states: Any, return_version: bool = F
     lane = lane_of(client)  # kept: a close meanwhile raises, as evaluate_many does
     while True:
         try:
-            p = _submit(lane, states, block=False, return_version=return_version)
+            p = _submit(lane, states, False, return_version, keys)
             break
         except NoFreeSlots:
             await lane.async_waiter().slots_freed(loop)

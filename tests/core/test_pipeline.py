@@ -131,6 +131,34 @@ def test_out_of_order_collection() -> None:
         assert ev.stats()["requests"] >= 30
 
 
+def test_submit_uses_the_evaluation_cache() -> None:
+    """As evaluate_many: the rows the cache holds are answered at the
+    submit, only the others are posted (and their answers cached)."""
+    rows: list[int] = []
+
+    def counting(x: np.ndarray) -> dict[str, np.ndarray]:
+        rows.append(len(x))
+        return fake_model(x)
+
+    with make_ev(counting, slots_per_client=SLOTS, cache_entries=1024) as ev:
+        check(ev.submit(states([1, 3, 5])).result(), [1, 3, 5])
+        before = sum(rows)
+        p = ev.submit(states(list(range(SLOTS))), return_version=True)
+        out, versions = p.result()
+        check(out, list(range(SLOTS)))
+        assert sum(rows) - before == SLOTS - 3 and versions.tolist() == [0] * SLOTS
+        before = sum(rows)
+        hit = ev.submit(states([5, 3, 1]))  # every row from the cache: nothing posted
+        assert hit.done() and free_slots(ev) == SLOTS
+        check(hit.result(), [5, 3, 1])
+        # the caller's keys, trusted as evaluate_many trusts them
+        check(ev.submit(states([7, 8]), keys=[100, 101]).result(), [7, 8])
+        check(ev.submit(states([0, 0]), keys=[101, 100]).result(), [8, 7])
+        assert sum(rows) - before == 2
+        with pytest.raises(ValueError, match="1 keys for 2 states"):
+            ev.submit(states([1, 2]), keys=[1])
+
+
 def test_model_error_fails_only_its_pending() -> None:
     gate = threading.Event()
     gate.set()
