@@ -522,11 +522,25 @@ def test_round_ratios_pair_the_runs_of_each_round() -> None:
     assert report.round_ratios({"queue": [run(1), run(2)], "local": [run(1), run(2)]}) == {}
 
 
-def test_argument_errors_fail_before_starting_anything() -> None:
-    from shmeval import cli
+def exit_codes_in_a_fresh_interpreter(argvs: List[List[str]]) -> Tuple[List[int], bool]:
+    """Runs ``cli.main(argv)`` for each argv in one new interpreter (other
+    tests may have imported TensorFlow into this one); returns the exit codes
+    and whether TensorFlow got imported."""
+    code = ("import json, sys\nfrom shmeval import cli\n"
+            "codes = [cli.main(a) for a in json.loads(sys.argv[1])]\n"
+            "print(json.dumps([codes, 'tensorflow' in sys.modules]))")
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    codes, tf = json.loads(p.stdout.strip().splitlines()[-1])
+    return codes, tf
 
-    assert cli.main(["selfplay", "--compare", "--train", "--seconds", "1"]) == 1
-    assert cli.main(["selfplay", "--workers", "0"]) == 2
-    assert cli.main(["selfplay", "--load-games", "x.npz"]) == 1
-    assert cli.main(["selfplay", "--train", "--repeats", "2"]) == 2
-    assert "tensorflow" not in sys.modules
+
+def test_argument_errors_fail_before_starting_anything() -> None:
+    codes, tf = exit_codes_in_a_fresh_interpreter([
+        ["selfplay", "--compare", "--train", "--seconds", "1"],
+        ["selfplay", "--workers", "0"],
+        ["selfplay", "--load-games", "x.npz"],
+        ["selfplay", "--train", "--repeats", "2"]])
+    assert codes == [1, 2, 1, 2]
+    assert not tf

@@ -4,13 +4,13 @@ leaves in flight) and the arguments it refuses."""
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import pytest
 
 from shmeval import selfplay
-from test_selfplay import RUN_TIMEOUT, TINY, WORKERS, _cli, check_games
+from test_selfplay import (RUN_TIMEOUT, TINY, WORKERS, _cli, check_games,
+                           exit_codes_in_a_fresh_interpreter)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
@@ -31,11 +31,11 @@ def test_pipelined_run(tmp_path: Any) -> None:
 
 
 def test_pipeline_argument_errors() -> None:
-    from shmeval import cli
-
-    assert cli.main(["selfplay", "--pipeline", "0"]) == 2
-    assert cli.main(["selfplay", "--pipeline", "5", "--games-per-worker", "16"]) == 2
-    assert cli.main(["selfplay", "--pipeline", "2", "--compare", "--seconds", "1"]) == 1
-    assert cli.main(["selfplay", "--pipeline", "2", "--mode", "queue", "--seconds", "1"]) == 1
-    assert cli.main(["selfplay", "--pipeline", "2", "--ray"]) == 1
-    assert "tensorflow" not in sys.modules
+    codes, tf = exit_codes_in_a_fresh_interpreter([
+        ["selfplay", "--pipeline", "0"],
+        ["selfplay", "--pipeline", "5", "--games-per-worker", "16"],
+        ["selfplay", "--pipeline", "2", "--compare", "--seconds", "1"],
+        ["selfplay", "--pipeline", "2", "--mode", "queue", "--seconds", "1"],
+        ["selfplay", "--pipeline", "2", "--ray"]])
+    assert codes == [2, 2, 1, 1, 1]
+    assert not tf
