@@ -1,5 +1,5 @@
-"""evaluate_many's fast path (ClientPort._evaluate_many, docs/performance.md
-finding 26): a batch that fits in the free slots is posted, waited for and
+"""evaluate_many's fast path (ClientPort._evaluate_many, docs/performance.md,
+*`evaluate_many` in a worker*): a batch that fits in the free slots is posted, waited for and
 fetched in one Cython call; a wait that outlasts a tick of the liveness check
 hands the rows still in flight to the Python path, which finishes them."""
 from __future__ import annotations

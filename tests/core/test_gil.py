@@ -1,5 +1,5 @@
 """A client keeps the GIL while it waits for its answer only when it is the
-process's only Python thread (docs/performance.md, finding 20); with any
+process's only Python thread (docs/performance.md, *A null-model round trip*); with any
 other Python thread it releases it, so that thread runs meanwhile."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """evaluate() reuses the previous result's dict and arrays only when the
-caller kept no reference to them (docs/performance.md, finding 8)."""
+caller kept no reference to them (docs/performance.md, *A null-model round trip*)."""
 from __future__ import annotations
 
 import random

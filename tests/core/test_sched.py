@@ -1,5 +1,5 @@
 """shmeval.use_batch_scheduling, and the spin rule of the evaluator and
-the clients (docs/performance.md, findings 21 and 33)."""
+the clients (docs/performance.md, *Which knob when*)."""
 from __future__ import annotations
 
 import pytest
@@ -35,7 +35,7 @@ def test_batch_scheduling_in_a_fresh_process() -> None:
 def test_spin_rule(n_attached: int, ncpu: int, kind: str | None) -> None:
     """A plain spin while every process (the clients and the evaluator) has
     a CPU, a yielding one when they are one more than the CPUs, none beyond
-    (docs/performance.md, findings 21 and 33); the evaluator and each
+    (docs/performance.md, *Which knob when*); the evaluator and each
     client follow the same rule, and a budget of 0 stays 0."""
     expect = {"spin": 50_000, "yield": 50_000 | _ring.SPIN_YIELD, None: 0}[kind]
     assert _ring.evaluator_spin(50_000, n_attached, ncpu) == expect

@@ -1,5 +1,5 @@
 """The ticker: a thread per registered process that lets its waits sleep
-without a timer (ring.h shm_ticker, docs/performance.md finding 23).
+without a timer (ring.h shm_ticker; docs/protocol.md).
 
 - a process's first request starts it, close() stops and joins it (no
   thread is left behind), and a forked child starts its own;
