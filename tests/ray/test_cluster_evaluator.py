@@ -102,11 +102,23 @@ def test_each_worker_uses_its_own_nodes_evaluator_without_ray_calls(cluster: Any
             assert after[n]["requests"] - stats[n]["requests"] == 400
         addresses = [s["address"] for s in stats.values()]
         assert all(segment_exists(a) for a in addresses)
+        for s in stats.values():
+            # Neither a child of its actor (the segment's creator) nor in its
+            # session: Ray kills a worker's direct children and a removed
+            # node's process groups before they could clean up.
+            creator = int(s["address"].split("-")[1])
+            assert all(parent_of(pid) != creator for pid in replica_pids(s))
+            assert all(os.getsid(pid) == pid for pid in replica_pids(s))
         for p in players:
             ray.kill(p)
     assert not any(segment_exists(a) for a in addresses)
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["name"].startswith(ce.name)]
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
 
 
 def replica_pids(stats: dict[str, Any]) -> set[int]:

@@ -61,10 +61,10 @@ def test_updates_are_served_at_once_and_folded_when_it_pays(backend: Any) -> Non
     new = [w * 1.5 for w in m.get_weights()]
     tm.set_weights(new)
     assert not serving_frozen(tm, backend)     # no fold in set_weights
-    np.testing.assert_allclose(tm(x)["policy"], direct(m, x), rtol=1e-5, atol=1e-6)
-    # Each call loses a stated 1 ms against a frozen one; a fold costs 3 ms.
+    # Each call loses a stated 1 ms against a frozen one; a fold costs 3 ms
+    # (stated: the measured figures depend on the machine's load).
     tm._saving, tm._fold_ns = (1_000_000.0, 0.0), 3_000_000
-    tm(x)
+    np.testing.assert_allclose(tm(x)["policy"], direct(m, x), rtol=1e-5, atol=1e-6)
     tm(x)
     assert not serving_frozen(tm, backend)     # 2 ms lost: not yet
     tm(x)                                      # 3 ms: this call folds

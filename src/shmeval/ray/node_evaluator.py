@@ -8,13 +8,35 @@ actor only starts, updates, reports and closes it: no evaluation passes
 through Ray.  When the actor dies (its node left, or its owner, the
 driver, exited), the spawned evaluator sees its creator gone, removes its
 segment and exits.
+
+Ray kills more than the actor when it ends one: a worker that exits kills
+its direct children (``SIGKILL``, Ray's
+``kill_child_processes_on_worker_exit``), and a node that is removed takes
+its workers' process groups with it.  Killed so, the evaluator could not
+remove its segment.  So it is started through a fork server
+(``mp_context="forkserver"``: not a child of the actor's process) and
+leaves the actor's session before it builds the model (:func:`detached`);
+it then outlives the actor by one housekeeping period, sees its creator
+gone, removes its segment and exits.
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from ..errors import ShmevalError
 from ..evaluator import Evaluator
+
+
+def detached(factory: Callable[..., Any], *args: Any) -> Any:
+    """Runs in each evaluator process: leaves the Ray worker's session and
+    process group (``setsid``), then builds the model with ``factory``."""
+    try:
+        os.setsid()
+    except OSError:  # already a session leader
+        pass
+    return factory(*args)
 
 
 def actor_name(name: str, node_id: str) -> str:
@@ -35,7 +57,8 @@ class NodeEvaluator:
         self._ev: Optional[Evaluator] = None
         self._error: Optional[BaseException] = None
         try:
-            self._ev = Evaluator.spawn(factory, **evaluator_kwargs)
+            kwargs = {"mp_context": "forkserver", **evaluator_kwargs}
+            self._ev = Evaluator.spawn(functools.partial(detached, factory), **kwargs)
             if weights is not None:
                 # Before the address is handed out: this node's workers never
                 # see the weights it started with once others are serving.
