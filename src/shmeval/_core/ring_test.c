@@ -25,8 +25,11 @@
  *   SHM_TEST_RACE_TRIALS=N    trials of the random close/wait race probe
  *                             (300 plain, 100 under a sanitizer)
  *   SHM_TEST_STRICT_CLOSE_RACE=0  warn (instead of fail) when a waiter
- *                             sleeps through shm_close_and_wake (the lost
- *                             wake-up this test found once; fixed in ring.h)
+ *                             sleeps through shm_close_and_wake
+ *   SHM_TEST_SLEEP_MS=N       the sleep timeout of the lost wake-up tests'
+ *                             sleepers (lost_wakeup, reread, wait_any_reread;
+ *                             10000): a lost wake-up costs a test this long.
+ *                             Keep it above 2000 (the answer's deadline)
  *
  * Every failed check prints "FAIL [test] file:line: ..." and exits with 1; a
  * test that overruns its watchdog prints "TIMEOUT [test]" and exits with 2.
@@ -236,6 +239,8 @@ static void start_test(const char *name, unsigned watchdog_s) {
 /* ------------------------------------------------------------------ */
 
 static uint64_t g_seed;
+/* SHM_TEST_SLEEP_MS, in ns: see the top of the file. */
+static uint64_t g_sleep_ns = 10000 * 1000000ull;
 
 static uint64_t rng_next(uint64_t *s) { /* xorshift64* */
     uint64_t x = *s ? *s : 0x9E3779B97F4A7C15ull;
@@ -3047,7 +3052,7 @@ static void *ev_loop(void *arg) {
     atomic_store(&a->tid, (pid_t)syscall(SYS_gettid));
     for (;;) {
         int n = t_collect(a->s, batch, taken, a->s->p.max_batch, &cursor, 0,
-                            0, 10000 * MS);
+                            0, g_sleep_ns);
         if (n == SHM_CLOSED) break;
         if (n <= 0) continue;
         shm_complete(a->s, taken, (uint32_t)n, results, 0);
@@ -3124,7 +3129,8 @@ static void test_lost_wakeup(void) {
               "client C waited %.3f s: the evaluator slept through its "
               "request (a lost wake-up)", secs(lat));
     printf("  lost_wakeup: C answered %.3f ms after publishing, the "
-           "evaluator's sleep timeout is 10 s\n", (double)lat / 1e6);
+           "evaluator's sleep timeout is %.0f s\n", (double)lat / 1e6,
+           secs(g_sleep_ns));
     shm_request_close(s);
     CHECK_EQ(pthread_join(te, NULL), 0);
     CHECK_EQ(atomic_load(&ev.served), 3);
@@ -3143,7 +3149,7 @@ typedef struct {
 static void *held_waiter(void *arg) {
     reread_arg *a = arg;
     hook_arm(&a->hook, "wait_before_bell", 1);
-    a->rc = shm_slot_wait(a->s, 0, 0, a->gen, 0, 10000 * MS);
+    a->rc = shm_slot_wait(a->s, 0, 0, a->gen, 0, g_sleep_ns);
     a->ret_ns = shm_now_ns();
     return NULL;
 }
@@ -3193,7 +3199,7 @@ static void *any_waiter(void *arg) {
     any_arg *a = arg;
     if (a->park) hook_arm(&a->hook, a->park, 1);
     atomic_store(&a->tid, (pid_t)syscall(SYS_gettid));
-    a->rc = shm_slots_wait_any(a->s, 0, a->ks, a->gens, a->n, 0, 10000 * MS,
+    a->rc = shm_slots_wait_any(a->s, 0, a->ks, a->gens, a->n, 0, g_sleep_ns,
                                NULL, &a->which);
     a->ret_ns = shm_now_ns();
     return NULL;
@@ -4144,6 +4150,7 @@ int main(int argc, char **argv) {
     /* a new seed every run (printed, so a failure can be replayed with
      * SHM_TEST_SEED; thread interleavings differ from run to run anyway) */
     g_seed = env_u64("SHM_TEST_SEED", mix64(shm_now_ns() ^ (uint64_t)getpid()));
+    g_sleep_ns = env_u64("SHM_TEST_SLEEP_MS", 10000) * MS;
     printf("ring_test (%s build), seed %" PRIu64 "\n", BUILD_KIND, g_seed);
     const size_t nt = sizeof k_tests / sizeof k_tests[0];
     for (int i = 1; i < argc; i++) {
