@@ -1,7 +1,8 @@
 """Shared fixtures (the /dev/shm leak guard) and the markers by subject.
 
 Every test gets the marker of its folder (core, stress, c, tensorflow,
-torch, jax, selfplay, bench).  Folders whose tests take seconds each are also marked
+torch, jax, selfplay, bench, monitor, ray).  Folders whose tests take
+seconds each are also marked
 ``slow`` as a whole; in core, single tests that take seconds carry
 ``@pytest.mark.slow`` themselves.  ``pytest -m "not slow"`` checks a core
 change in under a minute; plain ``pytest`` runs everything.
