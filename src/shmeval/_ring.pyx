@@ -56,6 +56,8 @@ from shmeval.errors import ClientTableFull, EvaluatorClosed, SegmentError, Shmev
 cnp.import_array()
 
 LAYOUT_VERSION = SHM_LAYOUT_VERSION
+#: Bytes of text a replica can publish (Segment.set_report).
+REPORT_BYTES = 8 * SHM_REPORT_WORDS
 SPEC_MAX = SHM_SPEC_MAX
 
 # Return values of Segment.wait(); final slot states are positive.
@@ -424,6 +426,22 @@ cdef class Segment:
                             version=version, requests=counts[0], batches=counts[1],
                             model_ns=counts[2]))
         return out
+
+    def set_report(self, uint32_t r, bytes text):
+        """Replica r publishes text (its tuner's report) for every reader
+        of the segment; longer than :data:`REPORT_BYTES` is cut.  Only
+        replica r's process calls this."""
+        self._replica(r)
+        shm_report_write(&self.seg, r, text, len(text))
+
+    def report(self, uint32_t r):
+        """Replica r's last published text (bytes), or None before the
+        first (or when every try overlapped a write)."""
+        cdef char buf[8 * SHM_REPORT_WORDS]
+        cdef int64_t n
+        self._replica(r)
+        n = shm_report_read(&self.seg, r, buf, sizeof(buf))
+        return buf[:n] if n > 0 else None
 
     def replica_stop(self, uint32_t r, str state):
         """Replica r leaves "serving" for "stopped" (by itself) or "dead"

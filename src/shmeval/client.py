@@ -20,7 +20,7 @@ from . import _ring, pipeline, segment
 from .errors import EvaluatorClosed, EvaluatorDied, ModelError, ShmevalError
 from .spec import Spec
 from .stats import summarize
-from .tuning import AUTO, check_auto, wake_cost_ns
+from .tuning import AUTO, check_auto, read_report, wake_cost_ns
 
 Outputs = Dict[str, np.ndarray]
 
@@ -286,7 +286,10 @@ class Client(_ring.ClientBase):
     def stats(self) -> Dict[str, Any]:
         """Evaluator statistics read from the segment (any process may ask).
         ``clients`` counts the processes attached now: an exited process's
-        entry is not counted, even before the evaluator reclaims it."""
+        entry is not counted, even before the evaluator reclaims it.
+        ``tuner``, while any setting is ``"auto"``: what the tuner chose and
+        why (the first replica's; with several, each replica's in its
+        ``replicas`` entry)."""
         seg = self._attach()
         raw = seg.raw_stats()
         raw["clients"] = live_clients(seg)
@@ -294,7 +297,15 @@ class Client(_ring.ClientBase):
         raw["replicas"] = seg.replicas()
         if seg.cache_entries:
             raw["cache"] = _cache_raw(seg)
-        return summarize(raw)
+        st = summarize(raw)
+        reports = [read_report(seg, r) for r in range(len(raw["replicas"]))]
+        if reports and reports[0] is not None:
+            st["tuner"] = reports[0]
+        if len(reports) > 1:
+            for entry, report in zip(st["replicas"], reports):
+                if report is not None:
+                    entry["tuner"] = report
+        return st
 
     def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
                     timeout: float = 60.0) -> int:

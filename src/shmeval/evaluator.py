@@ -184,7 +184,7 @@ class _ServingLoop:
 
     def __init__(self, seg: "_ring.Segment", spec: Spec, model: Model, policy: BatchPolicy,
                  reject_nonfinite: bool, control: Any = None, replica: int = 0,
-                 device: str = "", board: Optional[Board] = None) -> None:
+                 device: str = "") -> None:
         self.seg = seg
         self.spec = spec
         self.model = model
@@ -208,7 +208,8 @@ class _ServingLoop:
         self.errors: list[BaseException] = []
         # The "auto" settings' tuner; it stands in for the model in serve().
         self.tuner = (ServingTuner(seg, model, policy.max_batch, policy.threads,
-                                   policy.overrides(), board, HOUSEKEEPING_NS, _ring.SPIN_YIELD)
+                                   policy.overrides(), Board(seg, replica), HOUSEKEEPING_NS,
+                                   _ring.SPIN_YIELD)
                       if policy.tuned else None)
 
     def run(self, started: Optional[threading.Event] = None) -> None:
@@ -724,9 +725,7 @@ class Evaluator(Client):
         control, loop_end = mp.Pipe()
         self._controls = [control]
         self._init_control()
-        self._boards = [Board(mp)] if policy.tuned else []
-        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, loop_end,
-                            board=self._boards[0] if self._boards else None)
+        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, loop_end)
         started = threading.Event()
         thread = threading.Thread(target=loop.run, args=(started,),
                                   name=f"shmeval-evaluator {address}", daemon=True)
@@ -785,7 +784,6 @@ class Evaluator(Client):
         # One pipe per replica, for its start-up report and then for control
         # requests.
         self._controls, senders, self._processes = [], [], []
-        self._boards = [Board(ctx) for _ in devs] if policy.tuned else []
         for r, device in enumerate(devs):
             receiver, sender = ctx.Pipe()
             self._controls.append(receiver)
@@ -793,7 +791,7 @@ class Evaluator(Client):
             self._processes.append(ctx.Process(
                 target=_serve_in_process, name=f"shmeval-evaluator {address} #{r}",
                 args=(address, spec.to_json(), factory, policy, reject_nonfinite, sender, r,
-                      device, self._boards[r] if self._boards else None),
+                      device),
                 daemon=True))
         self._init_control()
         self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
@@ -837,21 +835,6 @@ class Evaluator(Client):
         except BaseException:
             self.close()
             raise
-
-    _boards: list[Board]  # where each replica's tuner reports ("auto" settings)
-
-    def stats(self) -> dict[str, Any]:
-        """As :meth:`Client.stats`, with ``tuner``: what the tuner chose and
-        why (the first replica's; each replica's in its ``replicas`` entry
-        when there are several), while any setting is ``"auto"``."""
-        st = super().stats()
-        reports = [b.read() for b in self._boards]
-        if reports and reports[0] is not None:
-            st["tuner"] = reports[0]
-            if len(reports) > 1:
-                for entry, report in zip(st["replicas"], reports):
-                    entry["tuner"] = report
-        return st
 
     @property
     def metrics_port(self) -> Optional[int]:
@@ -1055,7 +1038,7 @@ def _check_picklable(factory: Callable[[], Model]) -> None:
 
 def _serve_in_process(address: str, spec_json: bytes, factory: Callable[..., Model],
                       policy: BatchPolicy, reject_nonfinite: bool, conn: Any, replica: int = 0,
-                      device: str = "", board: Optional[Board] = None) -> None:
+                      device: str = "") -> None:
     # Ctrl-C reaches the whole process group: the parent decides when to
     # close, so the evaluator ignores SIGINT rather than dying mid-batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1066,8 +1049,7 @@ def _serve_in_process(address: str, spec_json: bytes, factory: Callable[..., Mod
         if not callable(model):
             raise TypeError(f"factory returned a {type(model).__name__}, not a callable")
         policy = _prepare(model, spec, policy)
-        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, conn, replica, device,
-                            board)
+        loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, conn, replica, device)
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         conn.close()

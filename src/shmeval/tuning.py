@@ -52,9 +52,9 @@ the wait or the calls in flight, so they do not oscillate; the spin mode
 moves with the runnable tasks, smoothed and with a margin of half a task on
 each side of a boundary.
 
-The report (:meth:`Tuner.report`) reaches ``stats()`` through a
-:class:`Board` that the evaluator's owner creates: it lives in the creating
-process, not in the shared segment.
+The report (:meth:`Tuner.report`) is published in the segment, in the
+replica's entry (:class:`Board`): any process that reads the segment sees
+it (``stats()["tuner"]``, ``shmeval stats``, the monitor).
 
 The tuner itself is plain arithmetic on :class:`Reading` objects, so that
 its decisions can be tested with made-up measurements
@@ -74,6 +74,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from . import _ring
 
 AUTO = "auto"
 
@@ -547,32 +549,46 @@ class Tuner:
 
 
 class Board:
-    """Where a serving loop leaves its tuner's report for ``stats()``: a
-    small shared array that the evaluator's owner creates (and passes to an
-    evaluator process), holding the report as JSON behind a sequence
-    number (odd while it is being written)."""
+    """Where a serving loop's tuner publishes its report: replica
+    ``replica``'s text in the segment (``Segment.set_report``), as JSON, so
+    that every process reading the segment sees what the tuner chose and
+    why: the owner's and a worker's ``stats()``, ``shmeval stats`` and the
+    monitor."""
 
-    SIZE = 4096
-
-    def __init__(self, ctx: Any) -> None:
-        self.seq = ctx.RawValue("Q", 0)
-        self.text = ctx.RawArray("c", self.SIZE)
+    def __init__(self, seg: Any, replica: int) -> None:
+        self.seg = seg
+        self.replica = replica
 
     def write(self, report: Dict[str, Any]) -> None:
-        data = json.dumps(report).encode()[:self.SIZE - 1]
-        self.seq.value += 1
-        self.text.value = data
-        self.seq.value += 1
+        self.seg.set_report(self.replica, fit_report(report, _ring.REPORT_BYTES))
 
-    def read(self) -> Optional[Dict[str, Any]]:
-        """The last report (None before the first)."""
-        for _ in range(100):
-            s0 = self.seq.value
-            data = self.text.value
-            if s0 % 2 == 0 and self.seq.value == s0:
-                return json.loads(data) if s0 else None
-            time.sleep(0)
+
+def fit_report(report: Dict[str, Any], limit: int) -> bytes:
+    """``report`` as JSON of at most ``limit`` bytes: long texts are cut,
+    and the reasons (``why_*``) dropped if that is not enough."""
+    data = json.dumps(report).encode()
+    if len(data) <= limit:
+        return data
+    short = {k: (v[:160] + "...") if isinstance(v, str) and len(v) > 163 else v
+             for k, v in report.items()}
+    data = json.dumps(short).encode()
+    if len(data) <= limit:
+        return data
+    return json.dumps({k: v for k, v in short.items()
+                       if not k.startswith("why")}).encode()[:limit]
+
+
+def read_report(seg: Any, replica: int) -> Optional[Dict[str, Any]]:
+    """Replica ``replica``'s last report (None before the first, or while it
+    cannot be read)."""
+    text = seg.report(replica)
+    if text is None:
         return None
+    try:
+        report = json.loads(text)
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
 
 
 def _recorder(model: Any, calls: List[Call]) -> Callable[[Any], Any]:

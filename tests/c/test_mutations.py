@@ -149,6 +149,9 @@ MUTATIONS = [
     Mutation("the cache forgets which entries were hit", "cache", "plain", ((
         "        uint64_t stamp = SHM_CACHE_HIT_BIT | shm_cache_now();",
         "        uint64_t stamp = shm_cache_now();"),)),
+    Mutation("the report writer leaves the sequence number even", "report", "plain", ((
+        "    atomic_store_explicit(&rep->report_seq, seq + 1, memory_order_relaxed);\n",
+        ""),)),
 ]
 
 

@@ -18,7 +18,6 @@ a caller's settings switch the tuner off.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from typing import Callable, List, Sequence
 
@@ -29,7 +28,7 @@ import shmeval
 from shmeval import tuning
 from shmeval.tuning import (CHANGE_RATIO, SLEEP, SPIN, TRIAL_PAIRS, YIELD, Board, Cost,
                             Decision, Overrides, Reading, Tuner)
-from helpers import INPUT_SHAPE, OUTPUTS, fake_model, make_state
+from helpers import INPUT_SHAPE, OUTPUTS, fake_factory, fake_model, make_state, run_python
 
 PERIOD = 200_000_000   # ns between readings (the evaluator's housekeeping period)
 YIELD_FLAG = 1 << 63
@@ -439,11 +438,24 @@ def test_check_auto() -> None:
 # --- the pieces around it ---------------------------------------------------------------------
 
 
-def test_board_round_trip() -> None:
-    b = Board(mp.get_context("spawn"))
-    assert b.read() is None
-    b.write({"max_wait_us": 12.5, "why_wait": "greedy: ..."})
-    assert b.read() == {"max_wait_us": 12.5, "why_wait": "greedy: ..."}
+def test_board_round_trip_through_the_segment() -> None:
+    """The report goes to the replica's entry in the segment, where every
+    reader finds it; a report too long for it loses its long texts first,
+    then its reasons, and always stays valid JSON."""
+    with shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
+                           max_wait_us=0, evaluator_spin_us=0, serving_threads=1) as ev:
+        seg = ev._attach()
+        assert tuning.read_report(seg, 0) is None        # no tuner: nothing published
+        b = Board(seg, 0)
+        b.write({"max_wait_us": 12.5, "why_wait": "greedy: ..."})
+        assert tuning.read_report(seg, 0) == {"max_wait_us": 12.5, "why_wait": "greedy: ..."}
+        b.write({"max_wait_us": 3.0, "why_wait": "w" * 5000, "why_threads": "t" * 5000})
+        got = tuning.read_report(seg, 0)
+        assert got is not None and got["max_wait_us"] == 3.0
+        assert got["why_wait"].startswith("w" * 160) and got["why_wait"].endswith("...")
+        many = {f"why_{i}": "x" * 150 for i in range(40)}
+        b.write({"max_wait_us": 4.0, **many})
+        assert tuning.read_report(seg, 0) == {"max_wait_us": 4.0}
 
 
 def test_wake_cost_is_measured_once() -> None:
@@ -469,6 +481,27 @@ def test_stats_show_the_tuner() -> None:
                 "spin", "serving_threads", "why_wait", "why_threads"} <= set(t)
         assert t["serving_threads"] == 1   # a plain function: its calls may not overlap
         assert ev._policy.threads == 1
+
+
+@pytest.mark.timeout(60)
+def test_every_reader_of_the_segment_sees_the_tuner() -> None:
+    """The report is in the segment: a worker's handle and ``shmeval stats
+    ADDRESS``, in other processes, have it as the owner does."""
+    ev = shmeval.Evaluator.spawn(fake_factory, input_shape=INPUT_SHAPE, outputs=OUTPUTS)
+    try:
+        deadline = time.monotonic() + 30
+        while "tuner" not in ev.stats() and time.monotonic() < deadline:
+            ev.evaluate(make_state(1))
+        assert "tuner" in ev.stats()
+        r = run_python(f"import shmeval; t = shmeval.connect({ev.address!r}).stats()['tuner']; "
+                       "print(sorted(t))")
+        assert r.returncode == 0, r.stderr
+        assert "'max_wait_us'" in r.stdout and "'why_wait'" in r.stdout
+        r = run_python(f"from shmeval import cli; cli.main(['stats', {ev.address!r}])")
+        assert r.returncode == 0, r.stderr
+        assert '"tuner": {' in r.stdout and '"why_threads"' in r.stdout
+    finally:
+        ev.close()
 
 
 @pytest.mark.timeout(60)

@@ -74,7 +74,7 @@
 /* ------------------------------------------------------------------ */
 
 #define SHM_MAGIC 0x314C4156454D4853ULL /* "SHMEVAL1" little-endian */
-#define SHM_LAYOUT_VERSION 5u
+#define SHM_LAYOUT_VERSION 6u
 #define SHM_LINE 64u
 #define SHM_SPEC_MAX 4096u       /* bytes of JSON spec kept in the header */
 #define SHM_HIST_BINS 256u       /* log-scale latency histogram bins */
@@ -84,6 +84,7 @@
 #define SHM_MAX_REPLICAS 64u     /* model replicas serving one segment */
 #define SHM_MAX_SERVERS 512u     /* serving threads of all replicas */
 #define SHM_DEVICE_MAX 48u       /* bytes of a replica's device name */
+#define SHM_REPORT_WORDS 510u    /* 8-byte words of a replica's report */
 #define SHM_MAX_ROW_BYTES (1ull << 30)
 #define SHM_CACHE_MAX_LOG2 32u   /* at most 2^32 cache entries */
 #define SHM_CACHE_MAX_BYTES (1ull << 46) /* and 64 TiB of them */
@@ -312,6 +313,12 @@ typedef struct {
     _Atomic uint64_t batches;
     _Atomic uint64_t model_ns;
     char device[SHM_DEVICE_MAX];      /* "cuda:1", "cpu", ... (set once) */
+    /* A text the replica publishes for any reader (its tuner's report, as
+     * JSON): report_len bytes in report[], behind report_seq, which is odd
+     * while the replica rewrites it (shm_report_write; one writer). */
+    _Atomic uint64_t report_seq;
+    _Atomic uint64_t report_len;
+    _Atomic uint64_t report[SHM_REPORT_WORDS];
 } shm_replica;
 
 /* One slot of a serving thread's current batch. */
@@ -2102,6 +2109,69 @@ static inline void shm_replica_stats(shm_seg *s, uint32_t r, uint64_t out[3]) {
 static inline const char *shm_replica_device(shm_seg *s, uint32_t r) {
     return shm_replica_at(s, r)->device;
 }
+/* Replica r publishes `len` bytes of text (its tuner's report; at most
+ * 8 * SHM_REPORT_WORDS, longer is cut).  Only replica r writes its report.
+ * A sequence lock: the sequence number is odd while the words change, and a
+ * reader keeps a copy only if it read the same even number before and
+ * after (shm_report_read).  The words are atomics, so a reader that
+ * overlaps a write reads a mix of old and new words, never a torn word, and
+ * then throws the copy away.  No fences (ThreadSanitizer does not model
+ * them): the words are stored with release and loaded with acquire. */
+static inline void shm_report_write(shm_seg *s, uint32_t r, const char *text,
+                                    uint64_t len) {
+    shm_replica *rep = shm_replica_at(s, r);
+    if (len > 8ull * SHM_REPORT_WORDS) len = 8ull * SHM_REPORT_WORDS;
+    /* MO: relaxed; its only writer is this thread. */
+    uint64_t seq = atomic_load_explicit(&rep->report_seq, memory_order_relaxed);
+    /* MO: relaxed; ordered before each word below by that word's release
+     * store: a reader that loads (acquire) any new word then reads the odd
+     * number, or a later one, when it checks the sequence again. */
+    atomic_store_explicit(&rep->report_seq, seq + 1, memory_order_relaxed);
+    for (uint64_t i = 0; i * 8 < len; i++) {
+        uint64_t w = 0;
+        memcpy(&w, text + i * 8, len - i * 8 < 8 ? len - i * 8 : 8);
+        /* MO: release; see the odd number above. */
+        atomic_store_explicit(&rep->report[i], w, memory_order_release);
+        if (i == (len / 8) / 2) SHM_HOOK("report_write_half");
+    }
+    /* MO: release; as the words. */
+    atomic_store_explicit(&rep->report_len, len, memory_order_release);
+    /* MO: release; pairs with the reader's acquire load of the sequence
+     * number before its copy. */
+    atomic_store_explicit(&rep->report_seq, seq + 2, memory_order_release);
+}
+
+/* Copies replica r's report into buf (cap bytes, at least 8 *
+ * SHM_REPORT_WORDS); returns its length, 0 when it has none, or
+ * -1 when every try overlapped a write. */
+static inline int64_t shm_report_read(shm_seg *s, uint32_t r, char *buf,
+                                      uint64_t cap) {
+    shm_replica *rep = shm_replica_at(s, r);
+    for (int tries = 0; tries < 64; tries++) {
+        /* MO: acquire; pairs with the writer's release store of an even
+         * number: the words and length of that write are visible. */
+        uint64_t s0 = atomic_load_explicit(&rep->report_seq, memory_order_acquire);
+        if (s0 & 1) {
+            sched_yield();
+            continue;
+        }
+        /* MO: acquire, as each word below: if it comes from a later write,
+         * that write's odd number (or a later one) is visible to the
+         * re-read of the sequence, and the copy is thrown away. */
+        uint64_t len = atomic_load_explicit(&rep->report_len, memory_order_acquire);
+        if (len > cap) len = cap;
+        if (len > 8ull * SHM_REPORT_WORDS) len = 8ull * SHM_REPORT_WORDS;
+        for (uint64_t i = 0; i * 8 < len; i++) {
+            uint64_t w = atomic_load_explicit(&rep->report[i], memory_order_acquire);
+            memcpy(buf + i * 8, &w, len - i * 8 < 8 ? len - i * 8 : 8);
+        }
+        /* MO: relaxed; ordered after the acquire loads above. */
+        if (atomic_load_explicit(&rep->report_seq, memory_order_relaxed) == s0)
+            return (int64_t)len;
+    }
+    return -1;
+}
+
 /* Replica r serves the given weights version from now on. */
 static inline void shm_replica_version(shm_seg *s, uint32_t r,
                                        uint64_t version) {

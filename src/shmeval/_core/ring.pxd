@@ -6,6 +6,7 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 cdef extern from "ring.h" nogil:
     uint64_t SHM_SPIN_YIELD
+    enum: SHM_REPORT_WORDS
 
     ctypedef struct shm_params:
         uint64_t in_bytes
@@ -177,6 +178,8 @@ cdef extern from "ring.h" nogil:
     void shm_replica_stats(shm_seg *s, uint32_t r, uint64_t *out)
     const char *shm_replica_device(shm_seg *s, uint32_t r)
     void shm_replica_version(shm_seg *s, uint32_t r, uint64_t version)
+    void shm_report_write(shm_seg *s, uint32_t r, const char *text, uint64_t length)
+    int64_t shm_report_read(shm_seg *s, uint32_t r, char *buf, uint64_t cap)
     int shm_replica_stop(shm_seg *s, uint32_t r, uint32_t state)
     uint32_t shm_set_serving(shm_seg *s, uint32_t r, int32_t pid, uint64_t starttime,
                              const char *device)

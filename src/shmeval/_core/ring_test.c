@@ -3470,6 +3470,90 @@ static void *held_writer(void *arg) {
     return NULL;
 }
 
+/* A replica's published report (shm_report_write/read): a reader gets the
+ * whole of one write or nothing, never a mix of two, whether the writer is
+ * stopped half-way or writes all the time. */
+typedef struct {
+    shm_seg *s;
+    hook_t hook;
+    const char *text;
+    uint64_t len;
+    int rounds;
+    _Atomic int stop;
+} report_arg;
+
+static void *held_report_writer(void *arg) {
+    report_arg *a = arg;
+    hook_arm(&a->hook, "report_write_half", 1);
+    shm_report_write(a->s, 0, a->text, a->len);
+    return NULL;
+}
+
+static void *busy_report_writer(void *arg) {
+    report_arg *a = arg;
+    for (int i = 0; !atomic_load(&a->stop); i++) {
+        shm_report_write(a->s, 0, i & 1 ? a->text : a->text + 1, a->len);
+        if (i % 4 == 0) sched_yield(); /* let some reads through whole */
+    }
+    return NULL;
+}
+
+static void test_report(void) {
+    start_test("report", 60);
+    shm_params P = mkparams(64, 32, 1, 1, 8);
+    P.replicas = 2;
+    P.servers = 2;
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    static char a[3001], b[3001], buf[8 * SHM_REPORT_WORDS];
+    for (int i = 0; i < 3000; i++) {
+        a[i] = (char)('a' + i % 7);
+        b[i] = (char)('A' + i % 11);
+    }
+    CHECK_EQ(shm_report_read(s, 0, buf, sizeof buf), 0); /* none yet */
+    shm_report_write(s, 0, a, 3000);
+    CHECK_EQ(shm_report_read(s, 0, buf, sizeof buf), 3000);
+    CHECK(memcmp(buf, a, 3000) == 0);
+    CHECK_EQ(shm_report_read(s, 1, buf, sizeof buf), 0); /* its own entry */
+
+    report_arg w = {.s = s, .text = b, .len = 2000};
+    pthread_t tw;
+    CHECK_EQ(pthread_create(&tw, NULL, held_report_writer, &w), 0);
+    hook_wait_parked(&w.hook); /* half of b written over a */
+    int64_t n = shm_report_read(s, 0, buf, sizeof buf);
+    CHECK_MSG(n == -1, "a reader took a half-written report (%" PRId64 " bytes)", n);
+    hook_release(&w.hook);
+    CHECK_EQ(pthread_join(tw, NULL), 0);
+    CHECK_EQ(shm_report_read(s, 0, buf, sizeof buf), 2000);
+    CHECK(memcmp(buf, b, 2000) == 0);
+
+    /* A writer that never stops: each copy a reader keeps is one write. */
+    static char ab[3002];
+    for (int i = 0; i < 3001; i++) ab[i] = (char)('0' + i % 10);
+    report_arg busy = {.s = s, .text = ab, .len = 3000};
+    shm_report_write(s, 0, ab, 3000);
+    CHECK_EQ(pthread_create(&tw, NULL, busy_report_writer, &busy), 0);
+    uint32_t kept = 0;
+    for (int i = 0; i < 20000; i++) {
+        n = shm_report_read(s, 0, buf, sizeof buf);
+        if (n < 0) continue;
+        CHECK_EQ(n, 3000);
+        CHECK_MSG(memcmp(buf, ab, 3000) == 0 || memcmp(buf, ab + 1, 3000) == 0,
+                  "a reader kept a mix of two writes");
+        kept++;
+    }
+    atomic_store(&busy.stop, 1);
+    CHECK_EQ(pthread_join(tw, NULL), 0);
+    printf("  report: %u of 20000 reads kept under a busy writer\n", kept);
+    /* longer than the entry holds: cut */
+    static char big[8 * SHM_REPORT_WORDS + 100];
+    memset(big, 'x', sizeof big);
+    shm_report_write(s, 1, big, sizeof big);
+    CHECK_EQ(shm_report_read(s, 1, buf, sizeof buf), (int64_t)(8 * SHM_REPORT_WORDS));
+    seg_free(&t);
+}
+
 static void test_cache_torn(void) {
     start_test("cache_torn", 60);
     shm_params P = with_cache(mkparams(64, 8 * CW, 1, 1, 8), 2);
@@ -4141,7 +4225,7 @@ static const test_case k_tests[] = {
     {"spec_once", test_spec_once}, {"handover", test_handover},
     {"stop_reason", test_stop_reason}, {"replicas", test_replicas},
     {"wait_any", test_wait_any}, {"cache", test_cache},
-    {"cache_torn", test_cache_torn}, {"cache_threads", test_cache_threads},
+    {"report", test_report}, {"cache_torn", test_cache_torn}, {"cache_threads", test_cache_threads},
 };
 
 int main(int argc, char **argv) {
