@@ -24,6 +24,8 @@ Connect Four state at a time in a loop, with 1, 2, 4 ... replicas:
 
     python bench/replicas.py --json bench/results/replicas.json   # about 6 minutes
     python bench/replicas.py --row-us 20 --json bench/results/replicas-row20us.json
+    python bench/replicas.py --row-us 20 --max-batch 8 --workers 64 \\
+        --json bench/results/replicas-capped.json              # every model kept busy
     python bench/replicas.py --quick                              # seconds: what the test runs
 
 For each worker count the workers, one evaluator per replica count and the
@@ -235,7 +237,7 @@ Counts = tuple[list[tuple[float, float, float]], np.ndarray]
 
 
 def consumer_main(index: int, requests: Any, responses: list[Any], call_s: float, row_s: float,
-                  counters: Any, calls: Any, conn: Connection) -> None:
+                  counters: Any, calls: Any, conn: Connection, max_batch: int = MAX_BATCH) -> None:
     """One replica of the queue design: batches of what is queued, one model
     call each, every answer put on its worker's Queue."""
     child_setup()
@@ -244,7 +246,7 @@ def consumer_main(index: int, requests: Any, responses: list[Any], call_s: float
     conn.close()
     base = COUNTERS * index
     calls_base = (MAX_BATCH + 1) * index  # each consumer its own row: no lost increments
-    for items in queued_batches(requests, MAX_BATCH):
+    for items in queued_batches(requests, max_batch):
         batch = np.frombuffer(b"".join(s for _, s in items), dtype=np.float32)
         t0 = time.perf_counter_ns()
         values = model(batch.reshape((len(items), *STATE_SHAPE)))["value"]
@@ -261,7 +263,7 @@ class QueueReplicas:
     shared by every replica count."""
 
     def __init__(self, ctx: Any, replicas: int, responses: list[Any], call_s: float,
-                 row_s: float) -> None:
+                 row_s: float, max_batch: int = MAX_BATCH) -> None:
         self.requests = ctx.Queue()
         self.counters = ctx.Array("d", COUNTERS * replicas, lock=False)
         self.calls = ctx.Array("q", (MAX_BATCH + 1) * replicas, lock=False)
@@ -272,7 +274,7 @@ class QueueReplicas:
             self.procs.append(start_process(
                 ctx, consumer_main, f"bench-queue-{replicas}-{r}",
                 (r, self.requests, responses, call_s, row_s, self.counters, self.calls,
-                 child_end)))
+                 child_end, max_batch)))
             child_end.close()
             conns.append(parent_end)
         self.pids: list[int] = []
@@ -339,11 +341,12 @@ class WorkerCount:
         for n in args.replicas:
             self.evaluators[n] = shmeval.Evaluator.spawn(
                 functools.partial(SleepModel, call_s, row_s), input_shape=STATE_SHAPE,
-                outputs=OUTPUTS, max_batch=MAX_BATCH, max_clients=max(64, self.n_workers),
+                outputs=OUTPUTS, max_batch=args.max_batch, max_clients=max(64, self.n_workers),
                 max_wait_us=0.0, serving_threads=1, replicas=n)
         self.responses = [self.ctx.Queue() for _ in range(self.n_workers)]
         for n in args.replicas:
-            self.queues[n] = QueueReplicas(self.ctx, n, self.responses, call_s, row_s)
+            self.queues[n] = QueueReplicas(self.ctx, n, self.responses, call_s, row_s,
+                                           args.max_batch)
         addresses = {n: ev.address for n, ev in self.evaluators.items()}
         requests = {n: q.requests for n, q in self.queues.items()}
         for i in range(self.n_workers):
@@ -497,9 +500,14 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[s
 def even_split_multiple(args: argparse.Namespace, workers: int, replicas: int) -> float:
     """The multiple of one replica's evaluations/s that ``replicas`` replicas
     reach at best: every model busy all the time, the ``workers`` requests
-    split evenly into one batch per replica."""
+    split evenly into one batch per replica, each at most --max-batch rows."""
     c, r = float(args.call_ms) * 1e3, float(args.row_us)
-    return (c + r * workers) / (c + r * workers / replicas)
+
+    def rate(n: int) -> float:
+        rows = min(workers / n, float(args.max_batch))
+        return n * rows / (c + r * rows)
+
+    return rate(replicas) / rate(1)
 
 
 def summarise(trials: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -618,6 +626,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="the model's sleep per call, ms (default 2)")
     parser.add_argument("--row-us", type=float, default=2000.0,
                         help="the model's sleep per row, us (default 2000)")
+    parser.add_argument("--max-batch", type=int, default=MAX_BATCH,
+                        help="rows per model call at most, both designs (default 256): below "
+                             "W/N it keeps every replica's model busy, the regime where N "
+                             "replicas can serve N times one")
     parser.add_argument("--warmup", type=int, default=20,
                         help="untimed evaluations per worker, design and replica count "
                              "before ready (default 20)")
@@ -635,6 +647,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error("--seconds, --repeats, --warmup and --samples must be positive")
     if args.call_ms < 0 or args.row_us < 0:
         parser.error("--call-ms and --row-us must not be negative")
+    if not 1 <= args.max_batch <= MAX_BATCH:
+        parser.error(f"--max-batch must be 1 to {MAX_BATCH}")
     args.replicas = sorted({1, *args.replicas})
     return args
 
@@ -658,7 +672,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print_report(summary, checked, args)
     print(f"\nwall time {elapsed:.0f} s")
     if args.json:
-        settings = {**vars(args), "max_batch": MAX_BATCH, "shmeval_max_wait_us": 0.0,
+        settings = {**vars(args), "shmeval_max_wait_us": 0.0,
                     "shmeval_serving_threads": 1,
                     "model_bound_share": MODEL_BOUND_SHARE,
                     "target_per_replica": TARGET_PER_REPLICA}
