@@ -183,6 +183,27 @@ def test_watch_ends_cleanly_on_ctrl_c() -> None:
     assert out.strip().splitlines()[-1] == "stopped watching (Ctrl-C)", out
 
 
+def test_ctrl_c_before_the_first_view_ends_cleanly_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C arriving between the attach and the first view (a slow
+    machine widens that window) ends the view as cleanly as later."""
+    import io
+
+    from shmeval.monitor import watch as watch_module
+
+    def interrupted(self: Any) -> Snapshot:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(EvaluatorReader, "snapshot", interrupted)
+    out = io.StringIO()
+    with make_ev() as ev:
+        try:
+            rc = watch_module.watch(ev.address, 0.2, Console(file=out, width=100))
+        except KeyboardInterrupt:
+            pytest.fail("a Ctrl-C before the first view escaped watch()")
+    assert rc == 0
+    assert out.getvalue().strip().splitlines()[-1] == "stopped watching (Ctrl-C)"
+
+
 def test_watch_without_rich_is_a_one_line_hint() -> None:
     code = ("import sys; sys.modules['rich'] = None; from shmeval.cli import main; "
             "sys.exit(main(['stats', '/shmeval-1-00', '--watch']))")

@@ -177,14 +177,16 @@ def watch(address: str, every: float = 1.0, console: Optional[Console] = None) -
     code (0).  Without a terminal it prints the last view before that
     line.  Raises SegmentError when ``address`` is not a running evaluator
     of this user."""
-    reader = EvaluatorReader(address)
     console = console or Console()
-    prev = reader.snapshot()
-    frame = render(address, prev, None, every)
-    why = reader.gone()
+    frame: Optional[Group] = None
     # On a terminal the view is redrawn in place and stays; elsewhere (a
     # pipe, a file) Live draws nothing and the last view is printed at the end.
+    # Ctrl-C ends it cleanly from the moment it attaches.
     try:
+        reader = EvaluatorReader(address)
+        prev = reader.snapshot()
+        frame = render(address, prev, None, every)
+        why = reader.gone()
         with Live(frame, console=console, auto_refresh=False,
                   transient=not console.is_terminal) as live:
             while why is None:
@@ -196,7 +198,7 @@ def watch(address: str, every: float = 1.0, console: Optional[Console] = None) -
                 prev = snap
     except KeyboardInterrupt:
         why = "stopped watching (Ctrl-C)"
-    if not console.is_terminal:
+    if not console.is_terminal and frame is not None:
         console.print(frame)
     console.print(why)
     return 0
