@@ -1604,10 +1604,20 @@ cdef class Server:
             PyThread_release_lock(self.group.lock)
 
     def take_over_lock(self, int holder):
-        """Takes the segment's collect lock over from server `holder`, whose
-        replica was found dead (after serve() returned LOCKED_OUT).  Returns
-        True when this server holds it now (unlock() releases it)."""
-        if not self.shared or self.seg_locked or holder < 0:
+        """Takes the segment's collect lock over from server `holder` (after
+        serve() returned LOCKED_OUT), only if `holder`'s replica was marked
+        dead (Segment.replica_stop(r, "dead")): a live holder may simply be
+        slow or waiting for requests, and taking the lock from it would let
+        two scans run at once and take one request twice.  Returns True when
+        this server holds it now (unlock() releases it)."""
+        cdef uint32_t state
+        cdef uint64_t starttime, version
+        if not self.shared or self.seg_locked or holder < 0 or \
+                <uint32_t>holder >= self.seg.seg.p.servers:
+            return False
+        shm_replica_info(&self.seg.seg, shm_server_replica(&self.seg.seg, <uint32_t>holder),
+                         &starttime, &state, &version)
+        if state != REPLICA_DEAD:
             return False
         if shm_collect_steal(&self.seg.seg, self.v, <uint32_t>holder) != SHM_OK:
             return False

@@ -811,3 +811,31 @@ def test_client_requests_are_counted_per_entry(rig: Rig) -> None:
     seg.detach(c1)
     assert seg.reclaim(c1) == 0
     assert seg.client_requests() == {c0: 2}
+
+
+def test_the_collect_lock_is_taken_over_only_from_a_dead_replica() -> None:
+    """A replica that waited past its timeout for the collect lock takes it
+    over only once the holder's replica is marked dead: a live holder may be
+    slow or waiting for requests, and two scans at once would take one
+    request twice."""
+    spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 4, 4)
+    seg, name = segment.create(spec, replicas=2, servers=2)
+    try:
+        a = _ring.Server(seg, np.zeros((8,) + INPUT_SHAPE, np.float32), _ring.ServeGroup(), 0, 0)
+        b = _ring.Server(seg, np.zeros((8,) + INPUT_SHAPE, np.float32), _ring.ServeGroup(), 1, 1)
+        seg.set_serving(0, os.getpid(), 0)
+        seg.set_serving(1, os.getpid(), 0)
+        args = (fake_model, 8, 0, 0, 5 * MS, True, None, 0)
+        assert a.serve(*args)[0] == _ring.SERVE_IDLE   # returns holding the collect lock
+        kind, _, _, holder, _ = b.serve(*args)
+        assert (kind, holder) == (_ring.SERVE_LOCKED_OUT, 0)
+        assert not b.take_over_lock(holder)            # replica 0 is alive: no
+        b.unlock()
+        assert seg.replica_stop(0, "dead") >= 0
+        kind, _, _, holder, _ = b.serve(*args)
+        assert (kind, holder) == (_ring.SERVE_LOCKED_OUT, 0)
+        assert b.take_over_lock(holder)                # found dead: taken over
+        b.unlock()
+        a.unlock()
+    finally:
+        segment.unlink(name)
