@@ -4,14 +4,14 @@ against a plain MCTS with uniform priors and random rollouts.
 
 In-process, without TensorFlow: encoded states decode to their positions,
 a rollout scores from the view of the player to move, a match counts each
-game for the right side, the time series differences its snapshots.  One
-short ``--train --eval-every`` run through the CLI: the JSON holds the
-series and the matches, the status line and the summary the win rate, and
+game for the right side, the time series differences its snapshots.
+:func:`check_training_run` checks a short ``--train --eval-every`` run
+through the CLI (test_selfplay's training run): the JSON holds the series
+and the matches, the status line and the summary the win rate, and
 ``shmeval plot`` draws it."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -27,7 +27,6 @@ from shmeval.selfplay.arena import decode_many, play_match, rollout_evaluator, r
 from shmeval.selfplay.series import COLUMNS, TimeSeries
 from shmeval.selfplay.settings import Settings
 
-RUN_TIMEOUT = 240
 
 
 def random_positions(n: int, seed: int) -> list[c4.State]:
@@ -92,16 +91,10 @@ def test_eval_every_needs_train() -> None:
     Settings(eval_every=5, train=True).check()
 
 
-@pytest.mark.timeout(RUN_TIMEOUT + 60)
-def test_a_training_run_records_its_series_and_win_rate(tmp_path: Path) -> None:
-    js = tmp_path / "run.json"
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    r = subprocess.run(
-        [sys.executable, "-m", "shmeval", "selfplay", "--train", "--workers", "2",
-         "--games-per-worker", "2", "--simulations", "8", "--seconds", "4", "--warmup", "0.5",
-         "--push-every", "1", "--eval-every", "1.5", "--eval-games", "2", "--json", str(js)],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
+def check_training_run(js: Path, stdout: str) -> None:
+    """What a ``--train --eval-every`` run records: the per-second series,
+    the matches against the rollout MCTS, and ``shmeval plot`` of it.
+    Called by test_selfplay's training run (one run serves both)."""
     result = json.loads(js.read_text())["modes"]["shmeval"]
     series = result["series"]
     n = len(series["t_s"])
@@ -109,14 +102,14 @@ def test_a_training_run_records_its_series_and_win_rate(tmp_path: Path) -> None:
     assert series["t_s"] == sorted(series["t_s"])
     assert all(v >= 0 for v in series["model_version"])
     matches = result["win_rate"]
-    assert matches, r.stdout
+    assert matches, stdout
     for m in matches:
         assert m["games"] == 2 and m["wins"] + m["draws"] + m["losses"] == 2
         assert m["score"] == (m["wins"] + 0.5 * m["draws"]) / 2
         assert 0 <= m["version_min"] <= m["version_max"]
         assert m["t_start_s"] < m["t_s"] <= series["t_s"][-1] + 1.0
-    assert "win rate" in r.stdout and "arena: " in r.stdout
+    assert "win rate" in stdout and "arena: " in stdout
     p = subprocess.run([sys.executable, "-m", "shmeval", "plot", str(js)], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0, p.stderr
-    assert "score vs rollout MCTS" in p.stdout and (tmp_path / "run.png").exists()
+    assert "score vs rollout MCTS" in p.stdout and js.with_suffix(".png").exists()

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
@@ -40,6 +41,7 @@ from shmeval.selfplay import report, settings
 from shmeval.selfplay.modes import MODE_CLASSES
 from shmeval.selfplay.pinning import cpu_split
 from shmeval.games import connect4 as c4
+from test_progress import check_training_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_TIMEOUT = 180
@@ -188,6 +190,7 @@ def test_train_pushes_weights_and_records_the_loss(runs: Runs, tmp_path: Any) ->
     npz = str(tmp_path / "train.npz")
     r = _cli(["--train", "--workers", "2", "--games-per-worker", "4", "--simulations", "8",
               "--seconds", "4", "--warmup", "0.5", "--push-every", "0.5", "--batch-size", "32",
+              "--eval-every", "1.5", "--eval-games", "2",
               "--load-games", seed_npz, "--json", js, "--games", npz])
     assert r.returncode == 0, r.stdout + r.stderr
     with open(js) as f:
@@ -205,6 +208,7 @@ def test_train_pushes_weights_and_records_the_loss(runs: Runs, tmp_path: Any) ->
     assert "loss" in r.stdout and "model version" in r.stdout
     assert out["settings"]["train"] is True
     check_games(selfplay.load_games(npz), "shmeval")
+    check_training_run(Path(js), r.stdout)   # the series, the matches, the plot
 
 
 def _group_members(pgid: int) -> List[str]:
