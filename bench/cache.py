@@ -321,7 +321,10 @@ def selfplay_run(args: argparse.Namespace, extra: List[str]) -> Dict[str, Any]:
 
 def selfplay_part(args: argparse.Namespace) -> Dict[str, Any]:
     n = args.entries
-    variants = {"none": [], "per_worker": ["--local-cache", str(n // args.workers)],
+    # The demo caches by default: "none" and "per_worker" turn its shared
+    # cache off.
+    variants = {"none": ["--cache", "0"],
+                "per_worker": ["--cache", "0", "--local-cache", str(n // args.workers)],
                 "shared": ["--cache", str(n)]}
     runs: Dict[str, List[Dict[str, Any]]] = {k: [] for k in variants}
     for r in range(args.rounds):
