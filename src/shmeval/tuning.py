@@ -231,7 +231,7 @@ class Cost:
         mean_rows = float(rows.mean())
         at_mean = float(np.median(ns))
         solid = counts >= 3
-        if solid.sum() >= 2 and sizes[solid].max() >= 2 * sizes[solid].min():
+        if solid.sum() >= 2 and np.max(sizes[solid]) >= 2 * np.min(sizes[solid]):
             w = counts.astype(np.float64)
             xm = float(np.average(sizes, weights=w))
             ym = float(np.average(medians, weights=w))
