@@ -10,7 +10,9 @@ change in under a minute; plain ``pytest`` runs everything.
 from __future__ import annotations
 
 import os
+import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -91,3 +93,18 @@ def no_shm_leak() -> Iterator[None]:
     for e in left:  # clean up so one leak does not cascade into other tests
         os.unlink(os.path.join(SHM_DIR, e))
     assert not left, f"test left shared-memory segments behind: {sorted(left)}"
+
+
+@pytest.fixture(autouse=True)
+def sigint_handler_kept(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that leaves SIGINT ignored in this process would make every
+    later child process inherit SIG_IGN (Python keeps an ignored SIGINT
+    ignored), so that Ctrl-C tests of child processes hang: put the handler
+    back, and name the test in a warning."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after != before:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(f"{request.node.nodeid} left the SIGINT handler set to {after!r}; "
+                      f"put back")

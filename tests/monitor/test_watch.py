@@ -147,9 +147,12 @@ def mapped(pid: int, address: str) -> bool:
 def start_watching(address: str) -> subprocess.Popen[str]:
     """``shmeval stats ADDRESS --watch`` in a subprocess, returned once it
     has attached (it claims no client entry: its mapping tells)."""
+    # Ctrl-C as a terminal delivers it: to a process that handles SIGINT,
+    # whatever this process's handler is (an ignored SIGINT is inherited).
     p = subprocess.Popen([sys.executable, "-m", "shmeval", "stats", address, "--watch",
                           "--interval", "0.2"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     while p.poll() is None and not mapped(p.pid, address):
         time.sleep(0.02)
     assert p.poll() is None, p.communicate()
