@@ -1,10 +1,11 @@
 # The classes of the Cython wrapper shmeval._ring: their C fields and their
 # cdef methods.  The bodies are in _ring.pyx; the C core it wraps is declared
 # in _core/ring.pxd.
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_type_lock
+from cpython.ref cimport PyObject
 
 from shmeval._core.ring cimport shm_seg, shm_taken, shm_ticker, SHM_MAX_SLOTS_PER_CLIENT
 
@@ -80,11 +81,54 @@ cdef class ClientPort:
     cdef public bint retired   # closed: takes no new request (see Client.close)
     cdef public bint detached  # its client entry is detached: waiters give up
     cdef public list abandoned # (slot, generation) of requests whose waiter gave up
+    cdef public object lane    # this entry's pipeline lane (shmeval.pipeline), once made
+    # Each slot's Pending while its request is in flight (borrowed: a Pending
+    # clears its entries when a request is fetched or given up, and when it
+    # is freed).
+    cdef PyObject *owner[SHM_MAX_SLOTS_PER_CLIENT]
 
     cpdef give_back(self, uint32_t k)
     cdef object _evaluate(self, object state, bint versioned, object key)
     cdef object _evaluate_many(self, object states, bint versioned, object keys)
+    cdef Py_ssize_t _batch_rows(self, object states, object keys)
+    cdef list _new_outs(self, Py_ssize_t n)
+    cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t n, object keys, list outs,
+                            object versions, Py_ssize_t *rows, uint64_t *k1s,
+                            uint64_t *k2s) except -2
+    cdef bint _post(self, cnp.ndarray a, Py_ssize_t m, Py_ssize_t *rows, uint64_t *k1s,
+                    uint64_t *k2s, uint32_t *ks, uint32_t *gens) except -1
+    cdef object _submit(self, object states, bint versioned, object keys)
     cdef bint _unreferenced(self, int older)
+
+
+cdef class Pending:
+    """The answers to one Client.submit (shmeval.pipeline)."""
+    cdef ClientPort port
+    cdef Segment seg
+    cdef readonly object _lane     # shmeval.pipeline._Lane
+    cdef readonly Py_ssize_t _n    # states submitted
+    cdef readonly Py_ssize_t _m    # requests posted (the others the cache answered)
+    cdef readonly list _outs
+    cdef readonly object _versions  # int64 array, with return_version
+    cdef Py_ssize_t fetched        # requests fetched
+    cdef Py_ssize_t unclaimed      # requests in flight that nobody is fetching
+    cdef Py_ssize_t error_row      # the last failed row, and its batch's error text
+    cdef object error
+    cdef object exc                # what result() raises
+    cdef object result_
+    cdef object __weakref__
+    cdef uint32_t ks[SHM_MAX_SLOTS_PER_CLIENT]
+    cdef uint32_t gens[SHM_MAX_SLOTS_PER_CLIENT]
+    cdef int32_t rows[SHM_MAX_SLOTS_PER_CLIENT]
+    cdef uint8_t state[SHM_MAX_SLOTS_PER_CLIENT]
+
+    cdef int _setup(self, object lane, ClientPort port, Py_ssize_t n, bint versioned) except -1
+    cdef void _armed(self, Py_ssize_t m)
+    cdef Py_ssize_t _claim(self) noexcept
+    cdef void _unclaim(self, Py_ssize_t i) noexcept
+    cdef int _record(self, Py_ssize_t i, object r) except -1
+    cdef void _disown(self, Py_ssize_t i) noexcept
+    cdef object _finish(self)
 
 
 cdef class ClientBase:

@@ -9,7 +9,7 @@ Python thread: ``shm_only_python_thread``, _core/ring_python.h).  Status
 codes become exceptions in one place, ``_check``.  No protocol logic lives
 here: it is all in ring.h.
 """
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, UINT64_MAX
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, UINT64_MAX
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
@@ -48,10 +48,11 @@ pthread_atfork(NULL, NULL, _after_fork_in_child)
 from shmeval._core.ring cimport *
 
 import operator
+from time import monotonic as _monotonic, sleep as _sleep
 
 import numpy as np
 
-from shmeval.errors import ClientTableFull, EvaluatorClosed, SegmentError, ShmevalError
+from shmeval.errors import ClientTableFull, EvaluatorClosed, ModelError, SegmentError, ShmevalError
 
 cnp.import_array()
 
@@ -1058,6 +1059,17 @@ cdef class ClientPort:
         self.notify = notify
         self.abandoned = []
 
+    def owners(self):
+        """The Pendings with requests in flight on this entry (each once)."""
+        cdef uint32_t k
+        cdef list out = []
+        cdef set seen = set()
+        for k in range(SHM_MAX_SLOTS_PER_CLIENT):
+            if self.owner[k] != NULL and <object>self.owner[k] not in seen:
+                seen.add(<object>self.owner[k])
+                out.append(<object>self.owner[k])
+        return out
+
     cpdef give_back(self, uint32_t k):
         self.free.append(k)
         if self.waiters:
@@ -1192,88 +1204,25 @@ cdef class ClientPort:
         cdef Py_ssize_t rows[SHM_MAX_SLOTS_PER_CLIENT]  # the rows sent
         cdef uint64_t k1s[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint64_t k2s[SHM_MAX_SLOTS_PER_CLIENT]
-        cdef uint64_t v = 0
         cdef uint32_t k
-        cdef uint64_t inb
         cdef int rc
-        cdef cnp.npy_intp dims[33]  # rows, then up to 32 (self.fast: out_native)
-        cdef cnp.npy_intp *od
-        cdef char *src
+        cdef cnp.npy_intp dims[1]
         cdef list outs
         cdef object versions = None
         cdef object r
         cdef object error = None
         cdef dict result
-        cdef bint cache = self.seg.seg.p.cache_log2 != 0
-        if type(states) is not cnp.ndarray or not self.fast or self.pid != _current_pid:
+        n = self._batch_rows(states, keys)
+        if n < 1:
             return None
         a = <cnp.ndarray>states
-        if not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_NDIM(a) != self.in_nd + 1:
-            return None
-        n = cnp.PyArray_DIM(a, 0)
-        if n < 1 or n > len(self.free):
-            return None
-        for i in range(self.in_nd):
-            if cnp.PyArray_DIM(a, i + 1) != self.in_dims[i]:
-                return None
-        if <PyObject *>cnp.PyArray_DESCR(a) != <PyObject *>self.in_dtype and \
-                a.dtype != self.in_dtype:
-            return None
-        if keys is not None and len(keys) != n:
-            return None  # the general path says what is wrong
-        if shm_ev_state(&self.seg.seg) >= EV_CLOSING or self.retired:
-            return None
-        outs = []
-        dims[0] = n
-        for j in range(self.seg.n_out):
-            od = self.seg._out_dims(j)
-            for d in range(self.seg.out_nd[j]):
-                dims[d + 1] = od[d]
-            outs.append(cnp.PyArray_EMPTY(self.seg.out_nd[j] + 1, dims,
-                                          self.seg.out_type[j], 0))
+        outs = self._new_outs(n)
         if versioned:
-            versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)  # dims[0] is n
-        inb = self.seg.seg.p.in_bytes
-        src = <char *>cnp.PyArray_DATA(a)
-        m = 0
-        try:
-            for i in range(n):
-                if cache and self.seg._cache_get(self.c, src + i * inb,
-                                                 None if keys is None else keys[i], outs, i,
-                                                 &k1s[m], &k2s[m], &v):
-                    if versioned:
-                        (<int64_t *>cnp.PyArray_DATA(versions))[i] = <int64_t>v
-                else:
-                    rows[m] = i
-                    m += 1
-        except TypeError:
-            return None  # a key that is not an int: the general path says so
-        if m:
-            if m > len(self.free):  # another thread took slots meanwhile
-                return None
-            for i in range(m):
-                ks[i] = self.free.pop()
-            if self.retired:  # closed meanwhile (Client.close waits for popped slots)
-                for i in range(m):
-                    self.free.append(ks[i])
-                return None
-            i = 0
-            try:
-                for i in range(m):
-                    gens[i] = self.seg._begin(self.c, ks[i])
-                    if cache:
-                        self.seg.ck1[ks[i]] = k1s[i]
-                        self.seg.ck2[ks[i]] = k2s[i]
-            except BaseException:
-                for i in range(m):
-                    self.free.append(ks[i])
-                raise
-            for i in range(m):
-                shm_copy(shm_slot_in(&self.seg.seg, self.c, ks[i]), src + rows[i] * inb, inb)
-            # Publish in a tight loop after all the copies, then one doorbell.
-            for i in range(m):
-                shm_slot_publish(&self.seg.seg, self.c, ks[i])
-            shm_notify_evaluator(&self.seg.seg, <uint32_t>m)
+            dims[0] = n
+            versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
+        m = self._lookup(a, n, keys, outs, versions, rows, k1s, k2s)
+        if m < 0 or (m and not self._post(a, m, rows, k1s, k2s, ks, gens)):
+            return None
         i = 0
         try:
             while i < m:
@@ -1305,6 +1254,137 @@ cdef class ClientPort:
         if versioned:
             return (result, versions)
         return result
+
+    cdef Py_ssize_t _batch_rows(self, object states, object keys):
+        """The rows of states when the batch fast paths apply: a C-contiguous
+        array of the declared dtype and input shape with 1 to len(free)
+        rows, keys None or one per row, this process's open entry; else 0."""
+        cdef cnp.ndarray a
+        cdef Py_ssize_t n, i
+        if type(states) is not cnp.ndarray or not self.fast or self.pid != _current_pid:
+            return 0
+        a = <cnp.ndarray>states
+        if not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_NDIM(a) != self.in_nd + 1:
+            return 0
+        n = cnp.PyArray_DIM(a, 0)
+        if n < 1 or n > len(self.free):
+            return 0
+        for i in range(self.in_nd):
+            if cnp.PyArray_DIM(a, i + 1) != self.in_dims[i]:
+                return 0
+        if <PyObject *>cnp.PyArray_DESCR(a) != <PyObject *>self.in_dtype and \
+                a.dtype != self.in_dtype:
+            return 0
+        if keys is not None and len(keys) != n:
+            return 0  # the general path says what is wrong
+        if shm_ev_state(&self.seg.seg) >= EV_CLOSING or self.retired:
+            return 0
+        return n
+
+    cdef list _new_outs(self, Py_ssize_t n):
+        """Empty output arrays of n rows (self.fast: native dtypes)."""
+        cdef cnp.npy_intp dims[33]  # rows, then up to 32
+        cdef cnp.npy_intp *od
+        cdef Py_ssize_t j, d
+        cdef list outs = []
+        dims[0] = n
+        for j in range(self.seg.n_out):
+            od = self.seg._out_dims(j)
+            for d in range(self.seg.out_nd[j]):
+                dims[d + 1] = od[d]
+            outs.append(cnp.PyArray_EMPTY(self.seg.out_nd[j] + 1, dims,
+                                          self.seg.out_type[j], 0))
+        return outs
+
+    cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t n, object keys, list outs,
+                            object versions, Py_ssize_t *rows, uint64_t *k1s,
+                            uint64_t *k2s) except -2:
+        """Answers the rows of a that the evaluation cache holds (by keys[i],
+        or by the hashes of their bytes) into outs (and versions); the others
+        go to rows, their cache keys to k1s, k2s.  Returns how many are left
+        to send, or -1 when a key is not an int (the general path says so)."""
+        cdef Py_ssize_t i, m = 0
+        cdef uint64_t v = 0
+        cdef uint64_t inb = self.seg.seg.p.in_bytes
+        cdef const char *src = <const char *>cnp.PyArray_DATA(a)
+        if not self.seg.seg.p.cache_log2:
+            for i in range(n):
+                rows[i] = i
+            return n
+        try:
+            for i in range(n):
+                if self.seg._cache_get(self.c, src + i * inb, None if keys is None else keys[i],
+                                       outs, i, &k1s[m], &k2s[m], &v):
+                    if versions is not None:
+                        (<int64_t *>cnp.PyArray_DATA(versions))[i] = <int64_t>v
+                else:
+                    rows[m] = i
+                    m += 1
+        except TypeError:
+            return -1
+        return m
+
+    cdef bint _post(self, cnp.ndarray a, Py_ssize_t m, Py_ssize_t *rows, uint64_t *k1s,
+                    uint64_t *k2s, uint32_t *ks, uint32_t *gens) except -1:
+        """Sends rows[0:m] of a: takes m free slots (ks), begins them (gens),
+        copies the states in, publishes them and rings the evaluator once.
+        False, with nothing taken, when the free slots are too few now or the
+        entry was closed meanwhile."""
+        cdef Py_ssize_t i
+        cdef bint cache = self.seg.seg.p.cache_log2 != 0
+        cdef uint64_t inb = self.seg.seg.p.in_bytes
+        cdef const char *src = <const char *>cnp.PyArray_DATA(a)
+        if m > len(self.free):  # another thread took slots meanwhile
+            return False
+        for i in range(m):
+            ks[i] = self.free.pop()
+        if self.retired:  # closed meanwhile (Client.close waits for popped slots)
+            for i in range(m):
+                self.free.append(ks[i])
+            return False
+        try:
+            for i in range(m):
+                gens[i] = self.seg._begin(self.c, ks[i])
+                if cache:
+                    self.seg.ck1[ks[i]] = k1s[i]
+                    self.seg.ck2[ks[i]] = k2s[i]
+        except BaseException:
+            for i in range(m):
+                self.free.append(ks[i])
+            raise
+        for i in range(m):
+            shm_copy(shm_slot_in(&self.seg.seg, self.c, ks[i]), src + rows[i] * inb, inb)
+        # Publish in a tight loop after all the copies, then one doorbell.
+        for i in range(m):
+            shm_slot_publish(&self.seg.seg, self.c, ks[i])
+        shm_notify_evaluator(&self.seg.seg, <uint32_t>m)
+        return True
+
+    cdef object _submit(self, object states, bint versioned, object keys):
+        """The common case of ``Client.submit`` (the batch as for
+        ``_evaluate_many``, and this entry's pipeline lane made): posts the
+        rows the cache does not answer and returns their Pending; None,
+        with nothing posted, when the fast path does not apply."""
+        cdef Py_ssize_t n, m
+        cdef Pending p
+        cdef Py_ssize_t rows[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef uint64_t k1s[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef uint64_t k2s[SHM_MAX_SLOTS_PER_CLIENT]
+        if self.lane is None:
+            return None
+        n = self._batch_rows(states, keys)
+        if n < 1:
+            return None
+        p = Pending.__new__(Pending)
+        p._setup(self.lane, self, n, versioned)
+        m = self._lookup(<cnp.ndarray>states, n, keys, p._outs, p._versions, rows, k1s, k2s)
+        if m < 0 or (m and not self._post(<cnp.ndarray>states, m, rows, k1s, k2s, p.ks,
+                                          p.gens)):
+            return None
+        for n in range(m):
+            p.rows[n] = <int32_t>rows[n]
+        p._armed(m)
+        return p
 
     cdef bint _unreferenced(self, int older):
         """True when a cached result (the last, or with older the one before;
@@ -1345,6 +1425,312 @@ cdef class ClientPort:
                 if dims[i] != want[i]:
                     return False
         return True
+
+
+# A Pending's requests: each is in flight and claimed by nobody, claimed by
+# the thread fetching it (or given up by a failure or a finalizer), or
+# fetched.  Claims are plain stores made with the GIL held and no Python
+# code between the look and the store, so each request is fetched once
+# however many threads collect.
+cdef enum:
+    REQ_LEFT = 0
+    REQ_CLAIMED = 1
+    REQ_FETCHED = 2
+
+
+@cython.no_gc_clear  # __dealloc__ needs its port, also after a cycle's collection
+cdef class Pending:
+    """The answers to one ``Client.submit``, collected later.
+
+    ``result(timeout=None)`` returns what ``evaluate_many`` would have
+    returned for the same states (and raises what it would have raised);
+    ``done()`` says whether ``result()`` would return or raise without
+    waiting.  Collect it in the process that submitted it.  Dropping it
+    uncollected is allowed: its slots come back once the evaluator has
+    answered them.
+
+    A request is a state posted (one the evaluation cache did not answer at
+    the submit): request i is output row ``rows[i]``, in slot ``ks[i]``
+    begun with generation ``gens[i]``.  The common case runs here in C;
+    what is unusual (a timeout, a closed or dead evaluator, a reclaimed
+    entry) is judged by the Python of ``shmeval.pipeline`` (the lane) and
+    ``shmeval.Client``, as for ``evaluate_many``.
+    """
+
+    def __init__(self, lane, Py_ssize_t n, bint versioned):
+        self._setup(lane, <ClientPort?>lane.port, n, versioned)
+
+    cdef int _setup(self, object lane, ClientPort port, Py_ssize_t n,
+                    bint versioned) except -1:
+        cdef cnp.npy_intp dims[1]
+        if n < 0 or n > SHM_MAX_SLOTS_PER_CLIENT:
+            raise ValueError(f"a Pending holds 0 to {SHM_MAX_SLOTS_PER_CLIENT} states, not {n}")
+        self._lane = lane
+        self.port = port
+        self.seg = port.seg
+        self._n = n
+        self._outs = port._new_outs(n)
+        if versioned:
+            dims[0] = n
+            self._versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
+        self.error_row = -1
+        return 0
+
+    cdef void _armed(self, Py_ssize_t m):
+        """Requests 0..m-1 (ks, gens, rows set) are in flight: each slot's
+        owner on the port, which the lane's harvests and slot waits ask."""
+        cdef Py_ssize_t i
+        self._m = self.unclaimed = m
+        for i in range(m):
+            self.state[i] = REQ_LEFT
+        for i in range(m):
+            self.port.owner[self.ks[i]] = <PyObject *>self
+
+    def _arm(self, list rows, list slots, list gens):
+        """The requests posted by the general path of submit."""
+        cdef Py_ssize_t i, m = len(rows)
+        for i in range(m):
+            self.rows[i] = rows[i]
+            self.ks[i] = slots[i]
+            self.gens[i] = gens[i]
+        self._armed(m)
+
+    def __len__(self):
+        return self._n
+
+    def __repr__(self):
+        left = self._m - self.fetched
+        what = ("failed" if self.exc is not None else
+                f"{left} in flight" if left else "done")
+        return f"<Pending {self._n} state(s), {what}>"
+
+    @property
+    def _in_flight(self):
+        """How many requests are in flight and claimed by nobody."""
+        return self.unclaimed
+
+    # -------------------------------------------------------- public
+    def done(self):
+        """True when :meth:`result` would return or raise without waiting.
+        Copies out the answers already there (freeing their slots)."""
+        if self.result_ is not None or self.exc is not None:
+            return True
+        self._check_process()
+        self._harvest()
+        if self.exc is not None or self.fetched == self._m:
+            return True
+        return self.port.detached or shm_ev_state(&self.seg.seg) >= EV_CLOSED
+
+    def result(self, timeout=None):
+        """The outputs, as ``evaluate_many`` returns them (with
+        ``submit(..., return_version=True)``, the pair ``(outputs,
+        versions)``).  Waits up to ``timeout`` seconds (None: as long as
+        the evaluator lives), then raises TimeoutError with the request
+        still in flight (call again to go on waiting).  Raises ModelError,
+        EvaluatorClosed and EvaluatorDied as evaluate_many does; a second
+        call returns (or raises) the same."""
+        cdef Py_ssize_t i
+        cdef uint32_t k, gen
+        cdef int rc
+        cdef uint64_t wait_ns
+        cdef object r
+        cdef double deadline = 0
+        cdef ClientPort port = self.port
+        if self.result_ is not None:
+            return self.result_
+        self._check_process()
+        if timeout is not None:
+            deadline = _monotonic() + timeout
+        while True:
+            if self.exc is not None:
+                raise self.exc.with_traceback(None)
+            if self.fetched == self._m:
+                return self._finish()
+            i = self._claim()
+            if i < 0:  # another thread is fetching the last requests
+                _sleep(0.001)
+                continue
+            k, gen = self.ks[i], self.gens[i]
+            wait_ns = port.timeout_ns
+            if timeout is not None:
+                wait_ns = <uint64_t>max(0.0, min(<double>wait_ns,
+                                                 (deadline - _monotonic()) * 1e9))
+            try:
+                rc = self.seg._wait(port.c, k, gen, port.spin_ns, wait_ns, port.ncpu)
+                r = rc if rc < 0 else self.seg._fetch(port.c, k, gen, self._outs,
+                                                      self.rows[i], True)
+            except BaseException:
+                self._unclaim(i)
+                raise
+            if type(r) is int and <int>r < 0:
+                if r != SHM_STALE:
+                    self._unclaim(i)  # still in flight
+                else:  # not ours any more
+                    self._disown(i)
+                    self._lane.client._give_back(port, [], [(k, gen)])
+                try:
+                    self._lane.check(r, k, gen, self._outs, self.rows[i])
+                except ShmevalError as e:
+                    self._fail(e)
+                    raise
+                if timeout is not None and _monotonic() >= deadline:
+                    raise TimeoutError(f"{self!r}: no answer within {timeout} s")
+                continue
+            port.give_back(k)
+            self._record(i, r)
+
+    # -------------------------------------------------------- internals
+    def _check_process(self):
+        if self.port.pid != _current_pid:
+            raise ShmevalError("a Pending is collected in the process that submitted it")
+
+    cdef Py_ssize_t _claim(self) noexcept:
+        """Claims the oldest request nobody is fetching; -1 if none."""
+        cdef Py_ssize_t i
+        if self.unclaimed:
+            for i in range(self._m):
+                if self.state[i] == REQ_LEFT:
+                    self.state[i] = REQ_CLAIMED
+                    self.unclaimed -= 1
+                    return i
+        return -1
+
+    cdef void _unclaim(self, Py_ssize_t i) noexcept:
+        self.state[i] = REQ_LEFT
+        self.unclaimed += 1
+
+    cdef int _record(self, Py_ssize_t i, object r) except -1:
+        """Request i fetched: r is its model version, or its batch's error
+        text."""
+        cdef Py_ssize_t row = self.rows[i]
+        if type(r) is str:
+            if row > self.error_row:  # the last failed row's, as evaluate_many
+                self.error_row, self.error = row, r
+        elif self._versions is not None:
+            (<int64_t *>cnp.PyArray_DATA(self._versions))[row] = <int64_t>r
+        self.state[i] = REQ_FETCHED
+        self.fetched += 1
+        self._disown(i)
+        return 0
+
+    cdef void _disown(self, Py_ssize_t i) noexcept:
+        """Request i is no longer this Pending's to fetch (fetched, or given
+        up): its slot's owner is cleared."""
+        if self.port.owner[self.ks[i]] == <PyObject *>self:
+            self.port.owner[self.ks[i]] = NULL
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.port is not None:
+            for i in range(self._m):
+                self._disown(i)
+
+    cdef object _finish(self):
+        cdef dict result
+        cdef uint32_t j
+        if self.error is not None:
+            self.exc = ModelError(self.error)
+            raise self.exc.with_traceback(None)
+        result = {}
+        for j in range(self.seg.n_out):
+            result[self.seg.out_names[j]] = self._outs[j]
+        self.result_ = result if self._versions is None else (result, self._versions)
+        return self.result_
+
+    def _rows_in_flight(self):
+        """(slot, generation) of the requests nobody is fetching now."""
+        cdef Py_ssize_t i
+        return [(self.ks[i], self.gens[i]) for i in range(self._m)
+                if self.state[i] == REQ_LEFT]
+
+    def _harvest(self):
+        """Fetches every request whose answer is there, without waiting;
+        returns how many.  One found reclaimed fails the Pending as
+        evaluate_many fails then."""
+        cdef Py_ssize_t i, got = 0
+        cdef uint32_t w, st, k, gen
+        cdef object r
+        cdef ClientPort port = self.port
+        if not self.unclaimed or port.pid != _current_pid:
+            return 0
+        for i in range(self._m):
+            if self.state[i] != REQ_LEFT:
+                continue
+            k, gen = self.ks[i], self.gens[i]
+            w = shm_slot_peek(&self.seg.seg, port.c, k)
+            st = w & SLOT_STATE_MASK
+            if w >> SLOT_GEN_SHIFT == gen and st != SLOT_DONE and st != SLOT_FAILED:
+                continue  # not answered yet
+            self.state[i] = REQ_CLAIMED
+            self.unclaimed -= 1
+            try:
+                r = (self.seg._fetch(port.c, k, gen, self._outs, self.rows[i], True)
+                     if w >> SLOT_GEN_SHIFT == gen else SHM_STALE)
+            except BaseException:
+                self._unclaim(i)
+                raise
+            if type(r) is int and <int>r < 0:  # reclaimed: the slot is not ours any more
+                self._disown(i)
+                self._lane.client._give_back(port, [], [(k, gen)])
+                try:
+                    self._lane.check(SHM_STALE, k, gen, self._outs, self.rows[i])
+                except ShmevalError as e:
+                    self._fail(e)
+                return got
+            port.give_back(k)
+            self._record(i, r)
+            got += 1
+        return got
+
+    def _claim_all(self):
+        """Claims every request nobody is fetching: (slot, generation) each."""
+        cdef Py_ssize_t i
+        cdef list out = []
+        for i in range(self._m):
+            if self.state[i] == REQ_LEFT:
+                self.state[i] = REQ_CLAIMED
+                self._disown(i)
+                out.append((self.ks[i], self.gens[i]))
+        self.unclaimed = 0
+        return out
+
+    def _fail(self, exc):
+        """The request cannot be answered (closed, dead, reclaimed): result()
+        raises exc; the requests still in flight are abandoned.  A
+        submission whose every answer is already in is not failed."""
+        if self.fetched == self._m:
+            return
+        if self.exc is None:
+            self.exc = exc
+        rows = self._claim_all()
+        if rows:
+            self._lane.client._give_back(self.port, [], rows)
+
+    def __del__(self):
+        # Requests nobody will collect: their slots come back once answered
+        # (the lane's abandoned list).
+        try:
+            if self._lane is None or not self.unclaimed or self.port.pid != _current_pid:
+                return
+            rows = self._claim_all()
+            if rows:
+                self._lane.abandon(rows)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+@cython.binding(True)
+def client_submit(self, object states, *, bint block=True, bint return_version=False,
+                  object keys=None):
+    """``Client.submit``: the common case in ClientPort._submit (no Python
+    frame); anything else goes to ``Client._submit_slow``."""
+    port = (<ClientBase?>self)._port
+    cdef object p
+    if port is not None:
+        p = (<ClientPort?>port)._submit(states, return_version, keys)
+        if p is not None:
+            return p
+    return self._submit_slow(states, block, return_version, keys)
 
 
 cdef inline bint _answered(object r, bint versioned):

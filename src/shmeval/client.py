@@ -253,14 +253,25 @@ class Client(_ring.ClientBase):
         return result
 
     # Pipelined evaluation: shmeval.pipeline (docs/guide.md, Pipelining).
-    def submit(self, states: Any, *, block: bool = True, return_version: bool = False,
-               keys: Any = None) -> "pipeline.Pending":
-        """Posts states ``[n, *input_shape]`` (n at most ``slots_per_client``)
-        and returns at once a :class:`~shmeval.pipeline.Pending`, whose
-        ``result()`` returns what ``evaluate_many`` would (``keys``: as
-        there).  With too few free slots it waits for the evaluator to
-        answer this process's other requests, or with ``block=False`` raises
-        :class:`~shmeval.pipeline.NoFreeSlots`."""
+    if TYPE_CHECKING:
+        def submit(self, states: Any, *, block: bool = True, return_version: bool = False,
+                   keys: Any = None) -> "pipeline.Pending":
+            """Posts states ``[n, *input_shape]`` (n at most ``slots_per_client``)
+            and returns at once a :class:`~shmeval.pipeline.Pending`, whose
+            ``result()`` returns what ``evaluate_many`` would (``keys``: as
+            there).  With too few free slots it waits for the evaluator to
+            answer this process's other requests, or with ``block=False``
+            raises :class:`~shmeval.pipeline.NoFreeSlots`."""
+            return _ring.client_submit(self, states, block=block,
+                                       return_version=return_version, keys=keys)
+    else:
+        # Written in Cython (_ring.client_submit): a batch the process has
+        # free slots for is posted with no Python frame; anything else
+        # calls _submit_slow below.
+        submit = _ring.client_submit
+
+    def _submit_slow(self, states: Any, block: bool, return_version: bool,
+                     keys: Any) -> "pipeline.Pending":
         return pipeline.submit(self, states, block, return_version, keys)
 
     def wait_any(self, pendings: Iterable["pipeline.Pending"],

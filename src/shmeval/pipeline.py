@@ -19,11 +19,18 @@ How the slots come back
     that submits more than its slots hold waits only for the evaluator,
     never for its own uncollected submissions.
 Rows are claimed, not locked
-    Each Pending keeps the rows still in flight in a list; whoever copies a
-    row out first removes it from that list (one list operation, atomic
-    under the GIL), so a row is fetched exactly once however many threads
+    A Pending marks each row in flight as claimed before it copies the row
+    out, in C with the GIL held and no Python code between the look and
+    the mark, so a row is fetched exactly once however many threads
     collect, and nothing here takes a lock that a finalizer could meet
     held by its own thread.
+The common case in C
+    ``Client.submit`` of a batch the process has free slots for, and
+    ``Pending.result()`` / ``done()`` of answers that come, run in Cython
+    (``_ring.ClientPort._submit``, ``_ring.Pending``) without a Python
+    frame; the lane here decides the rest (too few free slots, timeouts,
+    closes, deaths).  What a pipelined request costs a worker against a
+    blocking ``evaluate``: docs/performance.md, Pipelined requests.
 Dropped Pendings
     A Pending garbage-collected with rows in flight puts their slots on the
     process's abandoned list (``Client._recover_abandoned`` frees each once
@@ -44,15 +51,18 @@ import asyncio
 import os
 import threading
 import time
-import weakref
 from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence,
-                    Set, Tuple, Union)
+                    Tuple, Union)
 
 import numpy as np
 
 from . import _ring
 from . import client as _client
-from .errors import EvaluatorClosed, ModelError, ShmevalError
+# Pending, the answers to one submit collected later, is written in Cython,
+# so that a submit and a collect in the common case run no Python frame; it
+# calls the lane below for what is unusual.  Public here.
+from ._ring import Pending as Pending
+from .errors import EvaluatorClosed, ShmevalError
 
 if TYPE_CHECKING:
     from .client import Client
@@ -83,9 +93,9 @@ class NoFreeSlots(ShmevalError):
 
 
 class _Lane:
-    """The pipelined state of one client entry in one process: its
-    in-flight submissions (weakly), and the asyncio waiter thread once
-    there is one.  A new registration (after ``close()``, or in a forked
+    """The pipelined state of one client entry in one process: the
+    asyncio waiter thread once there is one, and what the Pendings of
+    this entry ask when something is unusual.  A new registration (after ``close()``, or in a forked
     child) gets a new lane."""
 
     def __init__(self, client: "Client", port: "_ring.ClientPort") -> None:
@@ -101,10 +111,6 @@ class _Lane:
         self.slots = spec.slots_per_client
         self.outputs = spec.outputs
         self.names = spec.output_names
-        # Weak references to the submissions with rows in flight: adding,
-        # removing (also from a finalizer: the references' callback) and
-        # taking a snapshot are each one atomic set operation.
-        self.inflight: Set["weakref.ReferenceType[Pending]"] = set()
         self.waiter: Optional[_AsyncWaiter] = None
         self.waiter_lock = threading.Lock()
 
@@ -122,13 +128,9 @@ class _Lane:
         raise AssertionError(f"_wait_slow returned after rc {rc}")  # pragma: no cover
 
     def pendings(self) -> List["Pending"]:
-        """The submissions with rows in flight (a snapshot)."""
-        out = []
-        for ref in list(self.inflight):
-            p = ref()
-            if p is not None:
-                out.append(p)
-        return out
+        """The submissions with rows in flight (a snapshot): the port
+        knows each slot's Pending without holding it."""
+        return self.port.owners()
 
     def harvest(self) -> int:
         """Copies out every answer already there, of any submission of this
@@ -223,6 +225,7 @@ def lane_of(client: "Client") -> _Lane:
     if lane is None or lane.port is not port or lane.pid != _pid:
         lane = _Lane(client, port)
         client.__dict__["_pipeline_lane"] = lane
+        port.lane = lane  # from now on ClientPort submits in C
     return lane
 
 
@@ -234,234 +237,6 @@ def harvest_port(client: "Client", port: "_ring.ClientPort") -> int:
     if lane is None or lane.port is not port or lane.pid != _pid:
         return 0
     return lane.harvest()
-
-
-class Pending:
-    """The answers to one :meth:`Client.submit`, collected later.
-
-    ``result(timeout=None)`` returns what ``evaluate_many`` would have
-    returned for the same states (and raises what it would have raised);
-    ``done()`` says whether ``result()`` would return or raise without
-    waiting.  Collect it in the process that submitted it.  Dropping it
-    uncollected is allowed: its slots come back once the evaluator has
-    answered them.
-
-    Internally a request is the states posted (those the evaluation cache
-    did not answer at the submit): request i is output row ``_rows[i]``,
-    in slot ``_ks[i]`` begun with generation ``_gens[i]``.
-    """
-
-    __slots__ = ("_lane", "_n", "_m", "_outs", "_versions", "_rows", "_ks", "_gens", "_left",
-                 "_fetched", "_error_row", "_error", "_exc", "_result", "_ref", "__weakref__")
-
-    def __init__(self, lane: _Lane, n: int, versioned: bool) -> None:
-        self._lane = lane
-        self._n = n
-        self._m = 0
-        self._outs = [np.empty((n,) + o.shape, o.dtype) for o in lane.outputs]
-        self._versions = np.zeros(n, np.int64) if versioned else None
-        self._rows: List[int] = []
-        self._ks: List[int] = []
-        self._gens: List[int] = []
-        #: Requests still in flight and claimed by nobody; one is removed by
-        #: whoever fetches it (or abandons it), once.
-        self._left: List[int] = []
-        #: Requests fetched (appended after the copy).
-        self._fetched: List[int] = []
-        self._error_row = -1
-        self._error: Optional[str] = None
-        self._exc: Optional[BaseException] = None
-        self._result: Optional[Result] = None
-        self._ref: Optional["weakref.ReferenceType[Pending]"] = None
-
-    def _arm(self, rows: List[int], slots: List[int], gens: List[int]) -> None:
-        self._rows = rows
-        self._ks = slots
-        self._gens = gens
-        self._m = len(rows)
-        self._left = list(range(self._m))
-        inflight = self._lane.inflight
-        self._ref = ref = weakref.ref(self, inflight.discard)
-        inflight.add(ref)
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __repr__(self) -> str:
-        left = self._m - len(self._fetched)
-        what = ("failed" if self._exc is not None else
-                f"{left} in flight" if left else "done")
-        return f"<Pending {self._n} state(s), {what}>"
-
-    # -------------------------------------------------------- public
-    def done(self) -> bool:
-        """True when :meth:`result` would return or raise without waiting.
-        Copies out the answers already there (freeing their slots)."""
-        if self._result is not None or self._exc is not None:
-            return True
-        self._check_process()
-        self._harvest()
-        if self._exc is not None or len(self._fetched) == self._m:
-            return True
-        lane = self._lane
-        return lane.port.detached or lane.seg.ev_state() >= _ring.CLOSED_STATE
-
-    def result(self, timeout: Optional[float] = None) -> Result:
-        """The outputs, as ``evaluate_many`` returns them (with
-        ``submit(..., return_version=True)``, the pair ``(outputs,
-        versions)``).  Waits up to ``timeout`` seconds (None: as long as
-        the evaluator lives), then raises TimeoutError with the request
-        still in flight (call again to go on waiting).  Raises ModelError,
-        EvaluatorClosed and EvaluatorDied as evaluate_many does; a second
-        call returns (or raises) the same."""
-        if self._result is not None:
-            return self._result
-        self._check_process()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        lane = self._lane
-        seg, c, rows, ks, gens, outs = (lane.seg, lane.c, self._rows, self._ks, self._gens,
-                                        self._outs)
-        left = self._left
-        spin_ns = lane.spin_ns
-        ncpu = lane.client._ncpu
-        while True:
-            self._raise_if_failed()
-            if len(self._fetched) == self._m:
-                return self._finish()
-            try:
-                i = left.pop(0)
-            except IndexError:  # another thread is fetching the last rows
-                time.sleep(_POLL_S)
-                continue
-            wait_ns = _client.WAIT_TIMEOUT_NS
-            if deadline is not None:
-                wait_ns = max(0, min(wait_ns, int((deadline - time.monotonic()) * 1e9)))
-            try:
-                r = seg.answer(c, ks[i], gens[i], outs, rows[i], spin_ns, wait_ns, ncpu)
-            except BaseException:
-                left.insert(0, i)
-                raise
-            if type(r) is int and r < 0:
-                if r != _ring.STALE:
-                    left.insert(0, i)  # still in flight
-                else:
-                    self._abandon([i])  # not ours any more
-                try:
-                    lane.check(r, ks[i], gens[i], outs, rows[i])
-                except ShmevalError as e:
-                    self._fail(e)
-                    raise
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"{self!r}: no answer within {timeout} s")
-                continue
-            lane.port.give_back(ks[i])
-            self._record(i, r)
-
-    # -------------------------------------------------------- internals
-    def _check_process(self) -> None:
-        if self._lane.pid != _pid:
-            raise ShmevalError("a Pending is collected in the process that submitted it")
-
-    def _record(self, i: int, r: Union[int, str]) -> None:
-        """Request i fetched: r is its model version, or its batch's error
-        text."""
-        row = self._rows[i]
-        if type(r) is str:
-            if row > self._error_row:  # the last failed row's, as evaluate_many
-                self._error_row, self._error = row, r
-        elif self._versions is not None:
-            self._versions[row] = r
-        self._fetched.append(i)
-
-    def _finish(self) -> Result:
-        self._lane.inflight.discard(self._ref)
-        if self._error is not None:
-            self._exc = ModelError(self._error)
-            self._raise_if_failed()
-        result = dict(zip(self._lane.names, self._outs))
-        self._result = result if self._versions is None else (result, self._versions)
-        return self._result
-
-    def _raise_if_failed(self) -> None:
-        if self._exc is not None:
-            raise self._exc.with_traceback(None)
-
-    def _rows_in_flight(self) -> List[Tuple[int, int]]:
-        """(slot, generation) of the requests nobody is fetching now."""
-        return [(self._ks[i], self._gens[i]) for i in list(self._left)]
-
-    def _harvest(self) -> int:
-        """Fetches every request whose answer is there, without waiting;
-        returns how many.  One found reclaimed fails the Pending as
-        evaluate_many fails then."""
-        left = self._left
-        if not left or self._lane.pid != _pid:
-            return 0
-        lane = self._lane
-        seg, c, rows, ks, gens, outs = (lane.seg, lane.c, self._rows, self._ks, self._gens,
-                                        self._outs)
-        got = 0
-        for i in list(left):
-            state, _waiter, gen = seg.slot_state(c, ks[i])
-            if gen == gens[i] and state != _ring.DONE and state != _ring.FAILED:
-                continue  # not answered yet
-            try:
-                left.remove(i)
-            except ValueError:  # someone else is fetching it
-                continue
-            r = seg.fetch(c, ks[i], gens[i], outs, rows[i]) if gen == gens[i] else _ring.STALE
-            if type(r) is int and r < 0:  # reclaimed: the slot is not ours any more
-                self._abandon([i])
-                try:
-                    lane.check(_ring.STALE, ks[i], gens[i], outs, rows[i])
-                except ShmevalError as e:
-                    self._fail(e)
-                return got
-            lane.port.give_back(ks[i])
-            self._record(i, r)
-            got += 1
-        if len(self._fetched) == self._m:
-            lane.inflight.discard(self._ref)
-        return got
-
-    def _claim_all(self) -> List[Tuple[int, int]]:
-        """Claims every request nobody is fetching: (slot, generation) each."""
-        out: List[Tuple[int, int]] = []
-        left = self._left
-        while True:
-            try:
-                i = left.pop()
-            except IndexError:
-                return out
-            out.append((self._ks[i], self._gens[i]))
-
-    def _abandon(self, requests: List[int]) -> None:
-        self._lane.client._give_back(self._lane.port, [],
-                                     [(self._ks[i], self._gens[i]) for i in requests])
-
-    def _fail(self, exc: BaseException) -> None:
-        """The request cannot be answered (closed, dead, reclaimed): result()
-        raises exc; the rows still in flight are abandoned.  A request whose
-        every answer is already in is not failed."""
-        if len(self._fetched) == self._m:
-            return
-        if self._exc is None:
-            self._exc = exc
-        rows = self._claim_all()
-        if rows:
-            self._lane.client._give_back(self._lane.port, [], rows)
-        self._lane.inflight.discard(self._ref)
-
-    def __del__(self) -> None:
-        try:
-            lane = self._lane
-            if not self._left or lane.pid != _pid:
-                return
-            rows = self._claim_all()
-            if rows:
-                lane.abandon(rows)
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
 
 
 # ------------------------------------------------------------ the API
@@ -511,7 +286,7 @@ def _submit(lane: _Lane, states: Any, block: bool, return_version: bool,
 def _lane_of_all(client: "Client", pendings: Sequence[Pending]) -> _Lane:
     if not pendings:
         raise ValueError("no Pending to wait for")
-    lane = pendings[0]._lane
+    lane: _Lane = pendings[0]._lane
     if any(p._lane is not lane for p in pendings) or lane.client is not client:
         raise ValueError("every Pending must come from this client's submit in this process")
     return lane
@@ -554,7 +329,7 @@ def wait_any(client: "Client", pendings: Iterable[Pending],
             lane.check(rc, ks[0], gens[0], p._outs, 0)
         except ShmevalError as e:
             for p in ps:
-                if p._left:
+                if p._in_flight:
                     p._fail(e)
             continue
         if deadline is not None and time.monotonic() >= deadline:
@@ -593,7 +368,8 @@ async def evaluate_async(client: "Client", states: Any, return_version: bool = F
             await lane.async_waiter().slots_freed(loop)
     if not p.done():
         await lane.async_waiter().watch(p, loop)
-    return p.result()
+    result: Result = p.result()
+    return result
 
 
 class _AsyncWaiter(threading.Thread):
