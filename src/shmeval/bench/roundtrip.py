@@ -208,8 +208,11 @@ class TrialConfig:
 
 def check_reply(out: Mapping[str, Any], worker_id: int, spec: StateSpec) -> None:
     """The routing check: the null model echoes the state's first element,
-    which holds the worker's id."""
+    which holds the worker's id.  A batch of one (the pipelined client's
+    outputs) is checked as its row."""
     policy, value = np.asarray(out["policy"]), np.asarray(out["value"])
+    if policy.shape == (1, spec.policy_size) and value.shape == (1,):
+        policy, value = policy[0], value[0]
     if policy.shape != (spec.policy_size,) or value.shape != () or value != worker_id:
         raise RuntimeError(f"worker {worker_id}: bad reply: policy shape {policy.shape}, value {value!r}")
 
