@@ -1439,6 +1439,7 @@ cdef enum:
 
 
 @cython.no_gc_clear  # __dealloc__ needs its port, also after a cycle's collection
+@cython.auto_pickle(False)  # belongs to the process that submitted it
 cdef class Pending:
     """The answers to one ``Client.submit``, collected later.
 

@@ -327,6 +327,17 @@ def test_forked_child_cannot_collect() -> None:
         check(p.result(), [1])
 
 
+def test_pending_does_not_pickle() -> None:
+    """A Pending names slots of its own process: another cannot use it."""
+    import pickle
+
+    with make_ev(slots_per_client=SLOTS) as ev:
+        p = ev.submit(states([1]))
+        with pytest.raises(TypeError):
+            pickle.dumps(p)
+        check(p.result(), [1])
+
+
 # ---------------------------------------------------------------- threads
 
 def test_threads_share_the_slots() -> None:
