@@ -1470,7 +1470,10 @@ cdef class Pending:
         self.port = port
         self.seg = port.seg
         self._n = n
-        self._outs = port._new_outs(n)
+        # port.fast: every output a native built-in dtype, made in C;
+        # otherwise (another byte order, a newer dtype) by NumPy.
+        self._outs = (port._new_outs(n) if port.fast else
+                      [np.empty((n,) + o.shape, o.dtype) for o in lane.outputs])
         if versioned:
             dims[0] = n
             self._versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)

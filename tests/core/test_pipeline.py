@@ -327,6 +327,20 @@ def test_forked_child_cannot_collect() -> None:
         check(p.result(), [1])
 
 
+def test_submit_with_outputs_of_another_byte_order() -> None:
+    """Outputs declared big-endian come back with their values (the
+    general path makes the arrays when the C one cannot)."""
+    def model(x: np.ndarray) -> Any:
+        return {"v": (x[:, 0] * 3).astype(">f8")}
+
+    with make_ev(model, input_shape=(2,), outputs={"v": ((), ">f8")},
+                 slots_per_client=SLOTS) as ev:
+        p = ev.submit(np.array([[1, 0], [2, 0]], np.float32))
+        out = p.result()
+        assert out["v"].dtype == np.dtype(">f8")
+        assert out["v"].tolist() == [3.0, 6.0]
+
+
 def test_pending_does_not_pickle() -> None:
     """A Pending names slots of its own process: another cannot use it."""
     import pickle
