@@ -81,6 +81,7 @@ cdef class ClientPort:
     cdef public bint retired   # closed: takes no new request (see Client.close)
     cdef public bint detached  # its client entry is detached: waiters give up
     cdef public list abandoned # (slot, generation) of requests whose waiter gave up
+    cdef list spares           # output arrays of freed Pendings (_spare_outs)
     cdef public object lane    # this entry's pipeline lane (shmeval.pipeline), once made
     # Each slot's Pending while its request is in flight (borrowed: a Pending
     # clears its entries when a request is fetched or given up, and when it
@@ -92,6 +93,8 @@ cdef class ClientPort:
     cdef object _evaluate_many(self, object states, bint versioned, object keys)
     cdef Py_ssize_t _batch_rows(self, object states, object keys)
     cdef list _new_outs(self, Py_ssize_t n)
+    cdef list _spare_outs(self, Py_ssize_t n)
+    cdef void _keep_spare(self, list outs) noexcept
     cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t n, object keys, list outs,
                             object versions, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -2

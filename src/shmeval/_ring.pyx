@@ -1058,6 +1058,7 @@ cdef class ClientPort:
         self.ncpu = ncpu
         self.notify = notify
         self.abandoned = []
+        self.spares = []
 
     def owners(self):
         """The Pendings with requests in flight on this entry (each once)."""
@@ -1281,6 +1282,54 @@ cdef class ClientPort:
             return 0
         return n
 
+    cdef list _spare_outs(self, Py_ssize_t n):
+        """Output arrays of n rows that a freed Pending left (spares) and
+        nothing references any more, unchanged; else new ones.  Allocating
+        them is a good part of what a submit costs the worker."""
+        cdef Py_ssize_t i, j, d
+        cdef list outs
+        cdef PyObject *x
+        cdef cnp.ndarray arr
+        cdef cnp.npy_intp *dims
+        cdef cnp.npy_intp *want
+        cdef bint ok
+        for i in range(len(self.spares) - 1, -1, -1):
+            outs = <list>PyList_GET_ITEM(self.spares, i)
+            # References: the spares list, and `outs` here.
+            if Py_REFCNT(<PyObject *>outs) != 2 or len(outs) != self.seg.n_out:
+                continue
+            ok = True
+            for j in range(self.seg.n_out):
+                x = PyList_GET_ITEM(outs, j)
+                arr = <cnp.ndarray>x  # one more reference while checked
+                dims = cnp.PyArray_DIMS(arr)
+                want = self.seg._out_dims(j)
+                if Py_REFCNT(x) != 2 or not cnp.PyArray_IS_C_CONTIGUOUS(arr) or \
+                        not cnp.PyArray_ISWRITEABLE(arr) or \
+                        cnp.PyArray_TYPE(arr) != self.seg.out_type[j] or \
+                        cnp.PyArray_NDIM(arr) != self.seg.out_nd[j] + 1 or dims[0] != n:
+                    ok = False
+                else:
+                    for d in range(self.seg.out_nd[j]):
+                        if dims[d + 1] != want[d]:
+                            ok = False
+                if not ok:
+                    break
+            if ok:
+                del self.spares[i]
+                return outs
+        return self._new_outs(n)
+
+    cdef void _keep_spare(self, list outs) noexcept:
+        """A freed Pending's output arrays, for a later submit: the newest
+        few are kept (the caller may still hold the last results)."""
+        try:
+            if len(self.spares) >= 4:
+                del self.spares[0]
+            self.spares.append(outs)
+        except BaseException:  # pragma: no cover - out of memory
+            pass
+
     cdef list _new_outs(self, Py_ssize_t n):
         """Empty output arrays of n rows (self.fast: native dtypes)."""
         cdef cnp.npy_intp dims[33]  # rows, then up to 32
@@ -1472,7 +1521,7 @@ cdef class Pending:
         self._n = n
         # port.fast: every output a native built-in dtype, made in C;
         # otherwise (another byte order, a newer dtype) by NumPy.
-        self._outs = (port._new_outs(n) if port.fast else
+        self._outs = (port._spare_outs(n) if port.fast else
                       [np.empty((n,) + o.shape, o.dtype) for o in lane.outputs])
         if versioned:
             dims[0] = n
@@ -1628,6 +1677,12 @@ cdef class Pending:
         if self.port is not None:
             for i in range(self._m):
                 self._disown(i)
+            # Its arrays may serve a later submit once nobody holds them
+            # (ClientPort._spare_outs checks).  Not those of requests that
+            # may still be written: every posted one fetched or given up.
+            if self.port.fast and self._n and self._outs is not None and \
+                    self.fetched == self._m and self.port.pid == _current_pid:
+                self.port._keep_spare(self._outs)
 
     cdef object _finish(self):
         cdef dict result

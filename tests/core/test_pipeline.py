@@ -341,6 +341,25 @@ def test_submit_with_outputs_of_another_byte_order() -> None:
         assert out["v"].tolist() == [3.0, 6.0]
 
 
+def test_results_held_keep_their_values() -> None:
+    """A freed Pending's arrays serve later submits only once nothing holds
+    them: results kept whole, by one array, or by a view keep their
+    values while hundreds of submissions follow."""
+    with make_ev(slots_per_client=SLOTS) as ev:
+        held: list[tuple[int, Any]] = []
+        for t in range(300):
+            out = ev.submit(states([t, t + 1000])).result()
+            if t % 4 == 0:
+                held.append((t, out))
+            elif t % 4 == 1:
+                held.append((t, {"value": out["value"]}))
+            elif t % 4 == 2:
+                held.append((t, {"value": out["value"][:]}))
+            del out
+        for t, out in held:
+            assert out["value"].tolist() == [-t, -(t + 1000)], t
+
+
 def test_pending_does_not_pickle() -> None:
     """A Pending names slots of its own process: another cannot use it."""
     import pickle
