@@ -95,6 +95,7 @@ cdef class ClientPort:
     cdef list _new_outs(self, Py_ssize_t n)
     cdef list _spare_outs(self, Py_ssize_t n)
     cdef void _keep_spare(self, list outs) noexcept
+    cdef bint _is_output(self, cnp.ndarray arr, Py_ssize_t j, Py_ssize_t rows)
     cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t n, object keys, list outs,
                             object versions, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -2
@@ -128,7 +129,9 @@ cdef class Pending:
     cdef int _setup(self, object lane, ClientPort port, Py_ssize_t n, bint versioned) except -1
     cdef void _armed(self, Py_ssize_t m)
     cdef Py_ssize_t _claim(self) noexcept
+    cdef void _claim_at(self, Py_ssize_t i) noexcept
     cdef void _unclaim(self, Py_ssize_t i) noexcept
+    cdef int _give_up(self, Py_ssize_t i) except -1
     cdef int _record(self, Py_ssize_t i, object r) except -1
     cdef void _disown(self, Py_ssize_t i) noexcept
     cdef object _finish(self)

@@ -1286,39 +1286,39 @@ cdef class ClientPort:
         """Output arrays of n rows that a freed Pending left (spares) and
         nothing references any more, unchanged; else new ones.  Allocating
         them is a good part of what a submit costs the worker."""
-        cdef Py_ssize_t i, j, d
+        cdef Py_ssize_t i, j
         cdef list outs
         cdef PyObject *x
-        cdef cnp.ndarray arr
-        cdef cnp.npy_intp *dims
-        cdef cnp.npy_intp *want
-        cdef bint ok
         for i in range(len(self.spares) - 1, -1, -1):
             outs = <list>PyList_GET_ITEM(self.spares, i)
             # References: the spares list, and `outs` here.
             if Py_REFCNT(<PyObject *>outs) != 2 or len(outs) != self.seg.n_out:
                 continue
-            ok = True
             for j in range(self.seg.n_out):
                 x = PyList_GET_ITEM(outs, j)
-                arr = <cnp.ndarray>x  # one more reference while checked
-                dims = cnp.PyArray_DIMS(arr)
-                want = self.seg._out_dims(j)
-                if Py_REFCNT(x) != 2 or not cnp.PyArray_IS_C_CONTIGUOUS(arr) or \
-                        not cnp.PyArray_ISWRITEABLE(arr) or \
-                        cnp.PyArray_TYPE(arr) != self.seg.out_type[j] or \
-                        cnp.PyArray_NDIM(arr) != self.seg.out_nd[j] + 1 or dims[0] != n:
-                    ok = False
-                else:
-                    for d in range(self.seg.out_nd[j]):
-                        if dims[d + 1] != want[d]:
-                            ok = False
-                if not ok:
+                # One reference from the list: nobody else.
+                if Py_REFCNT(x) != 1 or not self._is_output(<cnp.ndarray>x, j, n):
                     break
-            if ok:
+            else:
                 del self.spares[i]
                 return outs
         return self._new_outs(n)
+
+    cdef bint _is_output(self, cnp.ndarray arr, Py_ssize_t j, Py_ssize_t rows):
+        """arr is still what output j was made as: C-contiguous, writeable,
+        of its type and shape, with a first axis of rows (rows < 0: none)."""
+        cdef Py_ssize_t d, lead = 0 if rows < 0 else 1
+        cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(arr)
+        cdef cnp.npy_intp *want = self.seg._out_dims(j)
+        if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or not cnp.PyArray_ISWRITEABLE(arr) or \
+                cnp.PyArray_TYPE(arr) != self.seg.out_type[j] or \
+                cnp.PyArray_NDIM(arr) != self.seg.out_nd[j] + lead or \
+                (lead and dims[0] != rows):
+            return False
+        for d in range(self.seg.out_nd[j]):
+            if dims[d + lead] != want[d]:
+                return False
+        return True
 
     cdef void _keep_spare(self, list outs) noexcept:
         """A freed Pending's output arrays, for a later submit: the newest
@@ -1414,7 +1414,7 @@ cdef class ClientPort:
         ``_evaluate_many``, and this entry's pipeline lane made): posts the
         rows the cache does not answer and returns their Pending; None,
         with nothing posted, when the fast path does not apply."""
-        cdef Py_ssize_t n, m
+        cdef Py_ssize_t n, m, i
         cdef Pending p
         cdef Py_ssize_t rows[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint64_t k1s[SHM_MAX_SLOTS_PER_CLIENT]
@@ -1430,8 +1430,8 @@ cdef class ClientPort:
         if m < 0 or (m and not self._post(<cnp.ndarray>states, m, rows, k1s, k2s, p.ks,
                                           p.gens)):
             return None
-        for n in range(m):
-            p.rows[n] = <int32_t>rows[n]
+        for i in range(m):
+            p.rows[i] = <int32_t>rows[i]
         p._armed(m)
         return p
 
@@ -1445,11 +1445,8 @@ cdef class ClientPort:
         shows in the reference counts and makes this allocate afresh.  Two
         results are cached, the last and the one before, because a loop
         `out = ev.evaluate(s)` still holds the last one during the call."""
-        cdef Py_ssize_t j, i
+        cdef Py_ssize_t j
         cdef PyObject *x
-        cdef cnp.ndarray arr
-        cdef cnp.npy_intp *dims
-        cdef cnp.npy_intp *want
         # Borrowed pointers: a Python-level reference here would itself
         # show in the counts.
         cdef PyObject *cached = <PyObject *>(self.prev if older else self.last)
@@ -1462,17 +1459,9 @@ cdef class ClientPort:
             # One reference from the cached list, one from the dict: nobody else.
             if Py_REFCNT(x) != 2 or PyDict_GetItem(<object>cached, self.seg.out_names[j]) != x:
                 return False
-            arr = <cnp.ndarray>x
             # Unchanged in place too (a caller may set .shape or resize).
-            if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or \
-                    cnp.PyArray_TYPE(arr) != self.seg.out_type[j] or \
-                    cnp.PyArray_NDIM(arr) != self.seg.out_nd[j]:
+            if not self._is_output(<cnp.ndarray>x, j, -1):
                 return False
-            dims = cnp.PyArray_DIMS(arr)
-            want = self.seg._out_dims(j)
-            for i in range(self.seg.out_nd[j]):
-                if dims[i] != want[i]:
-                    return False
         return True
 
 
@@ -1536,7 +1525,6 @@ cdef class Pending:
         self._m = self.unclaimed = m
         for i in range(m):
             self.state[i] = REQ_LEFT
-        for i in range(m):
             self.port.owner[self.ks[i]] = <PyObject *>self
 
     def _arm(self, list rows, list slots, list gens):
@@ -1619,8 +1607,7 @@ cdef class Pending:
                 if r != SHM_STALE:
                     self._unclaim(i)  # still in flight
                 else:  # not ours any more
-                    self._disown(i)
-                    self._lane.client._give_back(port, [], [(k, gen)])
+                    self._give_up(i)
                 try:
                     self._lane.check(r, k, gen, self._outs, self.rows[i])
                 except ShmevalError as e:
@@ -1643,10 +1630,13 @@ cdef class Pending:
         if self.unclaimed:
             for i in range(self._m):
                 if self.state[i] == REQ_LEFT:
-                    self.state[i] = REQ_CLAIMED
-                    self.unclaimed -= 1
+                    self._claim_at(i)
                     return i
         return -1
+
+    cdef void _claim_at(self, Py_ssize_t i) noexcept:
+        self.state[i] = REQ_CLAIMED
+        self.unclaimed -= 1
 
     cdef void _unclaim(self, Py_ssize_t i) noexcept:
         self.state[i] = REQ_LEFT
@@ -1666,6 +1656,13 @@ cdef class Pending:
         self._disown(i)
         return 0
 
+    cdef int _give_up(self, Py_ssize_t i) except -1:
+        """Request i, claimed, was reclaimed: not ours to fetch; its slot
+        goes to the abandoned list (Client._give_back)."""
+        self._disown(i)
+        self._lane.client._give_back(self.port, [], [(self.ks[i], self.gens[i])])
+        return 0
+
     cdef void _disown(self, Py_ssize_t i) noexcept:
         """Request i is no longer this Pending's to fetch (fetched, or given
         up): its slot's owner is cleared."""
@@ -1678,8 +1675,8 @@ cdef class Pending:
             for i in range(self._m):
                 self._disown(i)
             # Its arrays may serve a later submit once nobody holds them
-            # (ClientPort._spare_outs checks).  Not those of requests that
-            # may still be written: every posted one fetched or given up.
+            # (ClientPort._spare_outs checks); a failed Pending's are left
+            # to the allocator.
             if self.port.fast and self._n and self._outs is not None and \
                     self.fetched == self._m and self.port.pid == _current_pid:
                 self.port._keep_spare(self._outs)
@@ -1720,8 +1717,7 @@ cdef class Pending:
             st = w & SLOT_STATE_MASK
             if w >> SLOT_GEN_SHIFT == gen and st != SLOT_DONE and st != SLOT_FAILED:
                 continue  # not answered yet
-            self.state[i] = REQ_CLAIMED
-            self.unclaimed -= 1
+            self._claim_at(i)
             try:
                 r = (self.seg._fetch(port.c, k, gen, self._outs, self.rows[i], True)
                      if w >> SLOT_GEN_SHIFT == gen else SHM_STALE)
@@ -1729,8 +1725,7 @@ cdef class Pending:
                 self._unclaim(i)
                 raise
             if type(r) is int and <int>r < 0:  # reclaimed: the slot is not ours any more
-                self._disown(i)
-                self._lane.client._give_back(port, [], [(k, gen)])
+                self._give_up(i)
                 try:
                     self._lane.check(SHM_STALE, k, gen, self._outs, self.rows[i])
                 except ShmevalError as e:

@@ -95,8 +95,8 @@ class NoFreeSlots(ShmevalError):
 class _Lane:
     """The pipelined state of one client entry in one process: the
     asyncio waiter thread once there is one, and what the Pendings of
-    this entry ask when something is unusual.  A new registration (after ``close()``, or in a forked
-    child) gets a new lane."""
+    this entry ask when something is unusual.  A new registration (after
+    ``close()``, or in a forked child) gets a new lane."""
 
     def __init__(self, client: "Client", port: "_ring.ClientPort") -> None:
         seg = client._seg
@@ -110,7 +110,6 @@ class _Lane:
         spec = client.spec
         self.slots = spec.slots_per_client
         self.outputs = spec.outputs
-        self.names = spec.output_names
         self.waiter: Optional[_AsyncWaiter] = None
         self.waiter_lock = threading.Lock()
 
