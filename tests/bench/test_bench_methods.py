@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from shmeval.bench import METHODS, STATES
-from shmeval.bench._timing import timed_calls
+from shmeval.bench._timing import timed_calls, timed_pipelined
 from shmeval.bench.baselines import LocksemMethod, QueueMethod
 from shmeval.bench.roundtrip import NullModel, ShmevalMethod, TrialConfig, run_trial
 
@@ -225,6 +225,47 @@ def test_timed_calls_counts_times_and_holds_results() -> None:
     assert (lat >= 200_000).all() and (lat < 200_000_000).all()
     # As in `out = fn(arg)`: each result lives until the next call returns.
     assert fn.previous_alive and all(fn.previous_alive)
+
+
+class FakePending:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def result(self) -> int:
+        return self.n
+
+
+def test_timed_pipelined_collects_the_oldest_and_keeps_the_depth() -> None:
+    import collections
+    import time
+
+    submitted = []
+
+    def submit(states: str) -> FakePending:
+        assert states == "s"
+        submitted.append(FakePending(len(submitted)))
+        return submitted[-1]
+
+    pendings = collections.deque(submit("s") for _ in range(3))
+    lat = np.zeros(4, np.int64)
+    count, out = timed_pipelined(submit, "s", pendings, time.perf_counter_ns() + 50_000_000, lat)
+    calls = len(submitted) - 3  # one submit per collect
+    assert count == calls - 1 and count > len(lat) and (lat > 0).all()
+    # Collected in submission order: the last result is the oldest of the
+    # three in flight before the last call, and three are still in flight,
+    # oldest first.
+    assert out == calls - 1
+    assert [p.n for p in pendings] == [calls, calls + 1, calls + 2]
+    with pytest.raises(ValueError, match="at least one"):
+        timed_pipelined(submit, "s", [], time.perf_counter_ns(), lat)
+
+    def failing(states: str) -> None:
+        raise KeyError(states)
+
+    pendings = collections.deque([FakePending(0), FakePending(1)])
+    with pytest.raises(KeyError):
+        timed_pipelined(failing, "s", pendings, time.perf_counter_ns() + 10**9, lat)
+    assert len(pendings) == 2  # nothing lost from the deque
 
 
 def test_timed_calls_passes_on_errors_and_signals() -> None:

@@ -88,3 +88,47 @@ def timed_calls(object fn, object arg, int64_t t_end, cnp.ndarray lat not None):
         before = after
         PyErr_CheckSignals()  # raises what a signal handler raised
     return count, result
+
+
+def timed_pipelined(object submit, object states, object pendings, int64_t t_end,
+                    cnp.ndarray lat not None):
+    """``timed_calls`` for a client that keeps submissions in flight:
+    ``pendings`` holds them, oldest first (a deque or a list, at least
+    one).  Each call collects the oldest (its ``result()``) and submits
+    ``states`` once more (``submit(states)``), so as many stay in flight;
+    lat gets the ns between two answers.  Returns ``(calls, last
+    result)``; ``pendings`` holds the submissions still in flight, oldest
+    first, when it returns or raises.  The loop is C for the reason
+    ``timed_calls`` is: the window measures the submit and the collect, as
+    it measures the blocking call, not the interpreter around them."""
+    cdef int64_t before, after
+    cdef int64_t *out
+    cdef Py_ssize_t count = 0, cap, i = 0, depth
+    cdef object result = None
+    cdef list ring = list(pendings)
+    depth = len(ring)
+    if depth < 1:
+        raise ValueError("pendings must hold at least one submission")
+    _check_lat(lat)
+    out = <int64_t *>cnp.PyArray_DATA(lat)
+    cap = cnp.PyArray_SIZE(lat)
+    pendings.clear()
+    try:
+        before = <int64_t>shm_now_ns()
+        while True:
+            result = ring[i].result()
+            ring[i] = submit(states)
+            i += 1
+            if i == depth:
+                i = 0
+            after = <int64_t>shm_now_ns()
+            if after > t_end:
+                break
+            if count < cap:
+                out[count] = after - before
+            count += 1
+            before = after
+            PyErr_CheckSignals()
+    finally:
+        pendings.extend(ring[i:] + ring[:i])
+    return count, result

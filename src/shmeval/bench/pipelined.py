@@ -6,18 +6,21 @@ already being computed or waiting, and it rarely sleeps.
 The harness times one call per answer, so a "round trip" here is the time
 between two answers of one worker (a request's own latency is about
 ``depth`` of them); the throughput is answers per second, as for every
-other method.  ``depth`` 1 is the blocking round trip split into a submit
-and a collect: the cost of the pipelined path's Python against the C fast
-path of ``evaluate``.
+other method.  The timed loop is C (``timed_pipelined``), as the blocking
+methods' is (``timed_calls``): each answer costs the ``result()`` of the
+oldest submission and one ``submit``, and no interpreter around them.
+``depth`` 1 is the blocking round trip split into a submit and a collect:
+the cost of a Pending per call against ``evaluate``'s fast path.
 """
 from __future__ import annotations
 
 from collections import deque
 from multiprocessing.context import SpawnContext
-from typing import Any, Deque, Dict, Optional
+from typing import Any, Deque, Dict, Optional, Tuple
 
 import numpy as np
 
+from ._timing import timed_pipelined
 from .roundtrip import Client, ModelFactory, NullModel, ShmevalMethod, StateSpec
 
 
@@ -50,6 +53,14 @@ class PipelinedClient:
         out: Dict[str, np.ndarray] = q.popleft().result()
         q.append(self.evaluator.submit(self.states))
         return out
+
+    def timed_loop(self, state: np.ndarray, t_end: int, lat: np.ndarray) -> Tuple[int, Any]:
+        """The harness's timed loop (``--loop c``): ``evaluate(state)``
+        until t_end, in C (``timed_pipelined``), as the blocking methods'
+        ``evaluate`` is called from C (``timed_calls``)."""
+        self.evaluate(state)  # the queue and the one-row batch, off the clock
+        assert self.queue is not None
+        return timed_pipelined(self.evaluator.submit, self.states, self.queue, t_end, lat)
 
 
 class PipelinedMethod(ShmevalMethod):
