@@ -59,9 +59,21 @@ cdef class Segment:
                          list dst, Py_ssize_t row)
 
 
+cdef class SpinArms:
+    """A client's spin budget with spin_us "auto": a short and a long arm."""
+    cdef readonly uint64_t short_ns
+    cdef readonly uint64_t long_ns     # 0: one fixed budget (short_ns)
+    cdef double mean_ns[2]             # a wait's ns under each arm, smoothed
+    cdef uint32_t waits
+    cdef int arm                       # the arm of the wait in progress
+    cdef uint64_t pick(self) noexcept
+    cdef void saw(self, uint64_t ns) noexcept
+
+
 cdef class ClientPort:
     """The hot path of Client.evaluate for one process."""
     cdef Segment seg
+    cdef SpinArms arms
     cdef readonly uint32_t c
     cdef readonly list free
     cdef public int waiters
@@ -101,6 +113,7 @@ cdef class ClientPort:
                             uint64_t *k2s) except -2
     cdef bint _post(self, cnp.ndarray a, Py_ssize_t m, Py_ssize_t *rows, uint64_t *k1s,
                     uint64_t *k2s, uint32_t *ks, uint32_t *gens) except -1
+    cdef int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns)
     cdef object _submit(self, object states, bint versioned, object keys)
     cdef bint _unreferenced(self, int older)
 

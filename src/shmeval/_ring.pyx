@@ -1027,6 +1027,75 @@ cdef inline int _publish_and_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t g
     return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, t)
 
 
+# SpinArms: every SPIN_EXPLORE-th wait tries the arm that is behind, and each
+# arm's mean moves by 1/SPIN_SMOOTH of the way to each wait it had.
+DEF SPIN_EXPLORE = 16
+DEF SPIN_SMOOTH = 8.0
+
+
+cdef class SpinArms:
+    """How long a client spins before it sleeps, chosen by what its own
+    waits measure (``spin_us="auto"``).
+
+    Two budgets (arms): ``short_ns``, the measured cost of a sleep and a
+    wake-up, which spinning can never make more than twice as costly as
+    the better choice made in hindsight; and ``long_ns``, several of them,
+    which catches an answer that comes a little later than that (a fast
+    model, a short batch) without the sleep, the evaluator's wake-up call
+    and the wake-up's latency.  Which pays depends on the model, the load
+    and the machine, so the client measures it: each wait's ns (from the
+    post to the answer) goes to its arm's running mean, the arm with the
+    shorter mean serves the waits, and every SPIN_EXPLORE-th wait tries the
+    other one, so that a change of load is followed.  A spin that costs
+    another process its CPU shows as longer waits and loses.  ``long_ns``
+    0: one fixed budget (``spin_us`` set by the caller)."""
+
+    def __cinit__(self, uint64_t short_ns, uint64_t long_ns=0):
+        self.short_ns = short_ns
+        self.long_ns = long_ns if long_ns > short_ns else 0
+
+    cdef uint64_t pick(self) noexcept:
+        """The budget of the next wait (before the spin policy)."""
+        cdef int arm
+        if self.long_ns == 0:
+            return self.short_ns
+        self.waits += 1
+        # Unmeasured arms first (a mean of 0), then the shorter mean.
+        arm = 1 if self.mean_ns[1] < self.mean_ns[0] else 0
+        if self.waits % SPIN_EXPLORE == 0:
+            arm = 1 - arm
+        self.arm = arm
+        return self.long_ns if arm else self.short_ns
+
+    cdef void saw(self, uint64_t ns) noexcept:
+        """The wait that pick() budgeted took ns.  Counted up to twice the
+        long arm: a longer wait slept under either arm, and one preempted
+        wait must not outweigh the many the arms differ on."""
+        cdef double *m
+        if self.long_ns == 0:
+            return
+        ns = min(ns, 2 * self.long_ns)
+        m = &self.mean_ns[self.arm]
+        m[0] = <double>ns if m[0] == 0 else m[0] + (<double>ns - m[0]) / SPIN_SMOOTH
+
+    def next_budget(self):
+        """pick(), for tests."""
+        return self.pick()
+
+    def record(self, uint64_t ns):
+        """saw(ns), for tests."""
+        self.saw(ns)
+
+    def report(self):
+        """The arms and each one's mean wait in µs (None: not measured yet)."""
+        return {"short_us": self.short_ns / 1e3, "long_us": self.long_ns / 1e3,
+                "short_wait_us": self.mean_ns[0] / 1e3 if self.mean_ns[0] else None,
+                "long_wait_us": self.mean_ns[1] / 1e3 if self.mean_ns[1] else None,
+                "arm": ("fixed" if self.long_ns == 0 else
+                        "measuring" if not (self.mean_ns[0] and self.mean_ns[1]) else
+                        "long" if self.mean_ns[1] < self.mean_ns[0] else "short")}
+
+
 cdef class ClientPort:
     """The hot path of ``Client.evaluate`` for one process: checks, slot
     allocation, copy in, publish, wait, copy out and the result dict in one
@@ -1040,9 +1109,11 @@ cdef class ClientPort:
     """
 
     def __cinit__(self, Segment seg, uint32_t c, list free, object in_dtype, tuple in_shape,
-                  uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu, object notify):
+                  uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu, object notify,
+                  uint64_t spin_long_ns=0):
         cdef int i
         self.seg = seg
+        self.arms = SpinArms(spin_ns, spin_long_ns)
         self.c = c
         self.pid = _current_pid
         self.free = free
@@ -1094,7 +1165,7 @@ cdef class ClientPort:
         cdef cnp.ndarray a
         cdef uint32_t k, j, gen
         cdef int rc, i
-        cdef uint64_t spin, k1 = 0, k2 = 0, cached_version = 0
+        cdef uint64_t spin, t0, k1 = 0, k2 = 0, cached_version = 0
         cdef shm_ticker *t
         cdef list outs
         cdef dict result
@@ -1149,8 +1220,9 @@ cdef class ClientPort:
                 self.seg.ck2[k] = k2
             shm_copy(shm_slot_in(&self.seg.seg, self.c, k),
                      <const char *>cnp.PyArray_DATA(a), self.seg.seg.p.in_bytes)
-            spin = self.seg._spin(self.spin_ns, self.ncpu)
+            spin = self.seg._spin(self.arms.pick(), self.ncpu)
             t = self.seg._ticker_for(self.c, self.timeout_ns)
+            t0 = shm_now_ns() if spin else 0
             if shm_only_python_thread():
                 # The process's only Python thread: no one else wants the GIL,
                 # and releasing and taking it back was about 5% of a worker's
@@ -1163,6 +1235,8 @@ cdef class ClientPort:
                                            self.timeout_ns, t)
             if rc < 0:
                 return (rc, k, gen, outs)
+            if t0:  # spinning was allowed: the wait is the arm's to judge
+                self.arms.saw(shm_now_ns() - t0)
             r = self.seg._fetch(self.c, k, gen, outs, 0, True)
             if type(r) is int and r < 0:  # the slot was reclaimed: not ours any more
                 return (r, k, gen, outs)
@@ -1228,7 +1302,7 @@ cdef class ClientPort:
         try:
             while i < m:
                 k = ks[i]
-                rc = self.seg._wait(self.c, k, gens[i], self.spin_ns, self.timeout_ns, self.ncpu)
+                rc = self._wait_one(k, gens[i], self.timeout_ns)
                 if rc < 0:
                     return (rc, [rows[d] for d in range(i, m)],
                             [(ks[d], gens[d]) for d in range(i, m)], outs, versions, None,
@@ -1408,6 +1482,22 @@ cdef class ClientPort:
             shm_slot_publish(&self.seg.seg, self.c, ks[i])
         shm_notify_evaluator(&self.seg.seg, <uint32_t>m)
         return True
+
+    cdef int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns):
+        """Segment._wait for slot k of this entry with the spin budget of
+        the arms (SpinArms), which get the wait's ns when it ends answered
+        and spinning was allowed."""
+        cdef uint64_t budget = self.arms.pick()
+        cdef uint64_t t0 = shm_now_ns() if self.seg._spin(budget, self.ncpu) else 0
+        cdef int rc = self.seg._wait(self.c, k, gen, budget, timeout_ns, self.ncpu)
+        if t0 and rc >= 0:
+            self.arms.saw(shm_now_ns() - t0)
+        return rc
+
+    @property
+    def spin(self):
+        """The spin arms' report (SpinArms.report)."""
+        return self.arms.report()
 
     cdef object _submit(self, object states, bint versioned, object keys):
         """The common case of ``Client.submit`` (the batch as for
@@ -1597,7 +1687,7 @@ cdef class Pending:
                 wait_ns = <uint64_t>max(0.0, min(<double>wait_ns,
                                                  (deadline - _monotonic()) * 1e9))
             try:
-                rc = self.seg._wait(port.c, k, gen, port.spin_ns, wait_ns, port.ncpu)
+                rc = port._wait_one(k, gen, wait_ns)
                 r = rc if rc < 0 else self.seg._fetch(port.c, k, gen, self._outs,
                                                       self.rows[i], True)
             except BaseException:

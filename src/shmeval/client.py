@@ -20,7 +20,7 @@ from . import _ring, pipeline, segment
 from .errors import EvaluatorClosed, EvaluatorDied, ModelError, ShmevalError
 from .spec import Spec
 from .stats import summarize
-from .tuning import AUTO, check_auto, read_report, wake_cost_ns
+from .tuning import AUTO, SPIN_LONG_WAKES, check_auto, read_report, wake_cost_ns
 
 Outputs = Dict[str, np.ndarray]
 
@@ -59,7 +59,8 @@ class Client(_ring.ClientBase):
                  _segment: Optional["_ring.Segment"] = None) -> None:
         self._address = address
         self._spec = spec
-        # "auto" (None): the measured cost of a sleep and a wake-up here.
+        # "auto" (None): two budgets measured against each other by the
+        # waits themselves (_ring.SpinArms).
         self._spin_us: Union[float, str] = (
             AUTO if spin_us is None else check_auto("spin_us", spin_us, check_spin_us))
         self._seg: Optional[_ring.Segment] = _segment
@@ -93,8 +94,14 @@ class Client(_ring.ClientBase):
         return f"<{type(self).__name__} {self._address}>"
 
     def _spin_ns(self) -> int:
-        """The spin budget in ns (``spin_us``; "auto": wake_cost_ns)."""
+        """The spin budget in ns (``spin_us``; "auto": wake_cost_ns, the
+        short arm of _ring.SpinArms)."""
         return wake_cost_ns() if self._spin_us == AUTO else int(float(self._spin_us) * 1000)
+
+    def _spin_long_ns(self) -> int:
+        """The long arm of _ring.SpinArms with ``spin_us="auto"``
+        (SPIN_LONG_WAKES wake-ups); 0 with a fixed budget."""
+        return SPIN_LONG_WAKES * wake_cost_ns() if self._spin_us == AUTO else 0
 
     # ------------------------------------------------------------ attach
     def _attach(self) -> "_ring.Segment":
@@ -127,7 +134,7 @@ class Client(_ring.ClientBase):
             self._port = _ring.ClientPort(
                 seg, c, list(range(spec.slots_per_client)), spec.input_dtype,
                 spec.input_shape, self._spin_ns(), WAIT_TIMEOUT_NS, self._ncpu,
-                self._notify_waiters)
+                self._notify_waiters, self._spin_long_ns())
             # Waits then sleep without a timer; the ticker wakes them every
             # WAIT_TIMEOUT_NS to check on the evaluator (docs/protocol.md,
             # Waiting).  Without it (no thread to be had) they use timers.
@@ -300,7 +307,10 @@ class Client(_ring.ClientBase):
         entry is not counted, even before the evaluator reclaims it.
         ``tuner``, while any setting is ``"auto"``: what the tuner chose and
         why (the first replica's; with several, each replica's in its
-        ``replicas`` entry)."""
+        ``replicas`` entry).  ``client_spin``, once this process has
+        evaluated through this handle: its spin budgets (``spin_us="auto"``:
+        the short and the long arm, each one's mean wait and the arm that
+        serves; see ``_ring.SpinArms``)."""
         seg = self._attach()
         raw = seg.raw_stats()
         raw["clients"] = live_clients(seg)
@@ -316,6 +326,9 @@ class Client(_ring.ClientBase):
             for entry, report in zip(st["replicas"], reports):
                 if report is not None:
                     entry["tuner"] = report
+        port = self._port
+        if port is not None and self._pid == os.getpid():
+            st["client_spin"] = port.spin
         return st
 
     def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,

@@ -33,11 +33,20 @@ What it decides, and from what:
   a spin that yields between looks when they are one more, sleep beyond
   that.  Its budget is the measured cost of putting a thread to sleep and
   waking it (:func:`wake_cost_ns`): spinning for as long as blocking would
-  cost is never worse than twice the better choice made in hindsight.  The
-  ``_ring`` layer applies its own rule (attached clients against CPUs) on
-  top, so the tuner can only make the evaluator spin less.
+  cost is never worse than twice the better choice made in hindsight.  A
+  longer budget, ``SPIN_LONG_WAKES`` wake-ups (yielding where the rule
+  would sleep), is then tried against that one (*trials*, below): the
+  runnable tasks count processes that spin as well as those that work, and
+  the true cost of a sleep includes the waker's system call and the
+  wake-up's latency, which the measured cost leaves out; it is kept only if
+  it serves more.  The ``_ring`` layer applies its own rule (attached
+  clients against CPUs) on top, so the tuner can only make the evaluator
+  spin less, and it tries the long budget only where that rule lets the
+  evaluator spin at all.  Each client chooses its own budget the same way,
+  from its own waits (``_ring.SpinArms``).
 
-**Trials.**  A candidate setting (a second call in flight; waiting) is
+**Trials.**  A candidate setting (a second call in flight; waiting; the
+long spin) is
 compared with the simpler one in force in adjacent pairs of windows (one
 housekeeping period each), alternating, and adopted only if it served more
 requests in every pair of three, or in five of six when the first three
@@ -48,9 +57,9 @@ the net slower, workers joining or leaving, another program taking the
 CPUs the model computes on), when the trials run again.  The requests served
 are no such sign: they move with every disturbance of a shared machine,
 and trials started by them cost more than they found.  Nothing else moves
-the wait or the calls in flight, so they do not oscillate; the spin mode
-moves with the runnable tasks, smoothed and with a margin of half a task on
-each side of a boundary.
+the wait, the calls in flight or the spin budget, so they do not
+oscillate; the spin mode moves with the runnable tasks, smoothed and with a
+margin of half a task on each side of a boundary.
 
 The report (:meth:`Tuner.report`) is published in the segment, in the
 replica's entry (:class:`Board`): any process that reads the segment sees
@@ -97,6 +106,11 @@ CHANGE_RATIO = 1.25
 #: one, and for a passing disturbance to pass; short enough that a change
 #: is acted on within the few seconds the issue allows.
 HORIZON_NS = 1_000_000_000
+#: The long spin tried against the short one (one wake-up's cost), in
+#: wake-ups, by the clients (``_ring.SpinArms``) and the evaluator (a
+#: trial): a wait of this many wake-ups would lose about a sixteenth to a
+#: sleep, so a longer spin has little left to win.
+SPIN_LONG_WAKES = 16
 #: Spin modes (the ``_ring`` flag of a yielding spin is ``SPIN_YIELD``).
 SLEEP, YIELD, SPIN = "sleep", "yield", "spin"
 
@@ -346,6 +360,10 @@ class Tuner:
                                  overrides.spin_ns if overrides.spin_ns is not None else 0,
                                  overrides.threads or 1)
         self.spin_mode = SLEEP
+        #: The spin trial's verdict: None (none yet: the rule's budget),
+        #: True (the long budget won), False (it lost).
+        self.spin_long: Optional[bool] = None
+        self.why_spin = "measuring"
         self.runnable: Optional[float] = None
         self.cost: Optional[Cost] = None
         self.rate = 0.0           # requests/s, smoothed
@@ -424,8 +442,19 @@ class Tuner:
                   SLEEP: (cpus + 1, math.inf)}[self.spin_mode]
         if first or not lo - 0.5 < level <= hi + 0.5:
             self.spin_mode = spin_mode(level, cpus)
-        spin = {SLEEP: 0, YIELD: self.wake_ns | self.spin_yield, SPIN: self.wake_ns}[self.spin_mode]
-        self.decision = replace(self.decision, spin_ns=spin)
+        if self.trial is not None and self.trial.knob == "spin":
+            return  # the trial sets the budget
+        self.decision = replace(self.decision, spin_ns=self._spin_budget(bool(self.spin_long)))
+
+    def _spin_budget(self, long: bool) -> int:
+        """The evaluator's spin budget in the rule's mode: one wake-up's
+        cost, or with ``long`` SPIN_LONG_WAKES of them (then yielding
+        where the rule would sleep: a yielding spin gives the CPU to any
+        task that wants it, and the trial measured that it pays)."""
+        if long:
+            flag = 0 if self.spin_mode == SPIN else self.spin_yield
+            return self.wake_ns * SPIN_LONG_WAKES | flag
+        return {SLEEP: 0, YIELD: self.wake_ns | self.spin_yield, SPIN: self.wake_ns}[self.spin_mode]
 
     # -- trials -----------------------------------------------------------------
 
@@ -450,8 +479,12 @@ class Tuner:
     def _start_trials(self) -> None:
         """From the simplest settings: one call in flight, greedy."""
         self._changed_at = None
+        if self.overrides.spin_ns is None:
+            self.spin_long = None
         base = replace(self.decision, threads=self.overrides.threads or 1,
-                       max_wait_ns=self.overrides.max_wait_ns or 0, batch_cap=self.max_batch)
+                       max_wait_ns=self.overrides.max_wait_ns or 0, batch_cap=self.max_batch,
+                       spin_ns=self._spin_budget(False) if self.overrides.spin_ns is None
+                       else self.decision.spin_ns)
         self.decision = base
         self.phase = "trials"
         if self.overrides.threads is None and self.max_threads > 1:
@@ -463,7 +496,8 @@ class Tuner:
 
     def _begin(self, knob: str, base: Decision, candidate: Decision) -> None:
         self.trial = Trial(knob, base, candidate, self.clients)
-        self.decision = replace(candidate, spin_ns=self.decision.spin_ns)
+        self.decision = (candidate if knob == "spin" else
+                         replace(candidate, spin_ns=self.decision.spin_ns))
 
     def _trial_window(self, rate: float) -> None:
         t = self.trial
@@ -472,14 +506,20 @@ class Tuner:
         decided = t.verdict() if len(t.rates) % 2 == 0 else None
         if decided is None:
             nxt = t.candidate if t.next_is_candidate() else t.base
-            self.decision = replace(nxt, spin_ns=self.decision.spin_ns)
+            self.decision = nxt if t.knob == "spin" else replace(nxt, spin_ns=self.decision.spin_ns)
             return
         self.trial = None
         won = decided
         keep = t.candidate if won else t.base
-        self.decision = replace(keep, spin_ns=self.decision.spin_ns)
+        self.decision = keep if t.knob == "spin" else replace(keep, spin_ns=self.decision.spin_ns)
         self.rate = t.mean(won)   # what the setting kept serves
         verdict = f"{t.gain():+.0%}, ahead in {t.wins()} of {t.pairs()} window pairs"
+        if t.knob == "spin":
+            self.spin_long = won
+            self.why_spin = (f"{'long' if won else 'short'}: a spin of {SPIN_LONG_WAKES} "
+                             f"wake-ups served {verdict} against one wake-up's")
+            self._settle()
+            return
         if t.knob == "threads":
             self.why_threads = (f"{keep.threads}: {t.candidate.threads} calls in flight served "
                                 f"{verdict} against {t.base.threads}")
@@ -490,7 +530,25 @@ class Tuner:
             return
         self.why_wait = (f"waiting: it served {verdict} against greedy" if won else
                          f"greedy: waiting served {verdict} against greedy")
-        self._settle()
+        self._try_spinning()
+
+    def _try_spinning(self) -> None:
+        """The long spin budget against the rule's (one wake-up's cost, or
+        none): tried where ``_ring``'s own rule lets the evaluator spin at
+        all (the attached clients at most one more than the CPUs)."""
+        if self.overrides.spin_ns is not None:
+            self.why_spin = "evaluator_spin_us set by the caller"
+            self._settle()
+            return
+        if self.clients > max(1, self.cpus):
+            self.why_spin = (f"{self.spin_mode}: {self.clients} clients on {self.cpus} CPUs "
+                             "(the evaluator does not spin)")
+            self.spin_long = False
+            self._settle()
+            return
+        d = self.decision
+        self._begin("spin", replace(d, spin_ns=self._spin_budget(False)),
+                    replace(d, spin_ns=self._spin_budget(True)))
 
     def _try_waiting(self) -> None:
         """Waiting is tried where it can pay (the module's docstring): the
@@ -498,7 +556,7 @@ class Tuner:
         and the population is larger than those batches."""
         if self.overrides.max_wait_ns is not None:
             self.why_wait = "max_wait_us set by the caller"
-            self._settle()
+            self._try_spinning()
             return
         assert self.cost is not None
         d = self.decision
@@ -510,7 +568,7 @@ class Tuner:
                 f"greedy: one fixed cost ({fixed / 1e3:.0f} µs) gathers {gathered:.1f} rows, "
                 f"the smaller batches hold {self.small_batch:.0f}" if gathered <= self.small_batch
                 else f"greedy: the batches hold every request ({self.population})")
-            self._settle()
+            self._try_spinning()
             return
         cap = max(1, math.ceil(self.population / d.threads))
         self._begin("wait", d, replace(d, max_wait_ns=max(1, int(fixed)), batch_cap=cap))
@@ -545,6 +603,7 @@ class Tuner:
             "clients": self.clients,
             "why_wait": self.why_wait,
             "why_threads": self.why_threads,
+            "why_spin": self.why_spin,
         }
 
 

@@ -377,6 +377,150 @@ def test_spin_mode_follows_the_cpus() -> None:
     assert t.spin_mode == SLEEP
 
 
+LONG = WAKE * tuning.SPIN_LONG_WAKES
+
+
+def long_spin_pays(d: Decision) -> float:
+    return 20_000.0 if d.spin_ns & ~YIELD_FLAG == LONG else 10_000.0
+
+
+def long_spin_costs(d: Decision) -> float:
+    return 8_000.0 if d.spin_ns & ~YIELD_FLAG == LONG else 10_000.0
+
+
+def spin_trial_seen(feed: Feed, rate: Callable[[Decision], float], ticks: int = 40) -> bool:
+    seen = False
+    for _ in range(ticks):
+        feed.tick(rate, [1] * 40, FIXED, PER_ROW)
+        t = feed.tuner
+        seen = seen or (t.trial is not None and t.trial.knob == "spin")
+    return seen
+
+
+@pytest.mark.parametrize("runnable, flag", [(1.0, 0), (3.0, YIELD_FLAG), (4.0, YIELD_FLAG)])
+def test_long_spin_is_tried_and_kept_when_it_wins(runnable: float, flag: int) -> None:
+    """After the other trials, the evaluator's long spin is tried against
+    the rule's budget and kept if it serves more; where the rule would
+    yield or sleep, the long spin yields between looks."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=2, cpus=2, runnable=runnable)
+    assert spin_trial_seen(feed, long_spin_pays)
+    assert t.phase == "settled" and t.spin_long is True
+    assert t.decision.spin_ns == LONG | flag
+    assert t.report()["why_spin"].startswith("long:")
+    # Held while the load holds, whatever the runnable tasks do.
+    feed.runnable = 1.0
+    seen = feed.run(10, long_spin_pays, [1] * 40, FIXED, PER_ROW)
+    assert all(d.spin_ns & ~YIELD_FLAG == LONG for d in seen)
+
+
+def test_long_spin_is_dropped_when_it_loses() -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=1, cpus=2, runnable=1.0)
+    assert spin_trial_seen(feed, long_spin_costs)
+    assert t.spin_long is False and t.decision.spin_ns == WAKE
+    assert t.report()["why_spin"].startswith("short:")
+
+
+def test_no_spin_trial_when_clients_outnumber_the_cpus() -> None:
+    """``_ring``'s rule keeps such an evaluator from spinning at all: a trial
+    would compare two equal settings."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=16, cpus=2, runnable=1.0)
+    assert not spin_trial_seen(feed, long_spin_pays)
+    assert t.spin_long is False and t.decision.spin_ns == WAKE
+    assert "16 clients on 2 CPUs" in t.report()["why_spin"]
+
+
+def test_a_load_change_tries_the_spin_again() -> None:
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=2, cpus=2, runnable=1.0)
+    assert spin_trial_seen(feed, long_spin_pays)
+    assert t.spin_long is True
+    feed.clients = 1
+    # The trials start again from the rule's budget, and the long spin,
+    # now costing, is dropped.
+    feed.tick(long_spin_costs, [1] * 40, FIXED, PER_ROW)
+    for _ in range(tuning.HORIZON_NS // PERIOD + 1):
+        feed.tick(long_spin_costs, [1] * 40, FIXED, PER_ROW)
+    assert t.trial is not None and t.spin_long is None
+    assert spin_trial_seen(feed, long_spin_costs)
+    assert t.spin_long is False and t.decision.spin_ns == WAKE
+
+
+# --- the clients' spin arms ---------------------------------------------------------------
+
+
+def drive_arms(arms: "shmeval._ring.SpinArms", short_wait: int, long_wait: int,
+               n: int = 400) -> List[int]:
+    picks = []
+    for _ in range(n):
+        b = arms.next_budget()
+        picks.append(b)
+        arms.record(long_wait if b == arms.long_ns else short_wait)
+    return picks[n // 4:]
+
+
+@pytest.mark.parametrize("short_wait, long_wait, serving", [(60_000, 20_000, "long"),
+                                                            (60_000, 90_000, "short")])
+def test_spin_arms_serve_with_the_shorter_waits(short_wait: int, long_wait: int,
+                                                serving: str) -> None:
+    from shmeval._ring import SpinArms
+
+    arms = SpinArms(5_000, 80_000)
+    picks = drive_arms(arms, short_wait, long_wait)
+    chosen = 80_000 if serving == "long" else 5_000
+    # All but the one wait in SPIN_EXPLORE (16) that tries the other arm.
+    share = sum(p == chosen for p in picks) / len(picks)
+    assert 14 / 16 <= share <= 15.5 / 16
+    rep = arms.report()
+    assert rep["arm"] == serving
+    assert rep["short_wait_us"] == pytest.approx(short_wait / 1e3)
+
+
+def test_spin_arms_follow_a_change_and_bound_outliers() -> None:
+    from shmeval._ring import SpinArms
+
+    arms = SpinArms(5_000, 80_000)
+    drive_arms(arms, 60_000, 20_000)
+    assert arms.report()["arm"] == "long"
+    # The long spin starts to cost (it takes a CPU another process needs).
+    drive_arms(arms, 60_000, 150_000, n=600)
+    assert arms.report()["arm"] == "short"
+    # A preempted wait of a second counts as twice the long arm, no more.
+    arms = SpinArms(5_000, 80_000)
+    arms.next_budget()
+    arms.record(10**9)
+    assert arms.report()["short_wait_us"] == pytest.approx(160.0)
+
+
+def test_a_fixed_spin_has_one_arm() -> None:
+    from shmeval._ring import SpinArms
+
+    for arms in (SpinArms(7_000), SpinArms(7_000, 0), SpinArms(7_000, 3_000)):
+        assert {arms.next_budget() for _ in range(40)} == {7_000}
+        assert arms.report()["arm"] == "fixed"
+
+
+def test_clients_report_their_spin() -> None:
+    with shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE, outputs=OUTPUTS) as ev:
+        auto = shmeval.connect(ev.address)
+        fixed = shmeval.connect(ev.address, spin_us=5)
+        try:
+            assert "client_spin" not in auto.stats()   # nothing evaluated yet
+            for c in (auto, fixed):
+                for _ in range(50):
+                    c.evaluate(make_state(1))
+            spin = auto.stats()["client_spin"]
+            assert spin["long_us"] == pytest.approx(tuning.SPIN_LONG_WAKES * spin["short_us"])
+            assert spin["arm"] in ("short", "long", "measuring")
+            assert fixed.stats()["client_spin"]["arm"] == "fixed"
+            assert fixed.stats()["client_spin"]["short_us"] == 5.0
+        finally:
+            auto.close()
+            fixed.close()
+
+
 # --- fixed settings -----------------------------------------------------------------------
 
 
