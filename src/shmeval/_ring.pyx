@@ -1029,7 +1029,7 @@ cdef inline int _publish_and_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t g
 
 # SpinArms: every SPIN_EXPLORE-th wait tries the arm that is behind, and each
 # arm's mean moves by 1/SPIN_SMOOTH of the way to each wait it had.
-DEF SPIN_EXPLORE = 16
+DEF SPIN_EXPLORE = 64
 DEF SPIN_SMOOTH = 8.0
 
 
