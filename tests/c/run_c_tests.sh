@@ -92,7 +92,26 @@ if [[ " $builds " == *" tsan "* ]]; then
     fi
 fi
 
-# --- build and run ------------------------------------------------------
+# --- build: the compilers run at once (each is one process) ------------
+for b in $builds; do
+    [[ -n "${flags[$b]:-}" ]] || die "unknown build '$b'"
+done
+declare -A build_pid
+for b in $builds; do
+    (
+        t0=$(date +%s.%N)
+        rc=0
+        # shellcheck disable=SC2086
+        "$cc" "${common[@]}" ${flags[$b]} "$src" -o "$tmp/ring_test_$b" \
+            >"$tmp/build_$b.log" 2>&1 || rc=$?
+        awk -v t0="$t0" -v t1="$(date +%s.%N)" 'BEGIN { printf "%.1f", t1 - t0 }' \
+            >"$tmp/build_$b.s"
+        exit "$rc"
+    ) &
+    build_pid[$b]=$!
+done
+
+# --- run, one build after the other -------------------------------------
 export TSAN_OPTIONS="${TSAN_OPTIONS:+$TSAN_OPTIONS:}halt_on_error=1:exitcode=66:second_deadlock_stack=1"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:+$UBSAN_OPTIONS:}halt_on_error=1:print_stacktrace=1"
 asan_base="${ASAN_OPTIONS:+$ASAN_OPTIONS:}halt_on_error=1:detect_stack_use_after_return=1:strict_string_checks=1"
@@ -100,15 +119,16 @@ asan_base="${ASAN_OPTIONS:+$ASAN_OPTIONS:}halt_on_error=1:detect_stack_use_after
 failed=()
 summary=()
 for b in $builds; do
-    [[ -n "${flags[$b]:-}" ]] || die "unknown build '$b'"
     exe="$tmp/ring_test_$b"
-    t0=$(date +%s.%N)
-    # shellcheck disable=SC2086
-    if ! "$cc" "${common[@]}" ${flags[$b]} "$src" -o "$exe"; then
+    built=1
+    wait "${build_pid[$b]}" || built=0
+    cat "$tmp/build_$b.log" >&2
+    if (( ! built )); then
         failed+=("$b (build)")
         summary+=("$(printf '%-6s BUILD FAILED' "$b")")
         continue
     fi
+    build_s="$(cat "$tmp/build_$b.s")"
     t1=$(date +%s.%N)
     prefix=()
     [[ $b == tsan ]] && prefix=("${tsan_prefix[@]}")
@@ -135,8 +155,8 @@ for b in $builds; do
         if [[ $rc -eq 124 || $rc -eq 137 ]]; then status="FAILED (timed out)"; fi
         failed+=("$b")
     fi
-    summary+=("$(awk -v b="$b" -v s="$status" -v t0="$t0" -v t1="$t1" -v t2="$t2" \
-        'BEGIN { printf "%-6s %-28s build %5.1f s  run %6.1f s", b, s, t1 - t0, t2 - t1 }')")
+    summary+=("$(awk -v b="$b" -v s="$status" -v bs="$build_s" -v t1="$t1" -v t2="$t2" \
+        'BEGIN { printf "%-6s %-28s build %5.1f s  run %6.1f s", b, s, bs, t2 - t1 }')")
 done
 
 echo "===== summary"
