@@ -70,7 +70,8 @@ from shmeval._util.jsonout import write_json
 from shmeval._util.machine import machine_info
 
 OUTPUTS = {"policy": ((7,), "float32"), "value": ((), "float32")}
-#: The least time each batch size of the model-alone phase is timed for.
+#: The least time each batch size of the model-alone phase is timed for
+#: (--sweep-seconds).
 SWEEP_S = 0.3
 TARGETS = {"shmeval / model alone rows/s at its batch": 0.7, "shmeval/local evals/s": 5.0,
            "shmeval/queue evals/s": 2.0}
@@ -78,16 +79,16 @@ TARGETS = {"shmeval / model alone rows/s at its batch": 0.7, "shmeval/local eval
 
 # --- 1. the model alone -------------------------------------------------------------
 
-def _timed(call: Any, sync: Any) -> float:
+def _timed(call: Any, sync: Any, sweep_s: float) -> float:
     """Seconds per call: the median of 5 rounds, each long enough to hold
-    SWEEP_S / 5 of calls."""
+    sweep_s / 5 of calls."""
     call()
     sync()
     t0 = time.perf_counter()
     call()
     sync()
     once = max(time.perf_counter() - t0, 1e-6)
-    n = max(1, int(SWEEP_S / 5 / once))
+    n = max(1, int(sweep_s / 5 / once))
     rounds = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -99,7 +100,7 @@ def _timed(call: Any, sync: Any) -> float:
 
 
 def sweep_main(cfg: NetConfig, weights: Any, device: str, threads: Optional[int],
-               batches: Sequence[int], conn: Connection) -> None:
+               batches: Sequence[int], sweep_s: float, conn: Connection) -> None:
     """Times TorchModel calls and the plain forward at each batch size."""
     child_setup()
     try:
@@ -122,8 +123,8 @@ def sweep_main(cfg: NetConfig, weights: Any, device: str, threads: Optional[int]
                 with torch.inference_mode():
                     net(resident)
 
-            served = _timed(lambda: tm(batch), sync)
-            plain = _timed(forward, sync)
+            served = _timed(lambda: tm(batch), sync, sweep_s)
+            plain = _timed(forward, sync, sweep_s)
             rows.append({"batch": n, "served_ms": served * 1e3, "served_rows_per_s": n / served,
                          "device_ms": plain * 1e3, "device_rows_per_s": n / plain})
             print(f"[model alone] batch {n:>5}: TorchModel {served * 1e3:8.3f} ms "
@@ -143,7 +144,8 @@ def model_alone(args: argparse.Namespace, cfg: NetConfig, weights: Any
     ctx = mp.get_context("spawn")
     parent_end, child_end = ctx.Pipe()
     p = ctx.Process(target=sweep_main, name="bench-model-alone", daemon=True,
-                    args=(cfg, weights, args.device, args.threads, args.batches, child_end))
+                    args=(cfg, weights, args.device, args.threads, args.batches,
+                          args.sweep_seconds, child_end))
     p.start()
     child_end.close()
     try:
@@ -256,11 +258,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--batches", type=_int_list,
                         default=[1 << i for i in range(13)],
                         help="batch sizes of the model-alone phase (default 1,2,4,...,4096)")
+    parser.add_argument("--sweep-seconds", type=float, default=SWEEP_S,
+                        help="the least time each batch size of the model-alone phase is "
+                             "timed for, TorchModel and the plain forward each "
+                             f"(default {SWEEP_S:g})")
     parser.add_argument("--serving-threads", type=int,
                         help="shmeval's serving threads (default 2 on a GPU: one batch is "
                              "copied while the previous one computes; 1 on the CPU)")
     args = parser.parse_args(argv)
     check_arguments(parser, args)
+    if args.sweep_seconds <= 0:
+        parser.error("--sweep-seconds must be positive")
     if args.serving_threads is None:
         args.serving_threads = 2 if args.device.startswith("cuda") else 1
     signal.signal(signal.SIGTERM, _on_sigterm)

@@ -355,8 +355,12 @@ class MethodRun:
         self.startup_s = 0.0
 
     def start_server(self) -> dict[str, Any]:
-        """Starts the server; returns the workers' params."""
+        """Starts the server, or as much of it as the workers need to be
+        spawned; returns the workers' params."""
         return {}
+
+    def await_server(self) -> None:
+        """Waits until the server started by start_server serves."""
 
     def stop_server(self, abort: bool) -> None:
         pass
@@ -377,6 +381,9 @@ class MethodRun:
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)
+        # The server finishes starting while the workers import and open
+        # their clients; a request sent before it serves waits for it.
+        self.await_server()
         for i, (p, conn) in enumerate(zip(self.procs, self.conns)):
             msg = _await(conn, p, READY_TIMEOUT_S, f"{self.method} worker {i} start-up")
             if msg[0] != "ready":
@@ -522,11 +529,13 @@ class QueueRun(MethodRun):
                                                      self.shared, child_end))
         self.server.start()
         child_end.close()
+        return {"requests": self.requests, "responses": self.responses}
+
+    def await_server(self) -> None:
         msg = _await(self.control, self.server, READY_TIMEOUT_S, "queue evaluator start-up")
         if msg[0] != "ready":
             raise RuntimeError(f"queue evaluator failed to start:\n{msg[1]}")
         self.server_pid = msg[1]
-        return {"requests": self.requests, "responses": self.responses}
 
     def counters(self) -> dict[str, float]:
         return {"requests": float(self.shared[0]), "batches": float(self.shared[1])}
@@ -572,10 +581,11 @@ class TorchRLRun(MethodRun):
             transport=transport, request_spec=request, max_batch_size=self.args.max_batch,
             policy_device=device, output_device="cpu", mp_context=self.ctx,
             startup_timeout=READY_TIMEOUT_S)
-        clients = self.server.clients(self.n_workers)
+        return {"clients": self.server.clients(self.n_workers)}
+
+    def await_server(self) -> None:
         self.server.start()
         self.server_pid = self.server._process.pid  # no public accessor
-        return {"clients": clients}
 
     def counters(self) -> dict[str, float]:
         s = self.server.stats()

@@ -39,8 +39,8 @@ def test_rows_per_s_at(gpu_module: Any) -> None:
 def test_gpu_script_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     cmd = [sys.executable, str(BENCH / "gpu.py"), "--device", "cpu", "--workers", "2",
-           "--seconds", "0.5", "--repeats", "1", "--warmup", "5", "--batches", "1,4,16",
-           "--max-batch", "16", "--json", str(out)]
+           "--seconds", "0.2", "--repeats", "1", "--warmup", "5", "--batches", "1,4,16",
+           "--sweep-seconds", "0.05", "--max-batch", "16", "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
