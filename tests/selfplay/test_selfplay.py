@@ -48,7 +48,7 @@ RUN_TIMEOUT = 180
 WORKERS = 2
 GAMES_PER_WORKER = 2
 TINY = ["--workers", str(WORKERS), "--games-per-worker", str(GAMES_PER_WORKER),
-        "--simulations", "8", "--seconds", "2", "--warmup", "0.5"]
+        "--simulations", "8", "--seconds", "1", "--warmup", "0.5"]
 REQUIRED = ("moves_per_s", "evals_per_s", "mean_batch", "worker_rss_mb", "games", "startup_s",
             "tensorflow_in_workers", "probe", "cpu", "precision")
 
