@@ -120,6 +120,7 @@ cdef class ClientPort:
 
 cdef class Pending:
     """The answers to one Client.submit (shmeval.pipeline)."""
+    cdef void _abandon(self) noexcept
     cdef ClientPort port
     cdef Segment seg
     cdef readonly object _lane     # shmeval.pipeline._Lane

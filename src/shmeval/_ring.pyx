@@ -1568,6 +1568,7 @@ cdef enum:
 
 @cython.no_gc_clear  # __dealloc__ needs its port, also after a cycle's collection
 @cython.auto_pickle(False)  # belongs to the process that submitted it
+@cython.freelist(16)  # one per submission: a pipelined worker makes and frees them all the time
 cdef class Pending:
     """The answers to one ``Client.submit``, collected later.
 
@@ -1762,6 +1763,8 @@ cdef class Pending:
     def __dealloc__(self):
         cdef Py_ssize_t i
         if self.port is not None:
+            if self.unclaimed and self._lane is not None and self.port.pid == _current_pid:
+                self._abandon()
             for i in range(self._m):
                 self._disown(i)
             # Its arrays may serve a later submit once nobody holds them
@@ -1850,12 +1853,12 @@ cdef class Pending:
         if rows:
             self._lane.client._give_back(self.port, [], rows)
 
-    def __del__(self):
-        # Requests nobody will collect: their slots come back once answered
-        # (the lane's abandoned list).
+    cdef void _abandon(self) noexcept:
+        """Requests nobody will collect (the Pending is being freed): their
+        slots come back once answered (the lane's abandoned list).  Run
+        from __dealloc__ rather than a finalizer, which every Pending would
+        pay for."""
         try:
-            if self._lane is None or not self.unclaimed or self.port.pid != _current_pid:
-                return
             rows = self._claim_all()
             if rows:
                 self._lane.abandon(rows)
