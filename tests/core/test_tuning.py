@@ -713,3 +713,24 @@ def test_serving_tuner_records_calls() -> None:
     assert st.calls == [] and st.tuner.clients == 3
     st.tick(10 * PERIOD + 1)            # within the period: no second reading
     assert st.tuner._prev is not None and st.tuner._prev.now_ns == 10 * PERIOD
+
+
+def test_the_recorder_keeps_a_bounded_sample_per_period() -> None:
+    """A fast model makes far more calls per period than the fit needs:
+    past CALLS_PER_PERIOD the calls still run, unrecorded, until the next
+    reading empties the list."""
+    seen = []
+
+    def model(batch: np.ndarray) -> int:
+        seen.append(len(batch))
+        return len(batch)
+
+    calls: List[tuple[int, int, int]] = []
+    record = tuning._recorder(model, calls, cap=4)
+    assert [record(np.zeros(n)) for n in range(1, 7)] == [1, 2, 3, 4, 5, 6]
+    assert seen == [1, 2, 3, 4, 5, 6]
+    assert [c[2] for c in calls] == [1, 2, 3, 4]
+    calls.clear()
+    record(np.zeros(7))
+    assert [c[2] for c in calls] == [7]
+    assert tuning.CALLS_PER_PERIOD >= 256   # enough for a median per batch size
