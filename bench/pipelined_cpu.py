@@ -16,6 +16,7 @@ import argparse
 import collections
 import functools
 import multiprocessing as mp
+import os
 import resource
 import time
 from typing import Any, Tuple
@@ -55,7 +56,7 @@ def process_cpu(pid: int) -> Tuple[float, float]:
     """User and system CPU seconds of a process, from /proc."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    tick = 100.0
+    tick = os.sysconf("SC_CLK_TCK")
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 

@@ -1222,7 +1222,8 @@ cdef class ClientPort:
                      <const char *>cnp.PyArray_DATA(a), self.seg.seg.p.in_bytes)
             spin = self.seg._spin(self.arms.pick(), self.ncpu)
             t = self.seg._ticker_for(self.c, self.timeout_ns)
-            t0 = shm_now_ns() if spin else 0
+            # The clock only where the arms judge the wait: "auto", spinning allowed.
+            t0 = shm_now_ns() if spin and self.arms.long_ns else 0
             if shm_only_python_thread():
                 # The process's only Python thread: no one else wants the GIL,
                 # and releasing and taking it back was about 5% of a worker's
@@ -1488,7 +1489,8 @@ cdef class ClientPort:
         the arms (SpinArms), which get the wait's ns when it ends answered
         and spinning was allowed."""
         cdef uint64_t budget = self.arms.pick()
-        cdef uint64_t t0 = shm_now_ns() if self.seg._spin(budget, self.ncpu) else 0
+        cdef uint64_t t0 = (shm_now_ns() if self.arms.long_ns and self.seg._spin(budget, self.ncpu)
+                            else 0)
         cdef int rc = self.seg._wait(self.c, k, gen, budget, timeout_ns, self.ncpu)
         if t0 and rc >= 0:
             self.arms.saw(shm_now_ns() - t0)

@@ -496,8 +496,12 @@ class Tuner:
 
     def _begin(self, knob: str, base: Decision, candidate: Decision) -> None:
         self.trial = Trial(knob, base, candidate, self.clients)
-        self.decision = (candidate if knob == "spin" else
-                         replace(candidate, spin_ns=self.decision.spin_ns))
+        self._use(candidate, knob)
+
+    def _use(self, d: Decision, knob: str) -> None:
+        """A trial's setting in force: whole for the spin trial; for the
+        others, with the spin budget the rule keeps setting (_spin)."""
+        self.decision = d if knob == "spin" else replace(d, spin_ns=self.decision.spin_ns)
 
     def _trial_window(self, rate: float) -> None:
         t = self.trial
@@ -505,13 +509,12 @@ class Tuner:
         t.rates.append(rate)
         decided = t.verdict() if len(t.rates) % 2 == 0 else None
         if decided is None:
-            nxt = t.candidate if t.next_is_candidate() else t.base
-            self.decision = nxt if t.knob == "spin" else replace(nxt, spin_ns=self.decision.spin_ns)
+            self._use(t.candidate if t.next_is_candidate() else t.base, t.knob)
             return
         self.trial = None
         won = decided
         keep = t.candidate if won else t.base
-        self.decision = keep if t.knob == "spin" else replace(keep, spin_ns=self.decision.spin_ns)
+        self._use(keep, t.knob)
         self.rate = t.mean(won)   # what the setting kept serves
         verdict = f"{t.gain():+.0%}, ahead in {t.wins()} of {t.pairs()} window pairs"
         if t.knob == "spin":
