@@ -757,8 +757,9 @@ class Evaluator(Client):
         a process of its own calling ``factory()``; ``devices=["cuda:0",
         "cuda:1"]`` serves one replica per device, calling
         ``factory(device)``.  The replicas take turns collecting batches, a
-        replica whenever its model is free; workers do not know how many
-        there are.  Weight updates reach every replica, and a worker never
+        replica whenever its model is free and at most its share of the
+        work outstanding, so that their batches stay even; workers do not
+        know how many there are.  Weight updates reach every replica, and a worker never
         sees versions go backwards.  A replica that dies has its requests
         served by the others; the evaluator dies with its last replica."""
         if not callable(factory):

@@ -225,6 +225,42 @@ def test_collect_max_wait_gathers_late_requests(rig: Rig) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_replicas_take_their_share_of_the_work() -> None:
+    """With several replicas serving, a collect takes at most its share of
+    the work outstanding: the requests ready plus the rows the other
+    replicas hold, split evenly among the replicas serving.  A replica
+    alone serving, or one whose share is all that is ready, takes it all."""
+    spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 16, 4, 16)
+    seg, name = segment.create(spec, replicas=2, servers=2)
+    try:
+        buf = [np.zeros((16,) + INPUT_SHAPE, np.float32) for _ in range(2)]
+        a = _ring.Server(seg, buf[0], _ring.ServeGroup(), 0, 0)
+        b = _ring.Server(seg, buf[1], _ring.ServeGroup(), 1, 1)
+        seg.set_serving(0, os.getpid(), 0)
+        c = seg.register(os.getpid(), 0, 0)
+        rows = np.stack([make_state(t) for t in range(16)])
+        seg.post(c, list(range(4)), rows[:4], 0)
+        assert a.collect(16, 0, 0, 10 * MS) == 4       # one replica serving: all of it
+        seg.set_serving(1, os.getpid(), 0)
+        seg.post(c, list(range(4, 12)), rows[4:12], 0)
+        # 8 ready + a's 4 held, over 2 replicas: 6, and 2 stay ready.
+        assert b.collect(16, 0, 0, 10 * MS) == 6
+        def answer(server: Any, batch: np.ndarray, n: int) -> None:
+            out = fake_model(batch[:n])
+            server.complete([np.ascontiguousarray(out[k]) for k in spec.output_names], 0)
+
+        answer(b, buf[1], 6)
+        answer(a, buf[0], 4)
+        # Nothing held now: 2 ready -> a share of 1 each.
+        assert a.collect(16, 0, 0, 10 * MS) == 1
+        assert b.collect(16, 0, 0, 10 * MS) == 1
+        a.fail("test")
+        b.fail("test")
+    finally:
+        segment.unlink(name)
+
+
+@pytest.mark.timeout(30)
 def test_collect_timeout_and_outstanding_batch(rig: Rig) -> None:
     seg = rig.seg
     rig.serve()

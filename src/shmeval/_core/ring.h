@@ -1627,11 +1627,50 @@ static inline uint32_t shm_scan(shm_seg *s, uint32_t v, char *batch,
     return n;
 }
 
+/* Several replicas: how many rows server v may take now, its share of the
+ * work outstanding.  The work is the requests READY plus the rows the other
+ * servers hold in their batches (n: what v took already in this collect),
+ * split evenly among the replicas serving; at least 1 and at most
+ * max_batch.  Without the cap the replica whose batch just finished, being
+ * the one free when its own clients resubmit, takes the first one or two of
+ * them and starts a call, and the rest wait for the next replica to free up
+ * and go to it as one large batch: the batches spread apart (1 row beside
+ * 30) and, with a cost per call, fewer rows are answered per second than
+ * with the even split.  The counts are relaxed loads, a snapshot that may
+ * be off by the requests arriving meanwhile. */
+static inline uint32_t shm_fair_share(shm_seg *s, uint32_t v, uint32_t n,
+                                      uint32_t max_batch) {
+    uint64_t work = n;
+    for (uint32_t u = 0; u < s->p.servers; u++) {
+        if (u == v) continue;
+        /* MO: relaxed; a count, not a claim. */
+        uint32_t held = atomic_load_explicit(&shm_server_at(s, u)->n,
+                                             memory_order_relaxed);
+        work += held < max_batch ? held : max_batch;
+    }
+    uint32_t hwm = shm_clients_hwm(s), K = s->p.slots_per_client;
+    for (uint32_t c = 0; c < hwm; c++)
+        for (uint32_t k = 0; k < K; k++)
+            /* MO: relaxed; the scan that takes the slot does the acquire. */
+            work += shm_word_state(atomic_load_explicit(
+                        shm_slot_word_at(s, c, k), memory_order_relaxed)) ==
+                    SLOT_READY;
+    /* MO: relaxed; a count. */
+    uint32_t live = atomic_load_explicit(&shm_hdr(s)->replicas_serving,
+                                         memory_order_relaxed);
+    if (live < 1) live = 1;
+    uint64_t share = (work + live - 1) / live;
+    if (share < 1) share = 1;
+    return share < max_batch ? (uint32_t)share : max_batch;
+}
+
 /* Server v waits for requests and gathers up to max_batch of them into
  * `batch` (their slots listed in its batch table, shm_server_taken).
  * Greedy: returns as soon as at least one request is taken, unless
  * max_wait_ns asks to wait (counted from the first taken request) for a
- * fuller batch.  Spins up to spin_ns for new submissions before it sleeps
+ * fuller batch; with several replicas it takes at most its share of the
+ * work outstanding (shm_fair_share).  Spins up to spin_ns for new
+ * submissions before it sleeps
  * on the doorbell.  Returns n > 0, or 0 when timeout_ns passed with nothing
  * (housekeeping time), SHM_CLOSED when close was requested, or SHM_CONTROL
  * when a control request is pending for its replica.  One collector at a
@@ -1669,9 +1708,11 @@ static inline int shm_collect(shm_seg *s, uint32_t v, char *batch,
             atomic_load_explicit(ctl_done, memory_order_relaxed))
             return n > 0 ? (int)n : SHM_CONTROL;
         uint32_t before = n;
-        n = shm_scan(s, v, batch, n, max_batch, cursor, now);
+        uint32_t cap = s->p.replicas > 1
+                           ? shm_fair_share(s, v, n, max_batch) : max_batch;
+        n = shm_scan(s, v, batch, n, cap, cursor, now);
         if (n > before && before == 0) first = now;
-        if (n >= max_batch) return (int)n;
+        if (n >= cap) return (int)n;
         if (n > 0 && (max_wait_ns == 0 || now - first >= max_wait_ns))
             return (int)n;
         uint64_t deadline = n > 0 ? first + max_wait_ns : start + timeout_ns;
