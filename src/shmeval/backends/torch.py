@@ -24,8 +24,13 @@ What it does for the evaluator:
   on a GPU the batch travels through a page-locked staging buffer on a
   CUDA stream of its own, and the outputs come back into page-locked
   buffers that the evaluator reads directly;
+* on the CPU an ``nn.Module`` is traced and frozen (``torch.jit.trace``,
+  ``torch.jit.freeze``) where the frozen module answers as the module does:
+  it runs without Python between its ops, so it is cheaper per call and
+  two serving threads overlap their calls (``max_concurrency``);
 * ``set_weights`` / ``load_weights`` copy new values into the parameters
-  and buffers in place (compiled code and CUDA graphs keep serving them).
+  and buffers in place (compiled code and CUDA graphs keep serving them; a
+  frozen module is frozen again).
 """
 from __future__ import annotations
 
@@ -49,6 +54,15 @@ from ._contract import (PathLike, castable, check_warm_outputs, checked_weights,
 
 #: Autocast dtypes ``dtype=`` accepts.
 _AUTOCAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+#: freeze="auto" stops freezing again after weight updates once that would
+#: take more than this share of the time between two updates (the model
+#: then serves unfrozen: slower per call, but no pause per update).
+REFREEZE_SHARE = 0.02
+
+#: How close the frozen module's answers must be to the module's for
+#: freeze="auto" to serve it (float outputs; others must be equal).
+FREEZE_RTOL, FREEZE_ATOL = 1e-4, 1e-6
 
 
 def _default_device() -> torch.device:
@@ -166,7 +180,22 @@ class TorchModel:
     ``cuda_graphs`` (default: on a CUDA device): capture one CUDA graph per
     batch size and replay it, which saves the launch cost of every kernel;
     needs buckets too, and a model that CUDA graphs can capture (no
-    synchronisation with the host inside).  ``dtype``: ``"float16"`` or
+    synchronisation with the host inside).  ``freeze`` (CPU only; default
+    ``"auto"``): serve the module traced and frozen (``torch.jit.trace``
+    then ``torch.jit.freeze``, which folds the weights into the graph), a
+    graph that runs without Python between its ops, so it costs less per
+    call and two serving threads overlap their calls.  ``"auto"`` freezes
+    an ``nn.Module`` or TorchScript module on the CPU (without ``compile``
+    or ``dtype``) when tracing raises no error or warning and the frozen
+    module's answers to random batches of two sizes match the module's;
+    otherwise it serves the module as it is, and ``freeze_reason`` says
+    why.  Tracing records the tensor operations of one call: Python side
+    effects in ``forward`` (counters, prints, sleeps) do not run in the
+    frozen module; ``freeze=False`` keeps them.  Weight updates freeze
+    again (``freeze_s``); with ``"auto"``, once updates come so often that
+    this would take more than 2% of the time between them, the module is
+    served unfrozen from then on.  ``True``: freeze or raise ``ModelError``.
+    ``dtype``: ``"float16"`` or
     ``"bfloat16"`` runs the forward under ``torch.autocast`` (for the GPU;
     outputs are cast back to the declared dtypes).  ``buckets``: batch
     sizes to pad to when the evaluator has none; with ``compile`` or
@@ -182,13 +211,24 @@ class TorchModel:
 
     After ``prepare``: ``compile_count`` (graphs ``torch.compile``
     produced; constant while serving), ``graph_captures`` (CUDA graphs
-    captured) and ``warmup_s`` (seconds ``prepare`` took).
+    captured), ``frozen`` (whether the frozen module serves),
+    ``freeze_reason``, ``freeze_s`` (seconds the last freeze took) and
+    ``warmup_s`` (seconds ``prepare`` took).
+
+    ``max_concurrency`` (read by the evaluator's tuner after ``prepare``):
+    2 while the frozen module serves (its calls hold the GIL only to enter
+    and leave the graph), else 1 (an unfrozen module's Python between ops
+    makes two threads slower than one on the CPU).
     """
 
     def __init__(self, module_or_path: Any, *, device: Union[None, str, Any] = None,
                  compile: Union[bool, str] = False, cuda_graphs: Optional[bool] = None,
                  dtype: Union[None, str, Any] = None, buckets: Optional[Sequence[int]] = None,
-                 lanes: int = 2, intra_op_threads: Optional[int] = None) -> None:
+                 lanes: int = 2, intra_op_threads: Optional[int] = None,
+                 freeze: Union[bool, str] = "auto") -> None:
+        if freeze not in (True, False, "auto"):
+            raise ValueError(f"TorchModel(freeze=...) must be True, False or 'auto', "
+                             f"got {freeze!r}")
         self.device = _device(device)
         cuda = self.device.type == "cuda"
         self.cuda_graphs = cuda if cuda_graphs is None else bool(cuda_graphs)
@@ -215,6 +255,17 @@ class TorchModel:
         self.compile_count = 0
         self.graph_captures = 0
         self.warmup_s = 0.0
+        self.freeze: Union[bool, str] = freeze
+        self.frozen = False
+        self.freeze_reason = "not prepared yet"
+        self.freeze_s = 0.0
+        self._last_update = 0.0
+        why_not = self._freeze_unsupported()
+        if freeze is True and why_not:
+            raise ValueError(f"TorchModel(freeze=True): {why_not}")
+        if why_not:
+            self.freeze = False
+            self.freeze_reason = f"served unfrozen: {why_not}"
         self.spec: Optional[Spec] = None
         self._forward: Callable[[Any], Any] = self.module
         if compile:
@@ -228,6 +279,121 @@ class TorchModel:
         self._lane_rows = 0
         self._graph_sizes: tuple[int, ...] = ()
         self._thread = _ThreadLane()
+
+    @property
+    def max_concurrency(self) -> int:
+        """Calls that may overlap usefully: 2 while the frozen module serves,
+        else 1 (see the class's docstring)."""
+        return 2 if self.frozen else 1
+
+    # -- freezing -------------------------------------------------------------------
+
+    def _freeze_unsupported(self) -> str:
+        """Why this model cannot be served frozen ("" when it can)."""
+        if not self.freeze:
+            return "freeze=False"
+        if self.device.type != "cpu":
+            return f"freezing is for the CPU; on {self.device} CUDA graphs save the calls' cost"
+        if self.compile:
+            return "compile= is set (torch.compile serves it)"
+        if self.autocast is not None:
+            return "dtype= is set (autocast)"
+        if isinstance(self.module, torch.fx.GraphModule):
+            return "an exported program"
+        return ""
+
+    def _example(self, rows: int) -> Any:
+        """A batch of ``rows`` random states of the declared input dtype."""
+        assert self.spec is not None
+        g = torch.Generator().manual_seed(rows)
+        shape = (rows, *self.spec.input_shape)
+        if self._input_dtype.is_floating_point:
+            return torch.randn(shape, generator=g).to(self._input_dtype).to(self.device)
+        return torch.randint(0, 2, shape, generator=g).to(self._input_dtype).to(self.device)
+
+    def _traced(self) -> Any:
+        """The module traced (a TorchScript module as it is) and frozen;
+        ModelError when tracing warns that the trace may not generalise."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", torch.jit.TracerWarning)
+            with torch.no_grad():
+                m = self.module
+                if not isinstance(m, torch.jit.ScriptModule):
+                    m = torch.jit.trace(m, self._example(2), strict=False, check_trace=False)
+                frozen = torch.jit.freeze(m.eval())
+        for w in caught:
+            if issubclass(w.category, torch.jit.TracerWarning):
+                raise ModelError(f"tracing warned: {str(w.message).splitlines()[0]}")
+        return frozen
+
+    def _answers(self, forward: Any, x: Any) -> list[Any]:
+        assert self.spec is not None
+        with torch.inference_mode():
+            out = forward(x)
+        return list(match_outputs(out, self.spec.output_names, getattr(out, "_fields", ())))
+
+    def _same_answers(self, frozen: Any) -> str:
+        """"" when ``frozen`` answers random batches of 1 and 5 rows as the
+        module does, else how they differ."""
+        for rows in (1, 5):
+            x = self._example(rows)
+            for name, a, b in zip(self.spec.output_names if self.spec else (),
+                                  self._answers(self.module, x), self._answers(frozen, x)):
+                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \
+                        a.shape != b.shape or a.dtype != b.dtype:
+                    return f"output {name!r} differs in type, shape or dtype ({rows} rows)"
+                same = (torch.allclose(a, b, rtol=FREEZE_RTOL, atol=FREEZE_ATOL, equal_nan=True)
+                        if a.is_floating_point() else torch.equal(a, b))
+                if not same:
+                    return f"output {name!r} differs from the module's ({rows} rows)"
+        return ""
+
+    def _try_freeze(self) -> None:
+        """prepare(): serves the frozen module where ``freeze`` allows it and
+        it answers as the module does.  freeze=True: ModelError otherwise."""
+        if not self.freeze:
+            return
+        t0 = time.perf_counter()
+        try:
+            frozen = self._traced()
+            why = self._same_answers(frozen)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            why = (str(e) if isinstance(e, ModelError)
+                   else f"tracing failed: {type(e).__name__}: {first[:200]}")
+        if why:
+            if self.freeze is True:
+                raise ModelError(f"TorchModel(freeze=True) cannot freeze this module: {why}")
+            self.freeze_reason = f"served unfrozen: {why}"
+            return
+        self._forward = frozen
+        self.frozen = True
+        self.freeze_s = time.perf_counter() - t0
+        self.freeze_reason = "traced and frozen; its answers match the module's"
+
+    def _refreeze(self) -> None:
+        """After a weight update: freeze again (the old values are folded
+        into the frozen graph), or, with "auto" and updates so frequent
+        that freezing would take more than REFREEZE_SHARE of the time
+        between them, serve the module unfrozen from now on."""
+        now = time.monotonic()
+        since, self._last_update = now - self._last_update, now
+        if self.freeze == "auto" and since < self.freeze_s / REFREEZE_SHARE:
+            self._unfreeze(f"weights change every {since:.2g} s and freezing takes "
+                           f"{self.freeze_s:.2g} s")
+            return
+        t0 = time.perf_counter()
+        try:
+            self._forward = self._traced()
+        except Exception as e:
+            self._unfreeze(f"freezing again after a weight update failed: {e}")
+            return
+        self.freeze_s = time.perf_counter() - t0
+
+    def _unfreeze(self, why: str) -> None:
+        self._forward = self.module
+        self.frozen = False
+        self.freeze_reason = f"served unfrozen: {why}"
 
     def _counting(self, backend: str) -> Callable[..., Any]:
         """``backend`` (a torch.compile backend's name), counting the graphs
@@ -392,6 +558,8 @@ class TorchModel:
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, getattr(config, name) + len(sizes or ()))
+        self._try_freeze()
+        self._last_update = time.monotonic()
         warm = sizes or tuple(sorted({1, spec.max_batch}))
         if self.device.type == "cuda":
             self._thread.lane = None
@@ -490,7 +658,7 @@ class TorchModel:
         the device, before anything is overwritten: a bad update raises
         ValueError (a failed move, its error) and leaves every weight as it
         was.  Compiled code and CUDA graphs read the new values; nothing is
-        compiled again."""
+        compiled again.  A frozen module is frozen again (``freeze_s``)."""
         state = self._state()
         if isinstance(weights, Mapping):
             missing = [k for k in state if k not in weights]
@@ -510,6 +678,8 @@ class TorchModel:
                 t.copy_(value)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.frozen:
+            self._refreeze()
 
     def load_weights(self, path: PathLike) -> None:
         """Loads weights from a state dict file (``torch.save(module.
