@@ -42,8 +42,11 @@ must match the net's, called in this process, within 1e-4.
 
 The servers (queue, torchrl, shmeval) and each local worker run PyTorch
 with one intra-op thread (--threads): the cores are shared with the
-workers.  --device runs the servers' and the local workers' nets on
-another device (bench/gpu.py drives this on a GPU).
+workers.  shmeval runs with its defaults: TorchModel serves the net traced
+and frozen (freeze="auto") and the evaluator's tuner chooses its serving
+threads and batch wait (--serving-threads fixes the threads); the tuner's
+final choice is printed after the run.  --device runs the servers' and the
+local workers' nets on another device (bench/gpu.py drives this on a GPU).
 
 Targets at the largest worker count (reported, not enforced): shmeval at
 least 10x torchrl, 2x queue and 3x local evals/s, with a worker's RSS at
@@ -164,13 +167,14 @@ def reference(cfg: NetConfig, weights: Weights) -> dict[str, np.ndarray]:
     return {"policy": out["policy"].numpy(), "value": out["value"].numpy()}
 
 
-def torchmodel_factory(cfg: NetConfig, weights: Weights, device: str, threads: Optional[int]) -> Any:
+def torchmodel_factory(cfg: NetConfig, weights: Weights, device: str, threads: Optional[int],
+                       freeze: Any = "auto") -> Any:
     """Evaluator.spawn's factory: runs in the evaluator process, the only
     process of the shmeval method that imports torch."""
     import_torch(threads)
     from shmeval.backends.torch import TorchModel
 
-    return TorchModel(build_net(cfg, weights, device), device=device)
+    return TorchModel(build_net(cfg, weights, device), device=device, freeze=freeze)
 
 
 def torchrl_policy(cfg: NetConfig, weights: Weights, device: str, threads: Optional[int]) -> Any:
@@ -605,7 +609,7 @@ class ShmevalRun(MethodRun):
 
         self.evaluator = shmeval.Evaluator.spawn(
             functools.partial(torchmodel_factory, self.cfg, self.weights, self.args.device,
-                              self.args.threads),
+                              self.args.threads, getattr(self.args, "freeze", "auto")),
             input_shape=STATE_SHAPE, outputs={"policy": ((POLICY_SIZE,), "float32"),
                                               "value": ((), "float32")},
             max_batch=self.args.max_batch, max_clients=self.n_workers + 8,
@@ -679,6 +683,12 @@ def measure(args: argparse.Namespace, cfg: NetConfig, weights: Weights,
                 print(f"warning: {method} x{n_workers}: had to terminate {', '.join(stuck)}",
                       file=sys.stderr)
             info["evaluator_stats"] = getattr(run, "final_stats", None)
+            tuner = (info["evaluator_stats"] or {}).get("tuner")
+            if tuner:
+                print(f"[{n_workers:>2} x {method:<8}] the tuner at the end ({tuner['phase']}): "
+                      f"{tuner['serving_threads']} serving thread(s) ({tuner['why_threads']}); "
+                      f"max_wait_us {tuner['max_wait_us']:.0f} ({tuner['why_wait']})",
+                      file=sys.stderr)
             runs.append(info)
             gc.collect()  # finalises the run's queues and pipes now
     return trials, runs
@@ -797,11 +807,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_arguments(parser, "16", 4.0, 3)
     parser.add_argument("--quick", action="store_true",
                         help="one 1.5 s window per method: a minute or two")
+    parser.add_argument("--freeze", choices=("auto", "true", "false"), default="auto",
+                        help="TorchModel's freeze (default auto: the net serves traced and "
+                             "frozen on the CPU)")
+    parser.add_argument("--serving-threads", default="auto",
+                        help="shmeval's serving threads: auto (the default: the tuner "
+                             "decides) or a number")
     args = parser.parse_args(argv)
     check_arguments(parser, args)
+    if args.serving_threads != "auto":
+        try:
+            args.serving_threads = int(args.serving_threads)
+        except ValueError:
+            parser.error(f"--serving-threads must be auto or a number, got "
+                         f"{args.serving_threads!r}")
+    args.freeze = {"auto": "auto", "true": True, "false": False}[args.freeze]
     if args.quick:
         args.seconds, args.repeats, args.warmup = 1.5, 1, 20
-    args.device, args.serving_threads = "cpu", 1
+    args.device = "cpu"
     signal.signal(signal.SIGTERM, _on_sigterm)
     cfg = NetConfig(filters=args.filters, layers=args.layers)
     weights = make_weights(cfg)
