@@ -2,7 +2,8 @@
 
 - outputs served through an Evaluator equal apply_fn called directly, for
   dict, tuple, named tuple and single outputs and bfloat16 params, at many
-  batch sizes; one trace per batch size, none while serving;
+  batch sizes, also from two serving threads; one trace per batch size,
+  none while serving;
 - mismatches between the outputs and the spec fail at Evaluator
   construction with a ModelError; bad arguments fail at JaxModel();
 - buckets: padding never leaks into results;
@@ -75,6 +76,19 @@ def test_served_outputs_equal_direct_call(kind: str, jax: Any, backend: Any) -> 
         serve_and_compare(ev, reference(what, params), tuple(outputs), seed=100, atol=atol)
         assert jm.trace_count == POW2, "serving traced the model again"
         assert ev.stats()["failed_requests"] == 0
+
+
+def test_two_serving_threads(jax: Any, backend: Any) -> None:
+    """Two serving threads call one JaxModel at once (its max_concurrency
+    says they may): every answer is still its own state's."""
+    params = params_of(2)
+    jm = backend.JaxModel(apply_fn("dict"), params)
+    assert jm.max_concurrency == 2
+    with shmeval.Evaluator(jm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
+                           max_clients=4, slots_per_client=32, serving_threads=2) as ev:
+        serve_and_compare(ev, reference("dict", params), tuple(OUTPUTS))
+        assert ev.stats()["failed_requests"] == 0
+        assert jm.trace_count == POW2, "serving traced the model again"
 
 
 def test_tuple_outputs_by_order(jax: Any, backend: Any) -> None:

@@ -86,7 +86,14 @@ class JaxModel:
     After ``prepare``: ``trace_count`` (times ``apply_fn`` was traced: once
     per batch size; constant while serving and across weight updates) and
     ``warmup_s`` (seconds ``prepare`` took).
+
+    ``max_concurrency`` (2): calls from two serving threads may overlap (a
+    compiled program runs without the GIL, and a call reads the params
+    without changing anything); the evaluator's tuner keeps two in flight
+    where that serves more.
     """
+
+    max_concurrency = 2
 
     def __init__(self, apply_fn: Callable[..., Any], params: Any, *,
                  buckets: Optional[Sequence[int]] = None, device: Any = None) -> None:
