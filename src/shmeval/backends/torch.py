@@ -216,9 +216,10 @@ class TorchModel:
     ``warmup_s`` (seconds ``prepare`` took).
 
     ``max_concurrency`` (read by the evaluator's tuner after ``prepare``):
-    2 while the frozen module serves (its calls hold the GIL only to enter
-    and leave the graph), else 1 (an unfrozen module's Python between ops
-    makes two threads slower than one on the CPU).
+    on a GPU ``lanes`` (a thread's batch is copied while another's
+    computes); on the CPU 2 while the frozen module serves (its calls hold
+    the GIL only to enter and leave the graph), else 1 (an unfrozen
+    module's Python between ops makes two threads slower than one).
     """
 
     def __init__(self, module_or_path: Any, *, device: Union[None, str, Any] = None,
@@ -282,8 +283,11 @@ class TorchModel:
 
     @property
     def max_concurrency(self) -> int:
-        """Calls that may overlap usefully: 2 while the frozen module serves,
-        else 1 (see the class's docstring)."""
+        """Calls that may overlap usefully: on a GPU one per lane, on the
+        CPU 2 while the frozen module serves, else 1 (see the class's
+        docstring)."""
+        if self.device.type == "cuda":
+            return self.lanes
         return 2 if self.frozen else 1
 
     # -- freezing -------------------------------------------------------------------
