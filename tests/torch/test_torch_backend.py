@@ -393,23 +393,35 @@ def test_frozen_on_the_cpu(torch: Any, backend: Any) -> None:
 
 
 def test_weight_updates_freeze_again(torch: Any, backend: Any) -> None:
-    """A frozen module (its weights folded into the graph) is frozen again
-    after a weight update and serves the new weights; updates too frequent
-    for that (freezing would take over 2% of the time between them) leave
-    the module unfrozen, serving the newest weights."""
+    """A weight update unfreezes the module (the frozen graph holds the old
+    weights); it serves the new weights unfrozen, and is frozen again once
+    its calls have lost what freezing costs.  freeze=True freezes again at
+    once."""
     spec = Spec.build(INPUT_SHAPE, F32, OUTPUTS, 8, 1, 1)
     x = random_states(8, 5)
     tm = backend.TorchModel(pv_net(1))
     tm.prepare(spec, None)
     assert tm.frozen
-    tm._last_update -= 1000.0  # as if the last update was long ago
     tm.set_weights(pv_net(2).state_dict())
-    assert tm.frozen and tm.max_concurrency == 2, tm.freeze_reason
+    assert not tm.frozen and "since a weight update" in tm.freeze_reason
+    assert tm.max_concurrency == 2  # it will be frozen again
     _answers_match(tm, pv_net(2), x)
-    tm.set_weights(pv_net(3).state_dict())  # at once: too frequent
-    assert not tm.frozen and tm.max_concurrency == 1
-    assert "weights change every" in tm.freeze_reason
+    for _ in range(100_000):  # each call counts at least 1 us lost
+        tm(x[:1])
+        if tm.frozen:
+            break
+    assert tm.frozen and "frozen again" in tm.freeze_reason, tm.freeze_reason
+    _answers_match(tm, pv_net(2), x)
+    tm.set_weights(pv_net(3).state_dict())
+    tm._saving = (1e12, 0.0)  # as if an unfrozen call lost 1000 s: the next one freezes
+    tm(x[:1])
+    assert tm.frozen
     _answers_match(tm, pv_net(3), x)
+    forced = backend.TorchModel(pv_net(1), freeze=True)
+    forced.prepare(spec, None)
+    forced.set_weights(pv_net(4).state_dict())
+    assert forced.frozen
+    _answers_match(forced, pv_net(4), x)
 
 
 def test_hot_swap_through_evaluator(torch: Any, backend: Any, tmp_path: Any) -> None:

@@ -55,11 +55,6 @@ from ._contract import (PathLike, castable, check_warm_outputs, checked_weights,
 #: Autocast dtypes ``dtype=`` accepts.
 _AUTOCAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
-#: freeze="auto" stops freezing again after weight updates once that would
-#: take more than this share of the time between two updates (the model
-#: then serves unfrozen: slower per call, but no pause per update).
-REFREEZE_SHARE = 0.02
-
 #: How close the frozen module's answers must be to the module's for
 #: freeze="auto" to serve it (float outputs; others must be equal).
 FREEZE_RTOL, FREEZE_ATOL = 1e-4, 1e-6
@@ -191,11 +186,12 @@ class TorchModel:
     otherwise it serves the module as it is, and ``freeze_reason`` says
     why.  Tracing records the tensor operations of one call: Python side
     effects in ``forward`` (counters, prints, sleeps) do not run in the
-    frozen module; ``freeze=False`` keeps them.  Weight updates freeze
-    again (``freeze_s``); with ``"auto"``, once updates come so often that
-    this would take more than 2% of the time between them, the module is
-    served unfrozen from then on.  ``True``: freeze or raise ``ModelError``.
-    ``dtype``: ``"float16"`` or
+    frozen module; ``freeze=False`` keeps them.  After a weight update
+    ``"auto"`` serves the module until its calls have lost, against frozen
+    ones (measured at start-up), what freezing again costs, then freezes
+    again (``freeze_s``): updates that come often cost little, rare ones
+    are frozen again soon.  ``True``: freeze, also at once after every
+    update, or raise ``ModelError``.  ``dtype``: ``"float16"`` or
     ``"bfloat16"`` runs the forward under ``torch.autocast`` (for the GPU;
     outputs are cast back to the declared dtypes).  ``buckets``: batch
     sizes to pad to when the evaluator has none; with ``compile`` or
@@ -260,7 +256,15 @@ class TorchModel:
         self.frozen = False
         self.freeze_reason = "not prepared yet"
         self.freeze_s = 0.0
-        self._last_update = 0.0
+        # freeze="auto" after a weight update: the module serves, and is
+        # frozen again once its calls have lost what freezing costs (_lost_ns
+        # against _freeze_ns; _saving: what a frozen call saves, ns per
+        # call and per row, measured by prepare).
+        self._refold = False
+        self._saving = (0.0, 0.0)
+        self._lost_ns = 0.0
+        self._freeze_ns = 0
+        self._refold_lock = threading.Lock()
         why_not = self._freeze_unsupported()
         if freeze is True and why_not:
             raise ValueError(f"TorchModel(freeze=True): {why_not}")
@@ -288,7 +292,7 @@ class TorchModel:
         docstring)."""
         if self.device.type == "cuda":
             return self.lanes
-        return 2 if self.frozen else 1
+        return 2 if self.frozen or self._refold else 1
 
     # -- freezing -------------------------------------------------------------------
 
@@ -360,6 +364,7 @@ class TorchModel:
         t0 = time.perf_counter()
         try:
             frozen = self._traced()
+            self._freeze_ns = int((time.perf_counter() - t0) * 1e9)
             why = self._same_answers(frozen)
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -374,25 +379,79 @@ class TorchModel:
         self.frozen = True
         self.freeze_s = time.perf_counter() - t0
         self.freeze_reason = "traced and frozen; its answers match the module's"
+        if self.freeze == "auto":
+            self._saving = self._measure_saving(frozen)
 
-    def _refreeze(self) -> None:
-        """After a weight update: freeze again (the old values are folded
-        into the frozen graph), or, with "auto" and updates so frequent
-        that freezing would take more than REFREEZE_SHARE of the time
-        between them, serve the module unfrozen from now on."""
-        now = time.monotonic()
-        since, self._last_update = now - self._last_update, now
-        if self.freeze == "auto" and since < self.freeze_s / REFREEZE_SHARE:
-            self._unfreeze(f"weights change every {since:.2g} s and freezing takes "
-                           f"{self.freeze_s:.2g} s")
+    def _measure_saving(self, frozen: Any) -> tuple[float, float]:
+        """What a frozen call saves against the module's, in ns per call and
+        per row (a line through 1 row and a larger batch; fastest of three
+        rounds each)."""
+        assert self.spec is not None
+        big = max(2, min(self.spec.max_batch, 16))
+        cost = {}
+        with torch.inference_mode():
+            for rows in (1, big):
+                x = self._example(rows)
+                for name, f in (("module", self.module), ("frozen", frozen)):
+                    f(x)
+                    best = float("inf")
+                    for _ in range(3):
+                        t = time.perf_counter_ns()
+                        for _ in range(5):
+                            f(x)
+                        best = min(best, (time.perf_counter_ns() - t) / 5)
+                    cost[name, rows] = best
+        s1 = cost["module", 1] - cost["frozen", 1]
+        sb = cost["module", big] - cost["frozen", big]
+        per_row = (sb - s1) / (big - 1)
+        return s1 - per_row, per_row
+
+    def _after_update(self) -> None:
+        """The weights changed, and the frozen graph holds the old ones:
+        freeze=True freezes again now; "auto" serves the module until its
+        calls have lost what freezing costs (_count_loss), so that updates
+        that come often cost little and rare ones are frozen again soon."""
+        if self.freeze is True:
+            t0 = time.perf_counter()
+            try:
+                self._forward = self._traced()
+            except Exception as e:
+                self._unfreeze(f"freezing again after a weight update failed: {e}")
+                raise ModelError(f"TorchModel(freeze=True) cannot freeze the new weights: "
+                                 f"{e}") from e
+            self.freeze_s = time.perf_counter() - t0
             return
-        t0 = time.perf_counter()
+        self._unfreeze("unfrozen since a weight update; frozen again once its calls have "
+                       f"lost what freezing costs ({self._freeze_ns / 1e6:.0f} ms)")
+        self._refold = True
+        self._lost_ns = 0.0
+
+    def _count_loss(self, rows: int) -> None:
+        """freeze="auto", unfrozen since an update: counts what this call lost
+        against a frozen one (at least 1 us), and freezes again, in this
+        call's thread, once that reaches what freezing costs."""
+        a, b = self._saving
+        self._lost_ns += max(1000.0, a + b * rows)
+        if self._lost_ns < self._freeze_ns or not self._refold_lock.acquire(blocking=False):
+            return
         try:
-            self._forward = self._traced()
-        except Exception as e:
-            self._unfreeze(f"freezing again after a weight update failed: {e}")
-            return
-        self.freeze_s = time.perf_counter() - t0
+            if not self._refold:  # another thread did it
+                return
+            t0 = time.perf_counter_ns()
+            try:
+                frozen = self._traced()
+            except Exception as e:
+                self._refold = False
+                self.freeze_reason = f"served unfrozen: freezing again failed: {e}"
+                return
+            self._forward = frozen
+            self.frozen = True
+            self._refold = False
+            self._freeze_ns = time.perf_counter_ns() - t0
+            self.freeze_s = self._freeze_ns / 1e9
+            self.freeze_reason = "traced and frozen again after a weight update"
+        finally:
+            self._refold_lock.release()
 
     def _unfreeze(self, why: str) -> None:
         self._forward = self.module
@@ -502,6 +561,8 @@ class TorchModel:
             batch = batch.astype(batch.dtype.newbyteorder("="))
         # The tensor shares the batch's memory: nothing is copied in.
         out = self._fitted(torch.from_numpy(batch))
+        if self._refold:
+            self._count_loss(len(batch))
         return {name: t.numpy() for name, t in zip(self.spec.output_names, out)}
 
     def _call_cuda(self, batch: np.ndarray) -> dict[str, np.ndarray]:
@@ -563,7 +624,6 @@ class TorchModel:
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, getattr(config, name) + len(sizes or ()))
         self._try_freeze()
-        self._last_update = time.monotonic()
         warm = sizes or tuple(sorted({1, spec.max_batch}))
         if self.device.type == "cuda":
             self._thread.lane = None
@@ -682,8 +742,8 @@ class TorchModel:
                 t.copy_(value)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.frozen:
-            self._refreeze()
+        if self.frozen or self._refold:
+            self._after_update()
 
     def load_weights(self, path: PathLike) -> None:
         """Loads weights from a state dict file (``torch.save(module.
