@@ -1640,6 +1640,12 @@ static inline uint32_t shm_scan(shm_seg *s, uint32_t v, char *batch,
  * be off by the requests arriving meanwhile. */
 static inline uint32_t shm_fair_share(shm_seg *s, uint32_t v, uint32_t n,
                                       uint32_t max_batch) {
+    /* MO: relaxed; a count. */
+    uint32_t live = atomic_load_explicit(&shm_hdr(s)->replicas_serving,
+                                         memory_order_relaxed);
+    if (live < 1) live = 1;
+    /* Counting stops where the share reaches max_batch anyway. */
+    uint64_t enough = (uint64_t)live * max_batch;
     uint64_t work = n;
     for (uint32_t u = 0; u < s->p.servers; u++) {
         if (u == v) continue;
@@ -1649,16 +1655,12 @@ static inline uint32_t shm_fair_share(shm_seg *s, uint32_t v, uint32_t n,
         work += held < max_batch ? held : max_batch;
     }
     uint32_t hwm = shm_clients_hwm(s), K = s->p.slots_per_client;
-    for (uint32_t c = 0; c < hwm; c++)
+    for (uint32_t c = 0; c < hwm && work < enough; c++)
         for (uint32_t k = 0; k < K; k++)
             /* MO: relaxed; the scan that takes the slot does the acquire. */
             work += shm_word_state(atomic_load_explicit(
                         shm_slot_word_at(s, c, k), memory_order_relaxed)) ==
                     SLOT_READY;
-    /* MO: relaxed; a count. */
-    uint32_t live = atomic_load_explicit(&shm_hdr(s)->replicas_serving,
-                                         memory_order_relaxed);
-    if (live < 1) live = 1;
     uint64_t share = (work + live - 1) / live;
     if (share < 1) share = 1;
     return share < max_batch ? (uint32_t)share : max_batch;
