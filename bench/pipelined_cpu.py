@@ -16,14 +16,14 @@ import argparse
 import collections
 import functools
 import multiprocessing as mp
-import os
 import resource
 import time
-from typing import Any, Tuple
+from typing import Any
 
 import numpy as np
 
 import shmeval
+from shmeval._util.procstat import cpu_split_s
 from shmeval.bench._timing import timed_calls, timed_pipelined
 from shmeval.bench.roundtrip import NullModel
 
@@ -52,14 +52,6 @@ def worker(ev: Any, q: Any, seconds: float, depth: int, go: Any) -> None:
     q.put((n, r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime, r1.ru_nvcsw - r0.ru_nvcsw))
 
 
-def process_cpu(pid: int) -> Tuple[float, float]:
-    """User and system CPU seconds of a process, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
 def run(workers: int, depth: int, seconds: float) -> None:
     ctx = mp.get_context("spawn")
     ev = shmeval.Evaluator.spawn(functools.partial(NullModel, 7), input_shape=SHAPE,
@@ -72,10 +64,10 @@ def run(workers: int, depth: int, seconds: float) -> None:
         for p in procs:
             p.start()
         time.sleep(3 + 0.3 * workers)  # started and warmed up
-        e0 = process_cpu(ev.pid)
+        e0 = cpu_split_s(ev.pid)
         go.set()
         time.sleep(seconds)
-        e1 = process_cpu(ev.pid)
+        e1 = cpu_split_s(ev.pid)
         rs = [q.get(timeout=120) for _ in procs]
         for p in procs:
             p.join()

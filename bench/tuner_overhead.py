@@ -24,6 +24,7 @@ import shmeval
 from shmeval.bench.roundtrip import NullModel
 from shmeval.bench._timing import timed_calls
 
+
 def worker(ev: Any, q: Any, secs: float, go: Any, spin_us: Union[float, str, None]) -> None:
     c = shmeval.connect(ev.address, spin_us=spin_us) if spin_us is not None else ev
     s = np.zeros((6, 7, 2), np.float32)
@@ -35,11 +36,13 @@ def worker(ev: Any, q: Any, secs: float, go: Any, spin_us: Union[float, str, Non
     st = c.stats()
     q.put((n, st.get("client_spin")))
 
+
+TODAY = dict(max_wait_us=0, spin_us=100, evaluator_spin_us=50, serving_threads=1)
 VARIANTS: Dict[str, Tuple[Dict[str, Any], Optional[Union[float, str]]]] = {
     "auto": ({}, None),
-    "today": (dict(max_wait_us=0, spin_us=100, evaluator_spin_us=50, serving_threads=1), None),
+    "today": (TODAY, None),
     "auto-ev+client100": ({}, 100),
-    "today-ev+client-auto": (dict(max_wait_us=0, spin_us=100, evaluator_spin_us=50, serving_threads=1), "auto"),
+    "today-ev+client-auto": (TODAY, "auto"),
     "auto-threads1": (dict(serving_threads=1), None),
 }
 
@@ -51,11 +54,14 @@ def main() -> None:
     for _ in range(2):
         for name in names:
             kw, client_spin = VARIANTS[name]
-            ev = shmeval.Evaluator.spawn(functools.partial(NullModel, 7), input_shape=(6, 7, 2), input_dtype="float32",
-                outputs={"policy": ((7,), "float32"), "value": ((), "float32")}, max_batch=256, **kw)
+            ev = shmeval.Evaluator.spawn(
+                functools.partial(NullModel, 7), input_shape=(6, 7, 2), input_dtype="float32",
+                outputs={"policy": ((7,), "float32"), "value": ((), "float32")},
+                max_batch=256, **kw)
             try:
                 q, go = ctx.Queue(), ctx.Event()
-                ps = [ctx.Process(target=worker, args=(ev, q, secs, go, client_spin)) for _ in range(nw)]
+                ps = [ctx.Process(target=worker, args=(ev, q, secs, go, client_spin))
+                      for _ in range(nw)]
                 for p in ps:
                     p.start()
                 time.sleep(5)   # the tuner settles
@@ -64,7 +70,8 @@ def main() -> None:
                 for p in ps:
                     p.join()
                 t = ev.stats().get("tuner") or {}
-                print(f"{name:22s} {sum(r[0] for r in rs)/secs:>9,.0f}/s  ev spin {t.get('spin')} {t.get('spin_us')}  client {rs[0][1]}", flush=True)
+                print(f"{name:22s} {sum(r[0] for r in rs) / secs:>9,.0f}/s  "
+                      f"ev spin {t.get('spin')} {t.get('spin_us')}  client {rs[0][1]}", flush=True)
             finally:
                 ev.close()
 

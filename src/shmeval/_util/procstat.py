@@ -32,14 +32,20 @@ def pss_mb(pid: int) -> Optional[float]:
     return _kb_field_mb(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (all its threads); NaN if gone."""
+def cpu_split_s(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of ``pid`` (all its threads); NaNs if
+    gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        return int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK
     except (OSError, IndexError, ValueError):
-        return float("nan")
+        return float("nan"), float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (all its threads); NaN if gone."""
+    return sum(cpu_split_s(pid))
 
 
 def machine_busy_s() -> float:

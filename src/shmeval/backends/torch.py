@@ -255,7 +255,6 @@ class TorchModel:
         self.freeze: Union[bool, str] = freeze
         self.frozen = False
         self.freeze_reason = "not prepared yet"
-        self.freeze_s = 0.0
         # freeze="auto" after a weight update: the module serves, and is
         # frozen again once its calls have lost what freezing costs (_lost_ns
         # against _freeze_ns; _saving: what a frozen call saves, ns per
@@ -284,6 +283,11 @@ class TorchModel:
         self._lane_rows = 0
         self._graph_sizes: tuple[int, ...] = ()
         self._thread = _ThreadLane()
+
+    @property
+    def freeze_s(self) -> float:
+        """Seconds the last trace and freeze took (0 before any)."""
+        return self._freeze_ns / 1e9
 
     @property
     def max_concurrency(self) -> int:
@@ -345,7 +349,8 @@ class TorchModel:
         module does, else how they differ."""
         for rows in (1, 5):
             x = self._example(rows)
-            for name, a, b in zip(self.spec.output_names if self.spec else (),
+            assert self.spec is not None
+            for name, a, b in zip(self.spec.output_names,
                                   self._answers(self.module, x), self._answers(frozen, x)):
                 if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \
                         a.shape != b.shape or a.dtype != b.dtype:
@@ -377,7 +382,6 @@ class TorchModel:
             return
         self._forward = frozen
         self.frozen = True
-        self.freeze_s = time.perf_counter() - t0
         self.freeze_reason = "traced and frozen; its answers match the module's"
         if self.freeze == "auto":
             self._saving = self._measure_saving(frozen)
@@ -412,14 +416,12 @@ class TorchModel:
         calls have lost what freezing costs (_count_loss), so that updates
         that come often cost little and rare ones are frozen again soon."""
         if self.freeze is True:
-            t0 = time.perf_counter()
             try:
-                self._forward = self._traced()
+                self._freeze_again()
             except Exception as e:
                 self._unfreeze(f"freezing again after a weight update failed: {e}")
                 raise ModelError(f"TorchModel(freeze=True) cannot freeze the new weights: "
                                  f"{e}") from e
-            self.freeze_s = time.perf_counter() - t0
             return
         self._unfreeze("unfrozen since a weight update; frozen again once its calls have "
                        f"lost what freezing costs ({self._freeze_ns / 1e6:.0f} ms)")
@@ -437,21 +439,23 @@ class TorchModel:
         try:
             if not self._refold:  # another thread did it
                 return
-            t0 = time.perf_counter_ns()
-            try:
-                frozen = self._traced()
-            except Exception as e:
-                self._refold = False
-                self.freeze_reason = f"served unfrozen: freezing again failed: {e}"
-                return
-            self._forward = frozen
-            self.frozen = True
             self._refold = False
-            self._freeze_ns = time.perf_counter_ns() - t0
-            self.freeze_s = self._freeze_ns / 1e9
-            self.freeze_reason = "traced and frozen again after a weight update"
+            try:
+                self._freeze_again()
+            except Exception as e:
+                self.freeze_reason = f"served unfrozen: freezing again failed: {e}"
         finally:
             self._refold_lock.release()
+
+    def _freeze_again(self) -> None:
+        """Traces and freezes the module with its current weights and serves
+        that (the answers were checked at start-up)."""
+        t0 = time.perf_counter_ns()
+        frozen = self._traced()
+        self._freeze_ns = time.perf_counter_ns() - t0
+        self._forward = frozen
+        self.frozen = True
+        self.freeze_reason = "traced and frozen again after a weight update"
 
     def _unfreeze(self, why: str) -> None:
         self._forward = self.module
@@ -722,7 +726,9 @@ class TorchModel:
         the device, before anything is overwritten: a bad update raises
         ValueError (a failed move, its error) and leaves every weight as it
         was.  Compiled code and CUDA graphs read the new values; nothing is
-        compiled again.  A frozen module is frozen again (``freeze_s``)."""
+        compiled again.  A frozen module is frozen again: at once with
+        ``freeze=True``, with "auto" once its unfrozen calls have lost what
+        that costs."""
         state = self._state()
         if isinstance(weights, Mapping):
             missing = [k for k in state if k not in weights]
