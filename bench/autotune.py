@@ -38,7 +38,9 @@ setting and the ratios auto/best and auto/today; the targets are auto >=
 0.9x the best hand setting and >= today's in every cell.  The best of
 several noisy figures overstates the setting it picks, so the table also
 holds that comparison out: the best hand setting chosen on the first half
-of the rounds, against auto on the other half (held_out).
+of the rounds, against auto on the other half (held_out).  Where today and
+nospin are one setting (same_setting: the spin rule lets no one spin), the
+summary gives their ratio, the noise any comparison of the run carries.
 
 --timeline runs a second experiment instead, on the CPUs it has: the device
 model served with every knob "auto" while 16 workers become 64 and then
@@ -309,6 +311,28 @@ def held_out(rates: Dict[str, List[float]], hand: Sequence[str]) -> Optional[Tup
             statistics.median(rates["auto"][k:rounds]))
 
 
+def same_setting(model: str, cpus: int, workers: int) -> bool:
+    """``today`` and ``nospin`` are one setting in this cell: a model
+    without TensorFlow (the two differ in the net's style only for tfnet),
+    and more processes (the workers and the evaluator) than one per CPU
+    plus one, where the spin rule (``_ring._spin_policy``) lets neither the
+    clients nor the evaluator spin, whatever their budgets.  Their ratio
+    there is the grid's noise: what two runs of one setting differ by."""
+    return model != "tfnet" and workers > cpus
+
+
+def noise(cells: Dict[Tuple[str, int, int], Dict[str, float]]) -> Dict[str, Any]:
+    """today against nospin where they are one setting (same_setting):
+    the larger over the smaller in each such cell."""
+    ratios = [max(r["today"], r["nospin"]) / min(r["today"], r["nospin"])
+              for (model, cpus, n), r in cells.items()
+              if same_setting(model, cpus, n) and r.get("today") and r.get("nospin")]
+    return {"cells": len(ratios),
+            "median": statistics.median(ratios) if ratios else None,
+            "max": max(ratios) if ratios else None,
+            "cells_apart_by_more_than_0.9": sum(x > 1 / 0.9 for x in ratios)}
+
+
 def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dict[str, Any]]:
     """The Markdown table of the grid and its summary.  ``best hand`` and
     ``auto / best`` take the best of the hand settings' medians over all
@@ -364,6 +388,8 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
         "min_auto_over_today": least(ratios["today"]),
         "median_auto_over_today": median(ratios["today"]),
         "cells_auto_at_least_today": sum(r >= 1.0 for r in ratios["today"]),
+        "same_setting_today_nospin": noise({k: {s: r["rate"] for s, r in v.items()}
+                                            for k, v in cells.items()}),
     }
     return "\n".join(lines), summary
 

@@ -60,3 +60,20 @@ def test_a_single_round_has_no_held_out_comparison(autotune: Any) -> None:
     assert summary["held_out_cells"] == 0
     assert summary["min_auto_over_best_held_out"] is None
     assert summary["min_auto_over_best"] == pytest.approx(100.0 / 120.0)
+
+
+def test_the_noise_is_read_where_today_and_nospin_are_one_setting(autotune: Any) -> None:
+    # More workers than CPUs: the spin rule lets no one spin, so today and
+    # nospin are the same setting there (except for the TensorFlow net,
+    # which today runs unfrozen).
+    assert autotune.same_setting("null", 2, 4) and autotune.same_setting("device", 1, 2)
+    assert not autotune.same_setting("null", 2, 2) and not autotune.same_setting("tfnet", 1, 64)
+    cells = {("null", 2, 4): {"today": 120.0, "nospin": 100.0},
+             ("device", 1, 16): {"today": 100.0, "nospin": 105.0},
+             ("null", 2, 2): {"today": 300.0, "nospin": 100.0},    # they differ here
+             ("tfnet", 1, 16): {"today": 50.0, "nospin": 100.0}}   # and here
+    got = autotune.noise(cells)
+    assert got["cells"] == 2
+    assert got["max"] == pytest.approx(1.2)
+    assert got["median"] == pytest.approx((1.2 + 1.05) / 2)
+    assert got["cells_apart_by_more_than_0.9"] == 1
