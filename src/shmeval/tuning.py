@@ -50,7 +50,9 @@ long spin) is
 compared with the simpler one in force in adjacent pairs of windows (one
 housekeeping period each), alternating, and adopted only if it served more
 requests in every pair of three, or in five of six when the first three
-disagree (``TRIAL_PAIRS``).  After that the settings hold until the
+disagree (``TRIAL_PAIRS``).  A window in which no model call ran (the
+clients paused or left) does not count: a trial waits for requests
+rather than deciding on empty windows.  After that the settings hold until the
 load changes: the attached clients, the model's cost per call or the CPUs
 by ``CHANGE_RATIO`` or more for ``HORIZON_NS`` (a weight update that makes
 the net slower, workers joining or leaving, another program taking the
@@ -398,7 +400,12 @@ class Tuner:
             self.cost = Cost.fit(calls, self.cost)
             self._batches(np.fromiter((c[2] for c in calls), np.int64, len(calls)))
         if self.trial is not None:
-            if _moved(self.trial.clients, r.clients):
+            if not r.calls:
+                # Nothing was served (the clients paused or left): the
+                # window tells the trial nothing, and the setting in force
+                # stays for the next one.
+                pass
+            elif _moved(self.trial.clients, r.clients):
                 self._start_trials()   # the load changed under the trial: start over
             else:
                 self._trial_window(rate)

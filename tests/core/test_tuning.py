@@ -328,6 +328,24 @@ def test_a_change_during_a_trial_starts_it_over() -> None:
     assert t.trial is not None and t.trial.clients == 64 and len(t.trial.rates) == 0
 
 
+def test_a_trial_waits_out_a_pause_of_the_clients() -> None:
+    # The clients stop during the trial of a second call in flight (which
+    # pays) and come back: the empty windows neither decide the trial nor
+    # start it over, and it is decided on the windows with requests.
+    t = Tuner(256, 2, WAKE)
+    feed = Feed(t, clients=16)
+    feed.run(3, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
+    assert t.trial is not None and t.trial.knob == "threads"
+    counted = len(t.trial.rates)
+    feed.clients = 0
+    feed.run(4 * TRIAL_PAIRS, lambda d: 0.0, [], FIXED, PER_ROW)
+    assert t.trial is not None and t.trial.knob == "threads"
+    assert len(t.trial.rates) == counted
+    feed.clients = 16
+    settle(feed, lambda d: 10_000.0 * d.threads, [16] * 40)
+    assert t.decision.threads == 2 and t.why_threads.startswith("2:")
+
+
 def test_idle_evaluator_runs_no_trials() -> None:
     t = Tuner(256, 2, WAKE)
     feed = Feed(t, clients=0)
