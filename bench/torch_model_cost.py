@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Cost of one call of bench/torch_throughput.py's PyTorch net by batch
+size, in this process on the CPU (no IPC, no shmeval), as the evaluator
+calls it:
+
+  module    the nn.Module under torch.inference_mode
+  frozen    traced and frozen, as TorchModel(freeze="auto") serves it
+  frozen-no-onednn
+            the frozen net with oneDNN turned off for the call
+            (torch.backends.mkldnn.enabled = False): PyTorch's own
+            convolution, which PyTorch uses for one row and hands to
+            oneDNN from two rows on
+  compiled  torch.compile (inductor, one graph per batch size), with
+            --compile only: each batch size compiles for seconds
+
+Each figure is the median of --rounds rounds of --calls calls, the styles
+and batch sizes interleaved within a round, so that a disturbance of the
+machine falls on all of them alike.
+
+    python bench/torch_model_cost.py
+    python bench/torch_model_cost.py --batches 1,2,4,8,16,32 --threads 1 --compile
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+from tf_throughput import STATE_SHAPE, NetConfig, make_weights
+from torch_throughput import build_net, import_torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    ap.add_argument("--filters", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=20, help="calls per round and figure")
+    ap.add_argument("--compile", action="store_true", help="add torch.compile's net")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    torch = import_torch(args.threads)
+    cfg = NetConfig(filters=args.filters, layers=args.layers)
+    net = build_net(cfg, make_weights(cfg))
+    with torch.inference_mode():
+        frozen = torch.jit.freeze(torch.jit.trace(net, torch.zeros(4, *STATE_SHAPE), strict=False))
+
+        def no_onednn(x: Any) -> Any:
+            torch.backends.mkldnn.enabled = False
+            try:
+                return frozen(x)
+            finally:
+                torch.backends.mkldnn.enabled = True
+
+        styles: Dict[str, Callable[[Any], Any]] = {
+            "module": net, "frozen": frozen, "frozen-no-onednn": no_onednn}
+        if args.compile:
+            styles["compiled"] = torch.compile(net, dynamic=False)
+        xs = {b: torch.randn(b, *STATE_SHAPE) for b in batches}
+        for f in styles.values():
+            for x in xs.values():
+                for _ in range(3):
+                    f(x)
+        times: Dict[tuple, List[float]] = {(s, b): [] for s in styles for b in batches}
+        for _ in range(args.rounds):
+            for s, f in styles.items():
+                for b, x in xs.items():
+                    t = time.perf_counter_ns()
+                    for _ in range(args.calls):
+                        f(x)
+                    times[s, b].append((time.perf_counter_ns() - t) / args.calls / 1e3)
+
+    print(f"torch {torch.__version__}, {args.threads} intra-op thread(s); "
+          f"µs per call (µs per row), median of {args.rounds} rounds of {args.calls} calls")
+    print("| style | " + " | ".join(f"{b} row{'s' if b > 1 else ''}" for b in batches) + " |")
+    print("|---|" + "---|" * len(batches))
+    for s in styles:
+        cells = []
+        for b in batches:
+            us = statistics.median(times[s, b])
+            cells.append(f"{us:,.0f} ({us / b:,.0f})")
+        print(f"| {s} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
