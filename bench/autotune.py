@@ -291,7 +291,8 @@ def run_grid(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
-def held_out(rates: Dict[str, List[float]], hand: Sequence[str]) -> Optional[Tuple[str, float, float]]:
+def held_out(rates: Dict[str, List[float]],
+             hand: Sequence[str]) -> Optional[Tuple[str, float, float]]:
     """The best hand setting chosen on the first half of a cell's rounds and
     measured on the other half: (setting, its median there, auto's median
     in the same rounds), or None with fewer than two rounds.
