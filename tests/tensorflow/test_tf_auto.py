@@ -63,7 +63,7 @@ def test_updates_are_served_at_once_and_folded_when_it_pays(backend: Any) -> Non
     assert not serving_frozen(tm, backend)     # no fold in set_weights
     # Each call loses a stated 1 ms against a frozen one; a fold costs 3 ms
     # (stated: the measured figures depend on the machine's load).
-    tm._saving, tm._fold_ns = (1_000_000.0, 0.0), 3_000_000
+    tm._fold.saving, tm._fold.cost_ns = (1_000_000.0, 0.0), 3_000_000
     np.testing.assert_allclose(tm(x)["policy"], direct(m, x), rtol=1e-5, atol=1e-6)
     tm(x)
     assert not serving_frozen(tm, backend)     # 2 ms lost: not yet
@@ -75,11 +75,11 @@ def test_updates_are_served_at_once_and_folded_when_it_pays(backend: Any) -> Non
 def test_frequent_updates_are_never_folded(backend: Any) -> None:
     m = pv_net(2)
     tm = prepared(backend, m)
-    tm._saving = (1_000.0, 0.0)
+    tm._fold.saving = (1_000.0, 0.0)
     weights = m.get_weights()
     x = random_states(2, 1)
     for k in range(5):
-        tm._fold_ns = 10**12   # whatever a fold costs, 10 calls between updates lose less
+        tm._fold.cost_ns = 10**12   # whatever a fold costs, 10 calls between updates lose less
         tm.set_weights([w * (1 + 0.1 * k) for w in weights])
         for _ in range(10):
             out = tm(x)

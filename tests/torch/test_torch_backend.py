@@ -413,7 +413,7 @@ def test_weight_updates_freeze_again(torch: Any, backend: Any) -> None:
     assert tm.frozen and "frozen again" in tm.freeze_reason, tm.freeze_reason
     _answers_match(tm, pv_net(2), x)
     tm.set_weights(pv_net(3).state_dict())
-    tm._saving = (1e12, 0.0)  # as if an unfrozen call lost 1000 s: the next one freezes
+    tm._fold.saving = (1e12, 0.0)  # as if an unfrozen call lost 1000 s: the next one freezes
     tm(x[:1])
     assert tm.frozen
     _answers_match(tm, pv_net(3), x)

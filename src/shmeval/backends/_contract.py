@@ -1,7 +1,8 @@
 """What every framework backend (``TFModel``, ``TorchModel``, ``JaxModel``)
 checks the same way, without importing a framework: the batch sizes a
 model is prepared for, how its outputs are matched to the declared ones
-and fitted to them, and the checks of a weight update.
+and fitted to them, the checks of a weight update, and when a faster
+form of the model is rebuilt after one (:class:`Refold`).
 
 The rules are those of the evaluator (docs/guide.md, *The model*): outputs
 matched by name when the model names them, by order otherwise; an output
@@ -14,7 +15,9 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any, Mapping, Optional, Sequence, Union
+import threading
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 
@@ -25,6 +28,59 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 #: The keys a TensorFlow SavedModel signature gives outputs that had no name.
 _UNNAMED = re.compile(r"output_(\d+)")
+
+T = TypeVar("T")
+
+
+def best_ns(call: Callable[[], Any], repeats: int = 3) -> int:
+    """The fastest of ``repeats`` calls, in ns."""
+    best = None
+    for _ in range(repeats):
+        t = time.perf_counter_ns()
+        call()
+        dt = time.perf_counter_ns() - t
+        best = dt if best is None else min(best, dt)
+    assert best is not None
+    return best
+
+
+class Refold:
+    """When to rebuild a form of the model that is faster per call but
+    holds the weights (``TFModel``'s folded graphs, ``TorchModel``'s frozen
+    trace): after a weight update the slower form serves, each call adds
+    what it lost against the faster one (``saving``: ns per call and per
+    row, measured at start-up; at least ``floor_ns``), and the faster form
+    is rebuilt, in the calling thread, once the losses reach what the last
+    rebuild cost (``cost_ns``).  Updates that come often then cost little
+    and rare ones are rebuilt soon: never more than twice the better choice
+    made in hindsight (ski rental)."""
+
+    def __init__(self, floor_ns: float = 0.0) -> None:
+        self.saving = (0.0, 0.0)
+        self.cost_ns = 0
+        self.lost_ns = 0.0
+        self.floor_ns = floor_ns
+        self._lock = threading.Lock()
+
+    def timed(self, rebuild: Callable[[], T]) -> T:
+        """``rebuild()``, its time kept as ``cost_ns``."""
+        t = time.perf_counter_ns()
+        out = rebuild()
+        self.cost_ns = time.perf_counter_ns() - t
+        return out
+
+    def charge(self, rows: int, rebuild: Callable[[], Any]) -> None:
+        """A call of ``rows`` rows by the slower form: adds its loss, and
+        calls ``rebuild`` once the losses reach ``cost_ns``, unless another
+        thread is at it (``rebuild`` then finds it done, or not due)."""
+        a, b = self.saving
+        self.lost_ns += max(self.floor_ns, a + b * rows)
+        if self.lost_ns < self.cost_ns or not self._lock.acquire(blocking=False):
+            return
+        try:
+            rebuild()
+        finally:
+            self._lock.release()
 
 
 def pow2_buckets(max_batch: int) -> tuple[int, ...]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -37,8 +36,9 @@ import tensorflow as tf
 
 from ..errors import ModelError
 from ..spec import OutputSpec, Spec
-from ._contract import (PathLike, castable, check_warm_outputs, checked_weights,
-                        match_outputs, needs_reshape, npz_weights, own_buckets, serving_sizes)
+from ._contract import (PathLike, Refold, best_ns, castable, check_warm_outputs,
+                        checked_weights, match_outputs, needs_reshape, npz_weights, own_buckets,
+                        serving_sizes)
 
 
 def configure(memory_growth: bool = True, memory_limit_mb: Optional[int] = None,
@@ -122,18 +122,6 @@ def _load(source: Any) -> Any:
         raise TypeError(f"TFModel needs a Keras model, a tf.function / tf.Module, a .keras "
                         f"file or a SavedModel directory, got {type(source).__name__}")
     return source
-
-
-def _best_ns(call: Callable[[], Any], repeats: int = 3) -> int:
-    """The fastest of ``repeats`` calls, in ns."""
-    best = None
-    for _ in range(repeats):
-        t = time.perf_counter_ns()
-        call()
-        dt = time.perf_counter_ns() - t
-        best = dt if best is None else min(best, dt)
-    assert best is not None
-    return best
 
 
 def _fit(t: Any, o: OutputSpec) -> Any:
@@ -421,12 +409,8 @@ class TFModel:
         self._by_rows: dict[int, Any] = {}
         self._traced: dict[Optional[int], Any] = {}  # _body's concrete functions
         self._trace_error: Optional[ModelError] = None  # raised while tracing
-        # freeze="auto": what folding saves per call (ns, a line in the rows),
-        # what a fold costs, and the time calls lost since the last update.
-        self._saving = (0.0, 0.0)
-        self._fold_ns = 0
-        self._lost_ns = 0.0
-        self._fold_lock = threading.Lock()
+        # freeze="auto": when the weights are folded again after an update.
+        self._fold = Refold()
 
     # -- tracing ---------------------------------------------------------------
 
@@ -543,16 +527,14 @@ class TFModel:
             x = np.zeros((rows, *self._row_shape), self._dtype.newbyteorder("="))
             frozen = self._by_rows.get(rows) or self._general
             plain = self._traced.get(rows) or self._traced[None]
-            saved.append(_best_ns(lambda: self._run(plain, x)) -
-                         _best_ns(lambda: self._run(frozen, x)))
+            saved.append(best_ns(lambda: self._run(plain, x)) -
+                         best_ns(lambda: self._run(frozen, x)))
         if len(sizes) > 1:
             slope, intercept = np.polyfit(np.asarray(sizes, np.float64), saved, 1)
         else:
             slope, intercept = 0.0, saved[0]
-        self._saving = (float(intercept), float(slope))
-        t = time.perf_counter_ns()
-        self._refreeze()
-        self._fold_ns = time.perf_counter_ns() - t
+        self._fold.saving = (float(intercept), float(slope))
+        self._fold.timed(self._refreeze)
         if max(saved) <= 0:
             self._unfreeze()
             self.auto_freeze = False
@@ -570,24 +552,19 @@ class TFModel:
     def _unfrozen_call(self, rows: int) -> None:
         """freeze="auto", unfrozen since an update: counts what the call
         lost against a frozen one, and folds once that reaches what a fold
-        costs (in this call's thread; another serving thread keeps serving
-        unfrozen meanwhile)."""
-        a, b = self._saving
-        self._lost_ns += max(0.0, a + b * rows)
-        if self._lost_ns < self._fold_ns or not self._fold_lock.acquire(blocking=False):
+        costs (Refold; in this call's thread, another serving thread keeps
+        serving unfrozen meanwhile)."""
+        self._fold.charge(rows, self._fold_again)
+
+    def _fold_again(self) -> None:
+        if self.freeze:  # another thread folded
             return
+        self.freeze = True
         try:
-            if not self.freeze:
-                t = time.perf_counter_ns()
-                self.freeze = True
-                try:
-                    self._refreeze()
-                except BaseException:
-                    self.freeze = False
-                    raise
-                self._fold_ns = time.perf_counter_ns() - t
-        finally:
-            self._fold_lock.release()
+            self._fold.timed(self._refreeze)
+        except BaseException:
+            self.freeze = False
+            raise
 
     def _warm_up(self, rows: int) -> None:
         """Runs a batch of zeros: compiles, and checks the exact outputs."""
@@ -675,7 +652,7 @@ class TFModel:
             # Served unfrozen from now on, until folding pays (_unfrozen_call).
             self._assign(variables, arrays)
             self._unfreeze()
-            self._lost_ns = 0.0
+            self._fold.lost_ns = 0.0
             return
         old = self.get_weights() if self.freeze else None
         self._assign(variables, arrays)
@@ -707,7 +684,7 @@ class TFModel:
                 self.model.load_weights(path)
                 if self.auto_freeze:
                     self._unfreeze()
-                    self._lost_ns = 0.0
+                    self._fold.lost_ns = 0.0
                 self._refreeze()
             except BaseException:
                 self.model.set_weights(old)

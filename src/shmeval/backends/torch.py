@@ -49,8 +49,9 @@ import torch
 
 from ..errors import ModelError
 from ..spec import Spec
-from ._contract import (PathLike, castable, check_warm_outputs, checked_weights,
-                        match_outputs, needs_reshape, npz_weights, own_buckets, serving_sizes)
+from ._contract import (PathLike, Refold, best_ns, castable, check_warm_outputs,
+                        checked_weights, match_outputs, needs_reshape, npz_weights, own_buckets,
+                        serving_sizes)
 
 #: Autocast dtypes ``dtype=`` accepts.
 _AUTOCAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -255,15 +256,12 @@ class TorchModel:
         self.freeze: Union[bool, str] = freeze
         self.frozen = False
         self.freeze_reason = "not prepared yet"
-        # freeze="auto" after a weight update: the module serves, and is
-        # frozen again once its calls have lost what freezing costs (_lost_ns
-        # against _freeze_ns; _saving: what a frozen call saves, ns per
-        # call and per row, measured by prepare).
+        # freeze="auto" after a weight update: the module serves (_refold),
+        # and is frozen again once its calls have lost what freezing costs
+        # (each call at least 1 us, so that it comes however the saving was
+        # measured).
         self._refold = False
-        self._saving = (0.0, 0.0)
-        self._lost_ns = 0.0
-        self._freeze_ns = 0
-        self._refold_lock = threading.Lock()
+        self._fold = Refold(floor_ns=1000.0)
         why_not = self._freeze_unsupported()
         if freeze is True and why_not:
             raise ValueError(f"TorchModel(freeze=True): {why_not}")
@@ -287,7 +285,7 @@ class TorchModel:
     @property
     def freeze_s(self) -> float:
         """Seconds the last trace and freeze took (0 before any)."""
-        return self._freeze_ns / 1e9
+        return self._fold.cost_ns / 1e9
 
     @property
     def max_concurrency(self) -> int:
@@ -366,10 +364,8 @@ class TorchModel:
         it answers as the module does.  freeze=True: ModelError otherwise."""
         if not self.freeze:
             return
-        t0 = time.perf_counter()
         try:
-            frozen = self._traced()
-            self._freeze_ns = int((time.perf_counter() - t0) * 1e9)
+            frozen = self._fold.timed(self._traced)
             why = self._same_answers(frozen)
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -384,7 +380,7 @@ class TorchModel:
         self.frozen = True
         self.freeze_reason = "traced and frozen; its answers match the module's"
         if self.freeze == "auto":
-            self._saving = self._measure_saving(frozen)
+            self._fold.saving = self._measure_saving(frozen)
 
     def _measure_saving(self, frozen: Any) -> tuple[float, float]:
         """What a frozen call saves against the module's, in ns per call and
@@ -398,13 +394,7 @@ class TorchModel:
                 x = self._example(rows)
                 for name, f in (("module", self.module), ("frozen", frozen)):
                     f(x)
-                    best = float("inf")
-                    for _ in range(3):
-                        t = time.perf_counter_ns()
-                        for _ in range(5):
-                            f(x)
-                        best = min(best, (time.perf_counter_ns() - t) / 5)
-                    cost[name, rows] = best
+                    cost[name, rows] = best_ns(lambda: [f(x) for _ in range(5)]) / 5
         s1 = cost["module", 1] - cost["frozen", 1]
         sb = cost["module", big] - cost["frozen", big]
         per_row = (sb - s1) / (big - 1)
@@ -424,36 +414,29 @@ class TorchModel:
                                  f"{e}") from e
             return
         self._unfreeze("unfrozen since a weight update; frozen again once its calls have "
-                       f"lost what freezing costs ({self._freeze_ns / 1e6:.0f} ms)")
+                       f"lost what freezing costs ({self._fold.cost_ns / 1e6:.0f} ms)")
         self._refold = True
-        self._lost_ns = 0.0
+        self._fold.lost_ns = 0.0
 
     def _count_loss(self, rows: int) -> None:
         """freeze="auto", unfrozen since an update: counts what this call lost
         against a frozen one (at least 1 us), and freezes again, in this
-        call's thread, once that reaches what freezing costs."""
-        a, b = self._saving
-        self._lost_ns += max(1000.0, a + b * rows)
-        if self._lost_ns < self._freeze_ns or not self._refold_lock.acquire(blocking=False):
+        call's thread, once that reaches what freezing costs (Refold)."""
+        self._fold.charge(rows, self._refreeze_due)
+
+    def _refreeze_due(self) -> None:
+        if not self._refold:  # another thread did it
             return
+        self._refold = False
         try:
-            if not self._refold:  # another thread did it
-                return
-            self._refold = False
-            try:
-                self._freeze_again()
-            except Exception as e:
-                self.freeze_reason = f"served unfrozen: freezing again failed: {e}"
-        finally:
-            self._refold_lock.release()
+            self._freeze_again()
+        except Exception as e:
+            self.freeze_reason = f"served unfrozen: freezing again failed: {e}"
 
     def _freeze_again(self) -> None:
         """Traces and freezes the module with its current weights and serves
         that (the answers were checked at start-up)."""
-        t0 = time.perf_counter_ns()
-        frozen = self._traced()
-        self._freeze_ns = time.perf_counter_ns() - t0
-        self._forward = frozen
+        self._forward = self._fold.timed(self._traced)
         self.frozen = True
         self.freeze_reason = "traced and frozen again after a weight update"
 
