@@ -63,9 +63,11 @@ cdef class SpinArms:
     """A client's spin budget with spin_us "auto": a short and a long arm."""
     cdef readonly uint64_t short_ns
     cdef readonly uint64_t long_ns     # 0: one fixed budget (short_ns)
-    cdef double mean_ns[2]             # a wait's ns under each arm, smoothed
-    cdef uint32_t waits
-    cdef int arm                       # the arm of the wait in progress
+    cdef double mean_ns[2]             # a wait's ns under each arm, by blocks
+    cdef double block_ns               # the judged waits of this block, summed
+    cdef uint32_t waits                # ... and counted
+    cdef uint32_t blocks
+    cdef int arm                       # the arm of this block
     cdef uint64_t pick(self) noexcept
     cdef void saw(self, uint64_t ns) noexcept
 

@@ -1027,10 +1027,12 @@ cdef inline int _publish_and_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t g
     return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, t)
 
 
-# SpinArms: every SPIN_EXPLORE-th wait tries the arm that is behind, and each
-# arm's mean moves by 1/SPIN_SMOOTH of the way to each wait it had.
-DEF SPIN_EXPLORE = 64
-DEF SPIN_SMOOTH = 8.0
+# SpinArms: the judged waits go in blocks of SPIN_BLOCK, each block under one
+# arm; every SPIN_EXPLORE-th block tries the arm that is behind, and an arm's
+# mean moves by 1/SPIN_SMOOTH of the way to each block's mean.
+DEF SPIN_BLOCK = 64
+DEF SPIN_EXPLORE = 16
+DEF SPIN_SMOOTH = 2.0
 
 
 cdef class SpinArms:
@@ -1044,11 +1046,18 @@ cdef class SpinArms:
     model, a short batch) without the sleep, the evaluator's wake-up call
     and the wake-up's latency.  Which pays depends on the model, the load
     and the machine, so the client measures it: each wait's ns (from the
-    post to the answer) goes to its arm's running mean, the arm with the
-    shorter mean serves the waits, and every SPIN_EXPLORE-th wait tries the
-    other one, so that a change of load is followed.  A spin that costs
-    another process its CPU shows as longer waits and loses.  ``long_ns``
-    0: one fixed budget (``spin_us`` set by the caller)."""
+    post to the answer) counts towards its arm's mean, the arm with the
+    shorter mean serves, and every SPIN_EXPLORE-th block tries the other
+    one, so that a change of load is followed.  A spin that costs another
+    process its CPU shows as longer waits and loses.
+
+    The arms take turns by blocks of SPIN_BLOCK waits, not wait by wait:
+    what a spin saves shows only while it lasts (a CPU that stays awake, an
+    evaluator that finds its clients spinning), so one long wait among
+    short ones measures the short arm's regime, not the long arm's; and a
+    block's mean of 64 waits is steady where a mean smoothed over a few
+    waits follows their tail.  ``long_ns`` 0: one fixed budget
+    (``spin_us`` set by the caller)."""
 
     def __cinit__(self, uint64_t short_ns, uint64_t long_ns=0):
         self.short_ns = short_ns
@@ -1056,27 +1065,33 @@ cdef class SpinArms:
 
     cdef uint64_t pick(self) noexcept:
         """The budget of the next wait (before the spin policy)."""
-        cdef int arm
         if self.long_ns == 0:
             return self.short_ns
-        self.waits += 1
-        # Unmeasured arms first (a mean of 0), then the shorter mean.
-        arm = 1 if self.mean_ns[1] < self.mean_ns[0] else 0
-        if self.waits % SPIN_EXPLORE == 0:
-            arm = 1 - arm
-        self.arm = arm
-        return self.long_ns if arm else self.short_ns
+        return self.long_ns if self.arm else self.short_ns
 
     cdef void saw(self, uint64_t ns) noexcept:
         """The wait that pick() budgeted took ns.  Counted up to twice the
         long arm: a longer wait slept under either arm, and one preempted
-        wait must not outweigh the many the arms differ on."""
+        wait must not outweigh the many the arms differ on.  The last wait
+        of a block updates its arm's mean and chooses the next block's."""
         cdef double *m
+        cdef double block
+        cdef int best
         if self.long_ns == 0:
             return
-        ns = min(ns, 2 * self.long_ns)
+        self.block_ns += <double>min(ns, 2 * self.long_ns)
+        self.waits += 1
+        if self.waits < SPIN_BLOCK:
+            return
+        block = self.block_ns / self.waits
+        self.block_ns = 0
+        self.waits = 0
+        self.blocks += 1
         m = &self.mean_ns[self.arm]
-        m[0] = <double>ns if m[0] == 0 else m[0] + (<double>ns - m[0]) / SPIN_SMOOTH
+        m[0] = block if m[0] == 0 else m[0] + (block - m[0]) / SPIN_SMOOTH
+        # Unmeasured arms first (a mean of 0), then the shorter mean.
+        best = 1 if self.mean_ns[1] < self.mean_ns[0] else 0
+        self.arm = 1 - best if self.blocks % SPIN_EXPLORE == 0 else best
 
     def next_budget(self):
         """pick(), for tests."""

@@ -470,7 +470,7 @@ def test_a_load_change_tries_the_spin_again() -> None:
 
 
 def drive_arms(arms: "shmeval._ring.SpinArms", short_wait: int, long_wait: int,
-               n: int = 1600) -> List[int]:
+               n: int = 4096) -> List[int]:
     picks = []
     for _ in range(n):
         b = arms.next_budget()
@@ -488,12 +488,34 @@ def test_spin_arms_serve_with_the_shorter_waits(short_wait: int, long_wait: int,
     arms = SpinArms(5_000, 80_000)
     picks = drive_arms(arms, short_wait, long_wait)
     chosen = 80_000 if serving == "long" else 5_000
-    # All but the one wait in SPIN_EXPLORE (64) that tries the other arm.
+    # All but one block in SPIN_EXPLORE (16), which tries the other arm.
     share = sum(p == chosen for p in picks) / len(picks)
-    assert 61 / 64 <= share <= 63.5 / 64
+    assert 14.5 / 16 <= share <= 15.5 / 16
     rep = arms.report()
     assert rep["arm"] == serving
     assert rep["short_wait_us"] == pytest.approx(short_wait / 1e3)
+
+
+def test_spin_arms_judge_a_spin_by_what_it_does_while_it_lasts() -> None:
+    """What a spin saves shows only while it lasts: here each wait is
+    shorter the more of the last 32 waits spun long (the CPU stays awake),
+    while a long spin's own wait costs 5 µs more.  One long wait among
+    short ones looks worse; a block of them is clearly better.  Arms that
+    tried the long spin one wait at a time kept the short one."""
+    from shmeval._ring import SpinArms
+
+    arms = SpinArms(5_000, 80_000)
+    recent: List[int] = []
+    picks = []
+    for _ in range(8192):
+        b = arms.next_budget()
+        spun = b == arms.long_ns
+        picks.append(spun)
+        recent = (recent + [spun])[-32:]
+        awake = sum(recent) / len(recent)
+        arms.record(int(20_000 + 40_000 * (1 - awake) + (5_000 if spun else 0)))
+    assert arms.report()["arm"] == "long"
+    assert sum(picks[4096:]) / 4096 >= 0.85
 
 
 def test_spin_arms_follow_a_change_and_bound_outliers() -> None:
@@ -507,8 +529,9 @@ def test_spin_arms_follow_a_change_and_bound_outliers() -> None:
     assert arms.report()["arm"] == "short"
     # A preempted wait of a second counts as twice the long arm, no more.
     arms = SpinArms(5_000, 80_000)
-    arms.next_budget()
-    arms.record(10**9)
+    for _ in range(64):  # one block
+        arms.next_budget()
+        arms.record(10**9)
     assert arms.report()["short_wait_us"] == pytest.approx(160.0)
 
 
