@@ -66,7 +66,7 @@ cdef class SpinArms:
     cdef double mean_ns[2]             # a wait's ns under each arm, by blocks
     cdef double block_ns               # the judged waits of this block, summed
     cdef uint32_t waits                # ... and counted
-    cdef uint32_t blocks
+    cdef uint32_t explore_in           # blocks of the better arm before the other's
     cdef int arm                       # the arm of this block
     cdef uint64_t pick(self) noexcept
     cdef void saw(self, uint64_t ns) noexcept

@@ -1027,11 +1027,12 @@ cdef inline int _publish_and_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t g
     return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, t)
 
 
-# SpinArms: the judged waits go in blocks of SPIN_BLOCK, each block under one
-# arm; every SPIN_EXPLORE-th block tries the arm that is behind, and an arm's
-# mean moves by 1/SPIN_SMOOTH of the way to each block's mean.
+# SpinArms: judged waits per block, blocks of the better arm per block of
+# the other (times the ratio of their means, at most SPIN_EXPLORE_MAX), and
+# the share of the way an arm's mean moves to each of its blocks' means.
 DEF SPIN_BLOCK = 64
-DEF SPIN_EXPLORE = 16
+DEF SPIN_EXPLORE = 32
+DEF SPIN_EXPLORE_MAX = 512
 DEF SPIN_SMOOTH = 2.0
 
 
@@ -1047,8 +1048,8 @@ cdef class SpinArms:
     and the wake-up's latency.  Which pays depends on the model, the load
     and the machine, so the client measures it: each wait's ns (from the
     post to the answer) counts towards its arm's mean, the arm with the
-    shorter mean serves, and every SPIN_EXPLORE-th block tries the other
-    one, so that a change of load is followed.  A spin that costs another
+    shorter mean serves, and the other one is tried again from time to
+    time, so that a change of load is followed.  A spin that costs another
     process its CPU shows as longer waits and loses.
 
     The arms take turns by blocks of SPIN_BLOCK waits, not wait by wait:
@@ -1056,12 +1057,16 @@ cdef class SpinArms:
     evaluator that finds its clients spinning), so one long wait among
     short ones measures the short arm's regime, not the long arm's; and a
     block's mean of 64 waits is steady where a mean smoothed over a few
-    waits follows their tail.  ``long_ns`` 0: one fixed budget
+    waits follows their tail.  A block of the worse arm comes after as many
+    blocks of the better one as SPIN_EXPLORE times the ratio of their
+    means, so that trying an arm five times as slow costs no more time
+    than trying one a little slower.  ``long_ns`` 0: one fixed budget
     (``spin_us`` set by the caller)."""
 
     def __cinit__(self, uint64_t short_ns, uint64_t long_ns=0):
         self.short_ns = short_ns
         self.long_ns = long_ns if long_ns > short_ns else 0
+        self.explore_in = SPIN_EXPLORE
 
     cdef uint64_t pick(self) noexcept:
         """The budget of the next wait (before the spin policy)."""
@@ -1086,12 +1091,19 @@ cdef class SpinArms:
         block = self.block_ns / self.waits
         self.block_ns = 0
         self.waits = 0
-        self.blocks += 1
         m = &self.mean_ns[self.arm]
         m[0] = block if m[0] == 0 else m[0] + (block - m[0]) / SPIN_SMOOTH
-        # Unmeasured arms first (a mean of 0), then the shorter mean.
+        if self.mean_ns[0] == 0 or self.mean_ns[1] == 0:  # an arm not measured yet
+            self.arm = 1 if self.mean_ns[1] == 0 else 0
+            return
         best = 1 if self.mean_ns[1] < self.mean_ns[0] else 0
-        self.arm = 1 - best if self.blocks % SPIN_EXPLORE == 0 else best
+        if self.explore_in > 0:
+            self.explore_in -= 1
+            self.arm = best
+            return
+        self.arm = 1 - best
+        self.explore_in = <uint32_t>min(<double>SPIN_EXPLORE_MAX,
+                                        SPIN_EXPLORE * self.mean_ns[1 - best] / self.mean_ns[best])
 
     def next_budget(self):
         """pick(), for tests."""
