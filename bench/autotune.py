@@ -27,6 +27,12 @@ setting serves the same workers:
             spinning (and, on request, wait500 and threads2-wait100); the
             TensorFlow net then frozen with one intra-op and two inter-op
             threads (the README's hand-tuned factory before the tuner)
+  client-spin, evaluator-spin, auto-clients, auto-evaluator
+            on request, to tell the two spins apart: today's with only
+            the clients' spin (evaluator 0) or only the evaluator's
+            (clients 0); auto with the evaluator's spin fixed at today's
+            50 µs (the clients' spin arms alone) or the clients' at
+            today's 100 µs (the evaluator's tuner alone)
 
 Each setting has its own evaluator, all of a model's up at once; each
 worker count serves every setting in turn, --repeats rounds with the order
@@ -96,6 +102,10 @@ SETTINGS: Dict[str, Tuple[Dict[str, Any], str]] = {
     "wait500": (dict(TODAY, max_wait_us=500), "hand"),
     "threads2-wait100": (dict(TODAY, serving_threads=2, max_wait_us=100), "hand"),
     "nospin": (dict(TODAY, spin_us=0, evaluator_spin_us=0), "hand"),
+    "client-spin": (dict(TODAY, evaluator_spin_us=0), "hand"),
+    "evaluator-spin": (dict(TODAY, spin_us=0), "hand"),
+    "auto-clients": (dict(evaluator_spin_us=TODAY["evaluator_spin_us"]), "auto"),
+    "auto-evaluator": (dict(spin_us=TODAY["spin_us"]), "auto"),
 }
 #: The grid run by default (the others on request: --settings).
 DEFAULT_SETTINGS = ("auto", "today", "threads2", "wait100", "nospin")
