@@ -6,6 +6,13 @@ seconds each are also marked
 ``slow`` as a whole; in core, single tests that take seconds carry
 ``@pytest.mark.slow`` themselves.  ``pytest -m "not slow"`` checks a core
 change in under a minute; plain ``pytest`` runs everything.
+
+The run has two lanes (pytest-xdist, ``-n 2`` in pyproject.toml).  Tests that make shared-memory segments run one at a time
+in one lane: /dev/shm is machine-wide, so a test's leak check and the
+stale-segment cleanup that every new segment does would see another
+running test's segments.  The tests that make none (the C core builds, the
+mutation tests, mypy: a fifth of the run's time, most of it the compiler)
+run beside them in the other.  ``-n 0`` runs everything in one process.
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import signal
 import time
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -22,18 +29,54 @@ HERE = Path(__file__).resolve().parent
 SUBJECTS = ("core", "stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench", "monitor",
             "ray")
 SLOW_SUBJECTS = {"stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench", "monitor", "ray"}
+#: Test files that make no shmeval segment, in any process: they may run
+#: beside the tests that do.
+SEGMENT_FREE = {"c/test_c_core.py", "c/test_mutations.py", "core/test_typing.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         try:
-            subject = Path(str(item.fspath)).resolve().relative_to(HERE).parts[0]
+            rel = Path(str(item.fspath)).resolve().relative_to(HERE)
         except ValueError:
             continue
+        subject = rel.parts[0]
         if subject in SUBJECTS:
             item.add_marker(getattr(pytest.mark, subject))
         if subject in SLOW_SUBJECTS:
             item.add_marker(pytest.mark.slow)
+
+
+def _segment_free(nodeid: str) -> bool:
+    path = nodeid.split("::", 1)[0]
+    return path.startswith("tests/") and path[len("tests/"):] in SEGMENT_FREE
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """The two lanes (see the top): pytest-xdist's scheduling by scope, with
+    every test that makes segments in one scope, so that one worker runs
+    them all in order, and each segment-free test a scope of its own, for
+    whichever worker is free.  Only for the default ``--dist load``."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid if _segment_free(nodeid) else "segments"
+
+    return Lanes(config, log)
+
+
+def _in_a_lane() -> bool:
+    """This process is a pytest-xdist worker: another lane may be running
+    tests beside it."""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+#: Whether this process has run a test that makes segments (in a lane, only
+#: such a process judges the session's segments).
+_ran_segment_tests = False
 
 SHM_DIR = "/dev/shm"
 
@@ -66,9 +109,13 @@ def no_shm_leak_at_session_end() -> Iterator[None]:
     at collection, or by a child process after its test ended).  A leak is
     an error at the teardown of the session's last test, so the run exits
     non-zero.  A dead owner's segment cannot be attributed to this run for
-    certain: one that appeared while it ran is counted as ours."""
+    certain: one that appeared while it ran is counted as ours.  In a lane
+    that ran only segment-free tests, the segments seen are the other
+    lane's, so there is nothing to judge."""
     before = shmeval_entries()
     yield
+    if _in_a_lane() and not _ran_segment_tests:
+        return
     left = shmeval_entries() - before
     deadline = time.monotonic() + 2.0  # an exiting evaluator process may still unlink its own
     while left and time.monotonic() < deadline:
@@ -85,8 +132,14 @@ def no_shm_leak_at_session_end() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def no_shm_leak() -> Iterator[None]:
-    """Every test leaves /dev/shm as it found it."""
+def no_shm_leak(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test leaves /dev/shm as it found it (a segment-free test in a
+    lane is not judged: what it would see is the other lane's)."""
+    global _ran_segment_tests
+    if _in_a_lane() and _segment_free(request.node.nodeid):
+        yield
+        return
+    _ran_segment_tests = True
     before = shmeval_entries()
     yield
     left = shmeval_entries() - before
