@@ -32,7 +32,8 @@ setting serves the same workers:
             the clients' spin (evaluator 0) or only the evaluator's
             (clients 0); auto with the evaluator's spin fixed at today's
             50 µs (the clients' spin arms alone) or the clients' at
-            today's 100 µs (the evaluator's tuner alone)
+            today's 100 µs (the evaluator's tuner alone); the two auto
+            ones are columns of the table, never its best hand setting
 
 Each setting has its own evaluator, all of a model's up at once; each
 worker count serves every setting in turn, --repeats rounds with the order
@@ -107,6 +108,9 @@ SETTINGS: Dict[str, Tuple[Dict[str, Any], str]] = {
     "auto-clients": (dict(evaluator_spin_us=TODAY["evaluator_spin_us"]), "auto"),
     "auto-evaluator": (dict(spin_us=TODAY["spin_us"]), "auto"),
 }
+#: Settings that leave part of the choice to the tuner: columns of the
+#: table for taking a cell apart, never the best hand setting.
+PARTLY_AUTO = ("auto-clients", "auto-evaluator")
 #: The grid run by default (the others on request: --settings).
 DEFAULT_SETTINGS = ("auto", "today", "threads2", "wait100", "nospin")
 QUICK_SETTINGS = ("auto", "today", "threads2")
@@ -353,8 +357,9 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
     cells: Dict[Tuple[str, int, int], Dict[str, Dict[str, Any]]] = {}
     for r in rows:
         cells.setdefault((r["model"], r["cpus"], r["workers"]), {})[r["setting"]] = r
-    hand = [s for s in settings if s != "auto"]
-    head = ("| model | CPUs | workers | auto | " + " | ".join(hand) +
+    columns = [s for s in settings if s != "auto"]
+    hand = [s for s in columns if s not in PARTLY_AUTO]
+    head = ("| model | CPUs | workers | auto | " + " | ".join(columns) +
             " | best hand | auto / best | held out: best, auto / best | auto / today |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ratios: Dict[str, List[float]] = {"best": [], "held_out": [], "today": []}
@@ -376,7 +381,7 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
             return f"{x:,.0f}" if x is not None else "-"
 
         lines.append(f"| {model} | {cpus} | {n} | **{fmt(auto)}** | " +
-                     " | ".join(fmt(rates.get(s)) for s in hand) +
+                     " | ".join(fmt(rates.get(s)) for s in columns) +
                      f" | {best or '-'} | {f'{rb:.2f}' if rb else '-'} | " +
                      (f"{ho[0]}, {rh:.2f}" if ho and rh else "-") +
                      f" | {f'{rt:.2f}' if rt else '-'} |")

@@ -53,6 +53,13 @@ def test_the_best_is_chosen_and_measured_on_different_rounds(autotune: Any) -> N
     assert "lucky, 1.10" in text
 
 
+def test_a_partly_automatic_setting_is_a_column_not_the_best_hand(autotune: Any) -> None:
+    windows = {"auto": [100.0, 100.0], "today": [90.0, 90.0], "auto-clients": [200.0, 200.0]}
+    text, summary = autotune.table(_rows(windows), ["auto", "today", "auto-clients"])
+    assert summary["min_auto_over_best"] == pytest.approx(100.0 / 90.0)
+    assert "| **100** | 90 | 200 | today |" in text
+
+
 def test_a_single_round_has_no_held_out_comparison(autotune: Any) -> None:
     windows = {"auto": [100.0], "today": [120.0]}
     assert autotune.held_out(windows, ["today"]) is None
