@@ -509,7 +509,7 @@ def test_spin_arms_judge_a_spin_by_what_it_does_while_it_lasts() -> None:
     from shmeval._ring import SpinArms
 
     arms = SpinArms(5_000, 80_000)
-    recent: List[int] = []
+    recent: List[bool] = []
     picks = []
     for _ in range(8192):
         b = arms.next_budget()
