@@ -4,8 +4,8 @@ Every test gets the marker of its folder (core, stress, c, tensorflow,
 torch, jax, selfplay, bench, monitor, ray).  Folders whose tests take
 seconds each are also marked
 ``slow`` as a whole; in core, single tests that take seconds carry
-``@pytest.mark.slow`` themselves.  ``pytest -m "not slow"`` checks a core
-change in under a minute; plain ``pytest`` runs everything.
+``@pytest.mark.slow`` themselves.  ``pytest -m "not slow" -n 0`` checks a
+core change in a minute or two; plain ``pytest`` runs everything.
 
 The run has two lanes (pytest-xdist, ``-n 2`` in pyproject.toml).  Tests that make shared-memory segments run one at a time
 in one lane: /dev/shm is machine-wide, so a test's leak check and the
