@@ -6,7 +6,8 @@ calls of a stated cost, a stated number of requests served per window), so
 every expectation is exact and nothing is timed:
 - the cost fit recovers a fixed and a per-row cost, and says when it cannot;
 - waiting is tried only where the module's rule says it can pay, and kept
-  only when it wins every window pair of its trial;
+  only when it wins enough window pairs of its trial (a sequential sign
+  test of three looks);
 - a second call in flight is tried only for a model that allows it;
 - once settled, the choice holds under the same load whatever its figures
   do (no oscillation), and the trials run again when the clients, the
@@ -142,16 +143,21 @@ def test_waiting_is_dropped_when_it_loses() -> None:
     assert not any(d.max_wait_ns for d in seen[-20:])
 
 
+T, F = True, False
+
+
 @pytest.mark.parametrize("wins, adopted, pairs", [
-    ([True, True, True], True, 3),                       # all of the first three
-    ([False, False, False], False, 3),                   # none: dropped at once
-    ([True, True, False, True, True, True], True, 6),    # five of six
-    ([True, False, True, True, False, True], False, 6),  # four of six: not enough
+    ([T, T, T], True, 3),                          # all of the first three
+    ([F, F, F], False, 3),                         # none: dropped at once
+    ([T, T, F, T, T, T], True, 6),                 # five of six
+    ([T, F, T, F, F, T], False, 6),                # three of six: dropped
+    ([T, F, T, T, F, T, T, T, T], True, 9),        # four of six, then seven of nine
+    ([T, F, T, T, F, T, T, F, T], False, 9),       # four of six, then six of nine
 ])
 def test_the_sequential_sign_test(wins: List[bool], adopted: bool, pairs: int) -> None:
     """Waiting ahead by a lot in the windows it wins: what counts is in how
     many pairs it is ahead, and the trial takes three pairs when they agree,
-    six when they do not."""
+    six when they do not, nine when six leave it open."""
     outcome = iter(wins + [True] * 100)
     t = Tuner(256, 1, WAKE)
     feed = Feed(t, clients=4)
