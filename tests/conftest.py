@@ -7,12 +7,13 @@ seconds each are also marked
 ``@pytest.mark.slow`` themselves.  ``pytest -m "not slow" -n 0`` checks a
 core change in a minute or two; plain ``pytest`` runs everything.
 
-The run has two lanes (pytest-xdist, ``-n 2`` in pyproject.toml).  Tests that make shared-memory segments run one at a time
-in one lane: /dev/shm is machine-wide, so a test's leak check and the
-stale-segment cleanup that every new segment does would see another
-running test's segments.  The tests that make none (the C core builds, the
-mutation tests, mypy: a fifth of the run's time, most of it the compiler)
-run beside them in the other.  ``-n 0`` runs everything in one process.
+The run has two lanes (pytest-xdist, ``-n 2`` in pyproject.toml).  Tests
+that make shared-memory segments run one at a time in one lane: /dev/shm
+is machine-wide, so a test's leak check and the stale-segment cleanup that
+every new segment does would see another running test's segments.  The
+tests that make none (the C core builds, the mutation tests, mypy: a fifth
+of the run's time, most of it the compiler) run beside them in the other.
+``-n 0`` runs everything in one process.
 """
 from __future__ import annotations
 
