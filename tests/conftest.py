@@ -38,10 +38,9 @@ SEGMENT_FREE = {"c/test_c_core.py", "c/test_mutations.py", "core/test_typing.py"
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         try:
-            rel = Path(str(item.fspath)).resolve().relative_to(HERE)
+            subject = Path(str(item.fspath)).resolve().relative_to(HERE).parts[0]
         except ValueError:
             continue
-        subject = rel.parts[0]
         if subject in SUBJECTS:
             item.add_marker(getattr(pytest.mark, subject))
         if subject in SLOW_SUBJECTS:

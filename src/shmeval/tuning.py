@@ -100,7 +100,8 @@ AUTO = "auto"
 #: the second).  When both serve alike it passes by chance about one time
 #: in five, which costs nothing.  A candidate ahead in 85% of pairs (a
 #: clear gain read through noisy 0.2 s windows) is adopted 90% of the time
-#: (81% with the first two looks alone), for 0.4 pairs more on average.
+#: (81% with the first two looks alone), for 0.4 pairs more on average
+#: (``trial_odds`` in tests/core/test_tuning.py).
 TRIAL_PAIRS = 3
 #: The trials run again when the attached clients, the model's cost per call
 #: or the CPUs differ from what they measured by this ratio or more (a

@@ -178,6 +178,37 @@ def test_the_sequential_sign_test(wins: List[bool], adopted: bool, pairs: int) -
     assert t.why_wait.endswith("against greedy") and f"of {pairs} window pairs" in t.why_wait
 
 
+def trial_odds(p: float, looks: int = 3) -> tuple[float, float]:
+    """(chance of adoption, mean pairs) of a trial whose candidate is ahead
+    in each pair with chance p, from Trial.verdict on every sequence of
+    pairs it can see; with looks=2, a trial still open after the second
+    look is dropped."""
+    d = Decision(0, 256, 0, 1)
+
+    def walk(rates: List[float], chance: float) -> tuple[float, float]:
+        t = tuning.Trial("wait", d, d, 4, rates)
+        decided = t.verdict()
+        if decided is None and t.pairs() == looks * TRIAL_PAIRS:
+            decided = False
+        if decided is not None:
+            return chance * decided, chance * t.pairs()
+        ahead = walk(rates + [2.0, 1.0], chance * p)
+        behind = walk(rates + [1.0, 2.0], chance * (1 - p))
+        return ahead[0] + behind[0], ahead[1] + behind[1]
+
+    return walk([], 1.0)
+
+
+def test_the_sign_tests_odds_are_as_documented() -> None:
+    """The figures in the comment on TRIAL_PAIRS."""
+    assert trial_odds(0.5)[0] == pytest.approx(0.195, abs=0.001)   # about one time in five
+    adopt, pairs = trial_odds(0.85)
+    adopt_two, pairs_two = trial_odds(0.85, looks=2)
+    assert adopt == pytest.approx(0.900, abs=0.001)
+    assert adopt_two == pytest.approx(0.814, abs=0.001)
+    assert pairs - pairs_two == pytest.approx(0.4, abs=0.05)
+
+
 def test_no_waiting_where_the_batches_hold_what_a_fixed_cost_gathers() -> None:
     """The null model: a few µs of fixed cost gather less than one row."""
     t = Tuner(256, 1, WAKE)
