@@ -7,9 +7,15 @@ calls it:
   frozen    traced and frozen, as TorchModel(freeze="auto") serves it
   frozen-no-onednn
             the frozen net with oneDNN turned off for the call
-            (torch.backends.mkldnn.enabled = False): PyTorch's own
-            convolution, which PyTorch uses for one row and hands to
-            oneDNN from two rows on
+            (torch.backends.mkldnn.enabled = False, which also moves the
+            dense layers off oneDNN)
+  frozen-own-conv
+            the frozen net with its convolutions rewritten to PyTorch's own
+            kernel (aten::thnn_conv2d), which PyTorch uses for one row and
+            hands to oneDNN from two rows on
+  served    what TorchModel(freeze="auto") serves: frozen-own-conv up to
+            the batch size its start-up timing chose (own_conv_rows,
+            printed), frozen from there
   compiled  torch.compile (inductor, one graph per batch size), with
             --compile only: each batch size compiles for seconds
 
@@ -28,7 +34,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List
 
-from tf_throughput import STATE_SHAPE, NetConfig, make_weights
+from tf_throughput import POLICY_SIZE, STATE_SHAPE, NetConfig, make_weights
 from torch_throughput import build_net, import_torch
 
 
@@ -45,8 +51,16 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
 
     torch = import_torch(args.threads)
+    from shmeval.backends.torch import TorchModel, _own_convolutions
+    from shmeval.spec import Spec
+
     cfg = NetConfig(filters=args.filters, layers=args.layers)
     net = build_net(cfg, make_weights(cfg))
+    # Prepared as an evaluator prepares it, outside inference mode.
+    served = TorchModel(net)
+    served.prepare(Spec.build(STATE_SHAPE, "float32",
+                              {"policy": ((POLICY_SIZE,), "float32"), "value": ((), "float32")},
+                              max(batches), 1, 1), None)
     with torch.inference_mode():
         frozen = torch.jit.freeze(torch.jit.trace(net, torch.zeros(4, *STATE_SHAPE), strict=False))
 
@@ -57,8 +71,12 @@ def main() -> int:
             finally:
                 torch.backends.mkldnn.enabled = True
 
+        own_conv = torch.jit.freeze(torch.jit.trace(net, torch.zeros(4, *STATE_SHAPE),
+                                                    strict=False))
+        _own_convolutions(own_conv)
         styles: Dict[str, Callable[[Any], Any]] = {
-            "module": net, "frozen": frozen, "frozen-no-onednn": no_onednn}
+            "module": net, "frozen": frozen, "frozen-no-onednn": no_onednn,
+            "frozen-own-conv": own_conv, "served": lambda x: served(x.numpy())}
         if args.compile:
             styles["compiled"] = torch.compile(net, dynamic=False)
         xs = {b: torch.randn(b, *STATE_SHAPE) for b in batches}
@@ -76,7 +94,8 @@ def main() -> int:
                     times[s, b].append((time.perf_counter_ns() - t) / args.calls / 1e3)
 
     print(f"torch {torch.__version__}, {args.threads} intra-op thread(s); "
-          f"µs per call (µs per row), median of {args.rounds} rounds of {args.calls} calls")
+          f"µs per call (µs per row), median of {args.rounds} rounds of {args.calls} calls; "
+          f"served: own convolution up to {served.own_conv_rows} rows")
     print("| style | " + " | ".join(f"{b} row{'s' if b > 1 else ''}" for b in batches) + " |")
     print("|---|" + "---|" * len(batches))
     for s in styles:

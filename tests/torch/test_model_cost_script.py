@@ -22,7 +22,7 @@ def test_prints_every_style_and_batch() -> None:
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| ([a-z-]+) \| (.*) \|$", r.stdout,
                                                          re.M)}
     assert rows.pop("style") == "1 row | 3 rows"
-    assert set(rows) == {"module", "frozen", "frozen-no-onednn"}
+    assert set(rows) == {"module", "frozen", "frozen-no-onednn", "frozen-own-conv", "served"}
     for cells in rows.values():
         figures = cells.split(" | ")
         assert len(figures) == 2 and all(re.fullmatch(r"[\d,]+ \([\d,]+\)", f) for f in figures)

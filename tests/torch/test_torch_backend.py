@@ -14,7 +14,9 @@
 - a batch that raises, returns an output on another device, the wrong
   shape or dtype, NaN, or runs out of memory fails alone;
 - on the CPU a module serves frozen where its frozen trace answers as it
-  does (else unfrozen, saying why), and is frozen again after updates.
+  does (else unfrozen, saying why), and is frozen again after updates;
+  small batches take its form on PyTorch's own convolution where that is
+  cheaper, rewritten only where that kernel computes the same.
 
 PyTorch is imported by fixtures, not at module import, so collecting the
 suite does not load it into the pytest process (other tests fork).
@@ -422,6 +424,116 @@ def test_weight_updates_freeze_again(torch: Any, backend: Any) -> None:
     forced.set_weights(pv_net(4).state_dict())
     assert forced.frozen
     _answers_match(forced, pv_net(4), x)
+
+
+def _conv_zoo(torch: Any) -> Any:
+    """Convolutions of every kind: three PyTorch's own kernel can run
+    (plain, strided, without bias) and three it cannot (dilated, grouped,
+    transposed)."""
+    nn = torch.nn
+
+    class Zoo(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(7)
+            self.plain = nn.Conv2d(2, 4, 3, padding=1)
+            self.strided = nn.Conv2d(4, 4, 2, stride=(1, 2), padding=(1, 0))
+            self.no_bias = nn.Conv2d(4, 4, (1, 3), bias=False)
+            self.dilated = nn.Conv2d(4, 4, 3, dilation=2, padding=2)
+            self.grouped = nn.Conv2d(4, 4, 3, groups=2, padding=1)
+            self.transposed = nn.ConvTranspose2d(4, 2, 2)
+
+        def forward(self, x: Any) -> Any:
+            h = self.no_bias(self.strided(self.plain(x.permute(0, 3, 1, 2))))
+            h = self.transposed(self.grouped(self.dilated(h)))
+            return {"policy": h.flatten(1)[:, :7], "value": h.flatten(1)[:, 7]}
+
+    return Zoo().eval()
+
+
+def test_own_convolution_rewrite(torch: Any, backend: Any) -> None:
+    """The frozen graph's convolutions that PyTorch's own kernel can run are
+    rewritten to it, the others left to aten::_convolution, and the
+    rewritten module answers as the module does at every batch size."""
+    zoo = _conv_zoo(torch)
+    small = torch.jit.freeze(torch.jit.trace(zoo, torch.zeros(2, *INPUT_SHAPE), strict=False))
+    assert backend._own_convolutions(small) == 3
+    kinds = [n.kind() for n in small.graph.nodes()]
+    assert kinds.count("aten::thnn_conv2d") == 3 and kinds.count("aten::_convolution") == 3
+    for rows in (1, 3, 16):
+        x = torch.from_numpy(random_states(rows, rows))
+        with torch.inference_mode():
+            want, got = zoo(x), small(x)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_own_convolution_rows(backend: Any, monkeypatch: Any) -> None:
+    """own_conv_rows: the sizes are timed from 2 rows up until the first
+    where oneDNN's form is cheaper, and split where the costs cross."""
+    spec = Spec.build(INPUT_SHAPE, F32, OUTPUTS, 64, 1, 1)
+    last: list[Any] = []
+
+    def form(name: str) -> Any:
+        def call(x: Any) -> None:
+            last[:] = [name, len(x)]
+        return call
+
+    def run(frozen_ns: Any, small_ns: Any, sizes: Any = None) -> tuple[int, list[int]]:
+        timed: list[int] = []
+
+        def best_ns(call: Any) -> float:
+            call()
+            name, rows = last
+            if name == "frozen":
+                timed.append(rows)
+            return 5 * (frozen_ns if name == "frozen" else small_ns)(rows)
+
+        monkeypatch.setattr(backend, "best_ns", best_ns)
+        tm = backend.TorchModel(pv_net(1))
+        tm.spec, tm._input_dtype = spec, backend.torch.float32
+        return tm._own_conv_rows(form("frozen"), form("small"), sizes), timed
+
+    # Cheaper by 30 ns at 2 rows, dearer by 30 at 4: they cross at 3.
+    assert run(lambda r: 100 + 10 * r, lambda r: 10 + 40 * r) == (3, [2, 4])
+    # Buckets: timed at each size served; the costs cross at 9.
+    assert run(lambda r: 100 + 10 * r, lambda r: 10 + 20 * r, (1, 3, 12, 64)) == (9, [3, 12])
+    assert run(lambda r: 100, lambda r: 100) == (0, [2])
+    assert run(lambda r: 100 + 10 * r, lambda r: 10 * r) == (64, [2, 4, 8, 16, 32, 64])
+
+
+def test_own_convolution_serves_small_batches(torch: Any, backend: Any,
+                                              monkeypatch: Any) -> None:
+    """Where the form on PyTorch's own convolution is cheaper it serves the
+    batches up to own_conv_rows, the frozen module the larger ones; a weight
+    update drops it with the frozen module, and freezing again rebuilds it
+    with the new weights."""
+    monkeypatch.setattr(backend.TorchModel, "_own_conv_rows", lambda self, *a: 4)
+    spec = Spec.build(INPUT_SHAPE, F32, OUTPUTS, 8, 1, 1)
+    x = random_states(8, 5)
+    tm = backend.TorchModel(pv_net(1))
+    tm.prepare(spec, None)
+    assert tm.frozen and tm.own_conv_rows == 4
+    assert "aten::thnn_conv2d" in str(tm._small.graph)
+    seen: list[int] = []
+    small = tm._small
+
+    def counted(batch: Any) -> Any:
+        seen.append(len(batch))
+        return small(batch)
+
+    tm._small = counted
+    for rows in range(1, 9):
+        _answers_match(tm, pv_net(1), x[:rows])
+    assert sorted(set(seen)) == [1, 2, 3, 4]
+    tm.set_weights(pv_net(2).state_dict())
+    assert tm._small is None
+    _answers_match(tm, pv_net(2), x[:2])
+    tm._fold.saving = (1e12, 0.0)  # the next call freezes again
+    tm(x[:1])
+    assert tm.frozen and "aten::thnn_conv2d" in str(tm._small.graph)
+    for rows in (2, 8):
+        _answers_match(tm, pv_net(2), x[:rows])
 
 
 def test_hot_swap_through_evaluator(torch: Any, backend: Any, tmp_path: Any) -> None:

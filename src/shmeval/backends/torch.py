@@ -27,7 +27,10 @@ What it does for the evaluator:
 * on the CPU an ``nn.Module`` is traced and frozen (``torch.jit.trace``,
   ``torch.jit.freeze``) where the frozen module answers as the module does:
   it runs without Python between its ops, so it is cheaper per call and
-  two serving threads overlap their calls (``max_concurrency``);
+  two serving threads overlap their calls (``max_concurrency``); small
+  batches go to a second frozen form whose convolutions run on PyTorch's
+  own kernel instead of oneDNN's, up to the batch size where start-up
+  timing found it no longer cheaper (``own_conv_rows``);
 * ``set_weights`` / ``load_weights`` copy new values into the parameters
   and buffers in place (compiled code and CUDA graphs keep serving them; a
   frozen module is frozen again).
@@ -51,7 +54,7 @@ from ..errors import ModelError
 from ..spec import Spec
 from ._contract import (PathLike, Refold, best_ns, castable, check_warm_outputs,
                         checked_weights, match_outputs, needs_reshape, npz_weights, own_buckets,
-                        serving_sizes)
+                        pow2_buckets, serving_sizes)
 
 #: Autocast dtypes ``dtype=`` accepts.
 _AUTOCAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -124,6 +127,38 @@ def _torch_dtype(dtype: np.dtype[Any], what: str) -> Any:
         raise ModelError(f"TorchModel: PyTorch has no dtype for the {what} {dtype}") from None
 
 
+def _own_convolutions(frozen: Any) -> int:
+    """Rewrites, in place, the 2-d convolutions of a frozen TorchScript
+    module's graph that PyTorch's own kernel can run (a constant 4-d weight,
+    not transposed, no dilation, one group, numeric padding) into
+    ``aten::thnn_conv2d``, the kernel PyTorch itself picks for a batch of
+    one row (from two rows on it calls oneDNN's, whose set-up per call can
+    cost more than a small batch's arithmetic).  Returns how many."""
+    graph = frozen.graph
+    done = 0
+    for node in list(graph.nodes()):
+        if node.kind() != "aten::_convolution":
+            continue
+        x, w, bias, stride, padding, dilation, transposed, _, groups = list(node.inputs())[:9]
+        weight = w.toIValue()
+        pads = padding.toIValue()
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 4 or transposed.toIValue() \
+                or groups.toIValue() != 1 or dilation.toIValue() != [1, 1] \
+                or not isinstance(pads, list) or not isinstance(stride.toIValue(), list):
+            continue
+        with graph.insert_point_guard(node):
+            kernel = graph.insertConstant(list(weight.shape[2:]))
+            own = graph.create("aten::thnn_conv2d", [x, w, kernel, bias, stride, padding])
+            graph.insertNode(own)
+        own.output().setType(node.output().type())
+        node.output().replaceAllUsesWith(own.output())
+        node.destroy()
+        done += 1
+    if done:
+        torch._C._jit_pass_lint(graph)
+    return done
+
+
 def _as_array(w: Any) -> np.ndarray:
     """A weight as an ndarray: a tensor on any device (bfloat16 as
     float32), or anything NumPy takes."""
@@ -185,13 +220,21 @@ class TorchModel:
     or ``dtype``) when tracing raises no error or warning and the frozen
     module's answers to random batches of two sizes match the module's;
     otherwise it serves the module as it is, and ``freeze_reason`` says
-    why.  Tracing records the tensor operations of one call: Python side
-    effects in ``forward`` (counters, prints, sleeps) do not run in the
-    frozen module; ``freeze=False`` keeps them.  After a weight update
-    ``"auto"`` serves the module until its calls have lost, against frozen
-    ones (measured at start-up), what freezing again costs, then freezes
-    again (``freeze_s``): updates that come often cost little, rare ones
-    are frozen again soon.  ``True``: freeze, also at once after every
+    why.  A frozen module's 2-d convolutions go to oneDNN from two rows on,
+    whose set-up per call can outweigh a small batch's arithmetic; where
+    PyTorch's own kernel computes the same convolution (no dilation, one
+    group, not transposed), a second frozen form calls it, answers as the
+    module does (checked), and serves the batches up to ``own_conv_rows``:
+    both forms are timed at start-up at each batch size served (powers of
+    two without buckets) from 2 rows up, and the split falls where their
+    costs cross (0: the frozen module serves every size).  Tracing records
+    the tensor operations of one call: Python side effects in ``forward``
+    (counters, prints, sleeps) do not run in the frozen module;
+    ``freeze=False`` keeps them.  After a weight update ``"auto"`` serves
+    the module until its calls have lost, against frozen ones (measured at
+    start-up), what freezing again costs, then freezes again
+    (``freeze_s``): updates that come often cost little, rare ones are
+    frozen again soon.  ``True``: freeze, also at once after every
     update, or raise ``ModelError``.  ``dtype``: ``"float16"`` or
     ``"bfloat16"`` runs the forward under ``torch.autocast`` (for the GPU;
     outputs are cast back to the declared dtypes).  ``buckets``: batch
@@ -209,7 +252,8 @@ class TorchModel:
     After ``prepare``: ``compile_count`` (graphs ``torch.compile``
     produced; constant while serving), ``graph_captures`` (CUDA graphs
     captured), ``frozen`` (whether the frozen module serves),
-    ``freeze_reason``, ``freeze_s`` (seconds the last freeze took) and
+    ``freeze_reason``, ``own_conv_rows``, ``freeze_s`` (seconds the last
+    freeze took, both frozen forms) and
     ``warmup_s`` (seconds ``prepare`` took).
 
     ``max_concurrency`` (read by the evaluator's tuner after ``prepare``):
@@ -256,6 +300,10 @@ class TorchModel:
         self.freeze: Union[bool, str] = freeze
         self.frozen = False
         self.freeze_reason = "not prepared yet"
+        # The frozen form whose convolutions run on PyTorch's own kernel,
+        # served for batches of up to own_conv_rows rows.
+        self._small: Any = None
+        self.own_conv_rows = 0
         # freeze="auto" after a weight update: the module serves (_refold),
         # and is frozen again once its calls have lost what freezing costs
         # (each call at least 1 us, so that it comes however the saving was
@@ -359,9 +407,11 @@ class TorchModel:
                     return f"output {name!r} differs from the module's ({rows} rows)"
         return ""
 
-    def _try_freeze(self) -> None:
+    def _try_freeze(self, sizes: Optional[Sequence[int]]) -> None:
         """prepare(): serves the frozen module where ``freeze`` allows it and
-        it answers as the module does.  freeze=True: ModelError otherwise."""
+        it answers as the module does, and for small batches its form with
+        PyTorch's own convolution where that is cheaper.  freeze=True:
+        ModelError when it cannot freeze."""
         if not self.freeze:
             return
         try:
@@ -381,6 +431,62 @@ class TorchModel:
         self.freeze_reason = "traced and frozen; its answers match the module's"
         if self.freeze == "auto":
             self._fold.saving = self._measure_saving(frozen)
+        self._try_own_convolutions(frozen, sizes)
+
+    def _own_conv_form(self) -> Any:
+        """The module traced, frozen, and its convolutions rewritten to
+        PyTorch's own kernel (_own_convolutions); None when none could be."""
+        small = self._traced()
+        return small if _own_convolutions(small) else None
+
+    def _try_own_convolutions(self, frozen: Any, sizes: Optional[Sequence[int]]) -> None:
+        """prepare(), the frozen module serving: serves batches of up to
+        ``own_conv_rows`` rows with its form on PyTorch's own convolution
+        where that answers as the module does and is cheaper at two rows.
+        Any failure leaves the frozen module serving every size."""
+        t = time.perf_counter_ns()
+        try:
+            small = self._own_conv_form()
+            if small is None or self._same_answers(small):
+                return
+        except Exception:
+            return
+        cost = time.perf_counter_ns() - t
+        rows = self._own_conv_rows(frozen, small, sizes)
+        if rows >= 2:
+            self._small, self.own_conv_rows = small, rows
+            self._fold.cost_ns += cost  # rebuilt with the frozen module
+
+    @staticmethod
+    def _call_ns(forward: Any, x: Any) -> float:
+        """ns per call of ``forward(x)``, once warm: fastest of three rounds
+        of five calls."""
+        forward(x)
+        forward(x)
+        return best_ns(lambda: [forward(x) for _ in range(5)]) / 5
+
+    def _own_conv_rows(self, frozen: Any, small: Any, sizes: Optional[Sequence[int]]) -> int:
+        """The largest batch the form on PyTorch's own convolution serves
+        more cheaply than the frozen module on oneDNN's: both timed at each
+        size served (powers of two without buckets) from 2 rows up, until
+        the first where oneDNN's is cheaper; the sizes between that and the
+        last where it was not are split where the two costs, taken as a line
+        between them, cross."""
+        assert self.spec is not None
+        points = [n for n in (sizes or pow2_buckets(self.spec.max_batch)) if n >= 2]
+        last: Optional[tuple[int, float]] = None  # (rows, ns saved) of the last win
+        with torch.inference_mode():
+            for rows in points:
+                x = self._example(rows)
+                cost = [self._call_ns(f, x) for f in (frozen, small)]
+                saved = cost[0] - cost[1]
+                if saved <= 0:
+                    if last is None:
+                        return 0
+                    r0, s0 = last
+                    return r0 + int((rows - r0) * s0 / (s0 - saved))
+                last = (rows, saved)
+        return points[-1] if points else 0
 
     def _measure_saving(self, frozen: Any) -> tuple[float, float]:
         """What a frozen call saves against the module's, in ns per call and
@@ -435,12 +541,17 @@ class TorchModel:
 
     def _freeze_again(self) -> None:
         """Traces and freezes the module with its current weights and serves
-        that (the answers were checked at start-up)."""
-        self._forward = self._fold.timed(self._traced)
+        that, with its form on PyTorch's own convolution where that served
+        (the answers were checked at start-up)."""
+        frozen, small = self._fold.timed(
+            lambda: (self._traced(), self._own_conv_form() if self.own_conv_rows else None))
+        self._small = small
+        self._forward = frozen
         self.frozen = True
         self.freeze_reason = "traced and frozen again after a weight update"
 
     def _unfreeze(self, why: str) -> None:
+        self._small = None
         self._forward = self.module
         self.frozen = False
         self.freeze_reason = f"served unfrozen: {why}"
@@ -472,9 +583,12 @@ class TorchModel:
         to ``[rows, *declared shape]`` and cast to the declared dtype, on
         the model's device; ModelError when one does not fit."""
         assert self.spec is not None
-        with self._autocast():
-            out = self._forward(x)
         rows = x.shape[0]
+        forward, small = self._forward, self._small
+        if small is not None and rows <= self.own_conv_rows:
+            forward = small
+        with self._autocast():
+            out = forward(x)
         given = match_outputs(out, self.spec.output_names, getattr(out, "_fields", ()))
         fitted = []
         for t, o, want in zip(given, self.spec.outputs, self._want):
@@ -610,7 +724,7 @@ class TorchModel:
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, getattr(config, name) + len(sizes or ()))
-        self._try_freeze()
+        self._try_freeze(sizes)
         warm = sizes or tuple(sorted({1, spec.max_batch}))
         if self.device.type == "cuda":
             self._thread.lane = None
