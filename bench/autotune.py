@@ -87,6 +87,7 @@ import shmeval  # noqa: E402
 from shmeval._util.children import child_setup, start_process  # noqa: E402
 from shmeval._util.jsonout import write_json  # noqa: E402
 from shmeval._util.machine import machine_info  # noqa: E402
+from shmeval._util.procstat import machine_steal_s  # noqa: E402
 
 INPUT_SHAPE = (6, 7, 2)
 OUTPUTS = {"policy": ((7,), "float32"), "value": ((), "float32")}
@@ -626,14 +627,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             proc = mp.get_context("spawn").Process(target=save_net, args=(args.net,))
             proc.start()
             proc.join()
-    t_start = time.monotonic()
+    t_start, steal_start = time.monotonic(), machine_steal_s()
     if args.timeline:
         res = run_timeline(args)
         print("| phase | choice settled after | throughput settled after | evaluations/s | "
               "wait µs, calls in flight |\n|---|---|---|---|---|")
         for s in res["settle"]:
             print(f"| {s['phase']} | {s['choice_settled_s']:.1f} s | {s['rate_settled_s']:.1f} s | "
-                  f"{s['final_rate']:,.0f} | {s['final_choice'][0]}, {s['final_choice'][1]} |")
+                  f"{s['final_rate']:,.0f} | {s['final_choice'][0]:.0f}, {s['final_choice'][1]} |")
         out: Dict[str, Any] = {"experiment": "timeline", "machine": machine_info(), **res}
         if args.plot:
             plot_timeline(res, args.plot)
@@ -664,6 +665,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.plot:
             plot_grid(rows, args.plot)
     out["wall_s"] = time.monotonic() - t_start
+    # The host's share of the CPU time, which moves every figure of a
+    # virtual machine (all its CPUs, whatever the taskset).
+    out["steal_share"] = (machine_steal_s() - steal_start) / (out["wall_s"] * (os.cpu_count() or 1))
+    print(f"{out['wall_s']:.0f} s; the host took {out['steal_share']:.1%} of the CPU time "
+          "as steal")
     if args.json:
         write_json(args.json, out)
     return 0

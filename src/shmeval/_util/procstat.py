@@ -48,11 +48,28 @@ def cpu_s(pid: int) -> float:
     return sum(cpu_split_s(pid))
 
 
-def machine_busy_s() -> float:
-    """CPU seconds all cores spent busy so far (not idle, not iowait)."""
+def _machine_ticks() -> Optional[list[int]]:
+    """/proc/stat's CPU line: user, nice, system, idle, iowait, irq,
+    softirq, steal, in clock ticks (None off Linux)."""
     try:
         with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
+            return [int(x) for x in f.readline().split()[1:9]]
     except (OSError, ValueError):
+        return None
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent busy so far (not idle, not iowait)."""
+    ticks = _machine_ticks()
+    if ticks is None:
         return float("nan")
     return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
+
+
+def machine_steal_s() -> float:
+    """CPU seconds a virtual machine's host has taken from all its cores so
+    far (steal: a vCPU ready to run while the host ran something else)."""
+    ticks = _machine_ticks()
+    if ticks is None or len(ticks) < 8:
+        return float("nan")
+    return ticks[7] / _CLK_TCK
