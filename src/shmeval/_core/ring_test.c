@@ -4027,6 +4027,13 @@ static void *rep_serve(void *arg) {
     char batch[8 * REP_IN], out[8 * REP_OUT];
     uint32_t cursor = 0;
     int batches = 0;
+    /* The survivor starts once the other replica has died: the dying one
+     * must serve its die_after batches first, which a loaded machine could
+     * otherwise give all to the survivor (the housekeeping then waits for
+     * a death that never comes). */
+    rep_server *other = &me->x->servers[1 - me->v];
+    if (other->die_after)
+        while (!atomic_load(&other->dead)) sleep_ns(100 * US);
     for (;;) {
         int rc = shm_collect_lock(s, me->v, 100 * MS);
         if (rc == SHM_TIMEOUT) {
