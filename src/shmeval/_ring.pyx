@@ -221,6 +221,8 @@ cdef inline uint64_t _spin_policy(uint64_t spin_ns, uint32_t processes,
     evaluator) and the CPUs they may use:
 
     * as many CPUs as processes: spin (``spin_ns``), since each has a core;
+      the spin still gives its CPU away every ``SHM_SPIN_LOOKS`` looks, for
+      a wake-up may have put the process it waits for on the same CPU;
     * one process more than CPUs (as many clients as CPUs): spin, but give
       the CPU away between looks (``SHM_SPIN_YIELD``: ``sched_yield()``
       instead of ``pause``), so a waiter takes a CPU only while no other

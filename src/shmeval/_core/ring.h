@@ -611,12 +611,21 @@ static inline void shm_copy(char *dst, const char *src, size_t n) {
     memcpy(dst, src, n);
 }
 
-/* A spin budget with this bit set gives the CPU away between looks
- * (sched_yield() instead of pause): the waiter spins only while no other
- * task wants its CPU.  _ring.pyx's _spin_policy sets it when the clients
+/* A spin budget with this bit set gives the CPU away between all looks
+ * (sched_yield() instead of pause), not only every SHM_SPIN_LOOKS of them:
+ * the waiter spins only while no other task wants its CPU.  _ring.pyx's _spin_policy sets it when the clients
  * and the evaluator are one process more than the CPUs (docs/protocol.md,
  * Waiting).  The bit is not part of the budget. */
 #define SHM_SPIN_YIELD (1ull << 63)
+/* A plain spin reads the clock once every SHM_SPIN_LOOKS looks, and gives
+ * the CPU away there as well (sched_yield(), which returns at once when no
+ * other task on this CPU is runnable).  The processes fitting the CPUs does
+ * not mean each has a CPU of its own: a futex wake-up may move the woken
+ * process onto its waker's CPU, and a spin that held that CPU for its whole
+ * budget then kept the process it waits for from running at all.  The
+ * yield hands it over within SHM_SPIN_LOOKS looks (a few µs), at the price
+ * of a system call per clock read (docs/protocol.md, Waiting). */
+#define SHM_SPIN_LOOKS 64u
 #ifndef shm_sched_yield /* ring_test.c counts the calls */
 #define shm_sched_yield() sched_yield()
 #endif
@@ -1091,7 +1100,10 @@ static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
                 shm_sched_yield();
                 continue;
             }
-            if ((i & 63) == 63 && shm_now_ns() - start >= spin_ns) break;
+            if (i % SHM_SPIN_LOOKS == SHM_SPIN_LOOKS - 1) {
+                if (shm_now_ns() - start >= spin_ns) break;
+                shm_sched_yield();
+            }
             shm_cpu_relax();
         }
     }
@@ -1219,7 +1231,10 @@ static inline int shm_slots_wait_any(shm_seg *s, uint32_t c,
                 shm_sched_yield();
                 continue;
             }
-            if ((i & 63) == 63 && shm_now_ns() - start >= spin_ns) break;
+            if (i % SHM_SPIN_LOOKS == SHM_SPIN_LOOKS - 1) {
+                if (shm_now_ns() - start >= spin_ns) break;
+                shm_sched_yield();
+            }
             shm_cpu_relax();
         }
     }
@@ -1729,14 +1744,13 @@ static inline int shm_collect(shm_seg *s, uint32_t v, char *batch,
                 changed = 1;
                 break;
             }
-            if (yield || (i & 63) == 63) {
+            if (yield || i % SHM_SPIN_LOOKS == SHM_SPIN_LOOKS - 1) {
                 now = shm_now_ns();
                 if (now >= spin_end || now >= deadline) break;
-            }
-            if (yield)
                 shm_sched_yield();
-            else
+            } else {
                 shm_cpu_relax();
+            }
         }
         if (changed) continue;
         now = shm_now_ns();

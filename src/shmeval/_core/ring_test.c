@@ -2821,7 +2821,10 @@ static void test_ticker(void) {
  * collect look between sched_yield() calls while the budget lasts, then
  * sleep as before; the bit is a flag, not part of the budget (taken as a
  * budget it would spin for centuries: the waiter below never sleeps and
- * collect overruns its CPU bound). */
+ * collect overruns its CPU bound).  A plain spin yields too, once every
+ * SHM_SPIN_LOOKS looks: here the waiter and the thread that answers it
+ * share one CPU (as a futex wake-up can leave a client and its evaluator),
+ * and the answer comes only once the spin has given the CPU away. */
 static void answer_all(shm_seg *s, uint32_t n) {
     char batch[4 * 336], res[4 * 32] = {0};
     shm_taken taken[4];
@@ -2836,8 +2839,13 @@ static void test_yield(void) {
     test_seg ts;
     shm_seg *s = serving_seg(&ts, &P);
     register_clients(s, P.max_clients, 32000);
-    /* answered within the budget: a yielding spin yields, a plain one
-     * never does, and both return the answer without sleeping */
+    /* answered within the budget by a thread on the waiter's CPU: both
+     * spins give the CPU away (the answering thread sees a yield), and
+     * both return the answer without sleeping */
+    cpu_set_t all, one;
+    CHECK_EQ(pthread_getaffinity_np(pthread_self(), sizeof all, &all), 0);
+    CPU_ZERO(&one);
+    CPU_SET(sched_getcpu(), &one);
     for (int yield = 0; yield < 2; yield++) {
         bell_arg a = {s, 0, 10000 * MS, 0, 0, 0, NULL, 0,
                       (500 * MS) | (yield ? SHM_SPIN_YIELD : 0)};
@@ -2845,23 +2853,24 @@ static void test_yield(void) {
         CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
         shm_slot_publish(s, 0, 0);
         unsigned long y0 = atomic_load(&g_yields);
+        /* the waiter inherits this thread's one CPU */
+        CHECK_EQ(pthread_setaffinity_np(pthread_self(), sizeof one, &one), 0);
         CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
         uint64_t t0 = shm_now_ns();
-        if (yield) /* answer once it is spinning, however late it starts */
-            while (atomic_load(&g_yields) == y0)
-                CHECK_MSG(shm_now_ns() - t0 < PROMPT_NS,
-                          "a yielding spin of 500 ms never yielded");
-        else
-            sleep_ns(5 * MS);
+        /* this thread runs while the waiter spins only if the spin yields */
+        while (atomic_load(&g_yields) == y0) {
+            CHECK_MSG(shm_now_ns() - t0 < PROMPT_NS,
+                      "a %s spin of 500 ms never gave its CPU away",
+                      yield ? "yielding" : "plain");
+            sched_yield();
+        }
         answer_all(s, 1);
         CHECK_EQ(pthread_join(tid, NULL), 0);
+        CHECK_EQ(pthread_setaffinity_np(pthread_self(), sizeof all, &all), 0);
         CHECK_EQ(a.rc, SLOT_DONE);
         CHECK_MSG(!(word_of(s, 0, 0) & SLOT_WAITER),
                   "a %s spin of 500 ms slept before its answer",
                   yield ? "yielding" : "plain");
-        unsigned long yields = atomic_load(&g_yields) - y0;
-        if (!yield)
-            CHECK_MSG(yields == 0, "a plain spin yielded %lu times", yields);
         CHECK_EQ(t_release(s, 0, 0), SHM_OK);
     }
     /* not answered within a 10 ms budget: the waiter goes to sleep (it
@@ -2889,18 +2898,21 @@ static void test_yield(void) {
         CHECK_EQ(a.rc, SLOT_DONE);
         CHECK_EQ(t_release(s, 1, 0), SHM_OK);
     }
-    /* the evaluator: a yielding spin of 10 ms, then a sleep until its
-     * 300 ms timeout; it yields, and uses far less CPU than 300 ms */
-    {
+    /* the evaluator: a spin of 10 ms (yielding, or plain), then a sleep
+     * until its 300 ms timeout; it yields, and uses far less CPU than
+     * 300 ms */
+    for (int yield = 0; yield < 2; yield++) {
         char batch[4 * 336];
         shm_taken taken[4];
         uint32_t cursor = 0;
         unsigned long y0 = atomic_load(&g_yields);
         uint64_t c0 = thread_cpu_ns();
         CHECK_EQ(t_collect(s, batch, taken, 4, &cursor,
-                             (10 * MS) | SHM_SPIN_YIELD, 0, 300 * MS), 0);
+                             (10 * MS) | (yield ? SHM_SPIN_YIELD : 0), 0,
+                             300 * MS), 0);
         uint64_t cpu = thread_cpu_ns() - c0;
-        CHECK_MSG(atomic_load(&g_yields) > y0, "collect never yielded");
+        CHECK_MSG(atomic_load(&g_yields) > y0, "a %s collect never yielded",
+                  yield ? "yielding" : "plain");
         CHECK_MSG(cpu < 150 * MS, "collect used %.1f ms of CPU in 300 ms",
                   (double)cpu / 1e6);
     }
