@@ -1,0 +1,228 @@
+#!/usr/bin/env python
+"""Two builds of shmeval, the same load, measured in alternating turns:
+does a change of the core make the round trip faster or slower?
+
+On a shared machine the throughput of a latency-bound load (one worker, a
+trivial model) moves by a factor of two or more from one minute to the
+next with what the host's other tenants do (steal), far more than most
+changes of the core.  Runs one after the other then compare the host's
+minutes, not the builds.  Here each build has its own evaluator and
+workers, started once and kept up, and the two take turns of --turn-s
+seconds, in the order A B, B A, A B, ...: each pair of adjacent turns
+sees nearly the same host, and the ratio B/A per pair is the measure.
+The script prints each build's median rate, the ratio's median and
+quartiles, and in how many pairs B was ahead.
+
+A build is a git revision (built into a temporary directory: the sources
+of that commit, with the extensions compiled in place by this
+interpreter) or "." (this checkout, as it is built now).  The model is a
+NumPy function of the batch (the evaluator's own cost only); --settings is
+a JSON object of Evaluator.spawn keywords, the same for both builds.
+
+    python bench/ab_builds.py --a 62897fd --b . --workers 1 --cpus 0,1
+    python bench/ab_builds.py --a 62897fd --b . --settings '{"spin_us": 100, "evaluator_spin_us": 50}'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPE = (6, 7, 2)
+
+
+# --- one build's side (run as: ab_builds.py --serve SETTINGS WORKERS) ---------------------
+
+
+class NullModel:
+    """Uniform policy, the state's mean as value."""
+
+    def __call__(self, batch: Any) -> Dict[str, Any]:
+        import numpy as np
+        n = len(batch)
+        return {"policy": np.full((n, 7), 1 / 7, np.float32),
+                "value": batch.reshape(n, -1).mean(axis=1)}
+
+
+def make_model() -> NullModel:
+    return NullModel()
+
+
+def worker(handle: Any, turns: Any, results: Any) -> None:
+    """Evaluates one state at a time for each turn's seconds; reports its
+    evaluations per second."""
+    import numpy as np
+    state = np.zeros(SHAPE, np.float32)
+    evaluate = handle.evaluate
+    while True:
+        seconds = turns.get()
+        if seconds is None:
+            break
+        end = time.monotonic() + seconds
+        n = 0
+        while time.monotonic() < end:
+            evaluate(state)
+            n += 1
+        results.put(n / seconds)
+    handle.close()
+
+
+def serve(settings: Dict[str, Any], n_workers: int) -> None:
+    """One build: an evaluator and its workers; a turn per line of stdin
+    (its seconds), answered with the workers' summed rate."""
+    import multiprocessing as mp
+
+    import shmeval
+    ctx = mp.get_context("spawn")
+    ev = shmeval.Evaluator.spawn(make_model, input_shape=SHAPE,
+                                 outputs={"policy": ((7,), "float32"), "value": ((), "float32")},
+                                 max_batch=256, max_clients=max(16, n_workers), **settings)
+    turns = [ctx.Queue() for _ in range(n_workers)]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(ev, turns[i], results), daemon=True)
+             for i in range(n_workers)]
+    for p in procs:
+        p.start()
+    print("ready", shmeval.__file__, flush=True)
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            for q in turns:
+                q.put(float(line))
+            print(sum(results.get(timeout=120) for _ in procs), flush=True)
+    finally:
+        for q in turns:
+            q.put(None)
+        for p in procs:
+            p.join(10)
+        tuner = ev.stats().get("tuner")
+        print(json.dumps(tuner), flush=True)
+        ev.close()
+
+
+# --- the driver ---------------------------------------------------------------------------
+
+
+def build(rev: str, into: str) -> str:
+    """The src directory of revision ``rev`` (``"."``: this checkout's),
+    built in place."""
+    if rev == ".":
+        return os.path.join(ROOT, "src")
+    tree = os.path.join(into, rev.replace("/", "_"))
+    os.makedirs(tree)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev], capture_output=True)
+    if archive.returncode:
+        raise SystemExit(f"ab_builds: no revision {rev!r}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
+    made = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"],
+                          cwd=tree, capture_output=True, text=True)
+    if made.returncode:
+        raise SystemExit(f"ab_builds: {rev} did not build:\n{made.stderr[-3000:]}")
+    return os.path.join(tree, "src")
+
+
+def describe(rev: str) -> str:
+    """The commit ``rev`` names ("." : this checkout's, with -dirty when
+    its tree differs)."""
+    args = ["describe", "--always", "--dirty"] if rev == "." else ["rev-parse", "--short", rev]
+    r = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True)
+    return r.stdout.strip() or rev
+
+
+class Side:
+    """A build's serving process."""
+
+    def __init__(self, name: str, src: str, settings: str, workers: int) -> None:
+        env = dict(os.environ, PYTHONPATH=src)
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--serve", settings, str(workers)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        ready = self.proc.stdout.readline().split()
+        if not ready or ready[0] != "ready":
+            raise RuntimeError(f"build {name} did not start (its output: {ready})")
+        if not ready[1].startswith(src):
+            raise RuntimeError(f"build {name} imported {ready[1]}, not its own {src}")
+
+    def turn(self, seconds: float) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{seconds}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        tuner = json.loads(self.proc.stdout.readline() or "null")
+        self.proc.wait(30)
+        return tuner
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
+        serve(json.loads(sys.argv[2]), int(sys.argv[3]))
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--a", required=True, help="the first build: a git revision, or '.'")
+    p.add_argument("--b", default=".", help="the second build (default '.': this checkout)")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--cpus", default=None,
+                   help="CPUs for the whole run, as for taskset -c (e.g. 0,1; default: all)")
+    p.add_argument("--settings", default="{}", help="Evaluator.spawn keywords, as JSON")
+    p.add_argument("--turns", type=int, default=80, help="turns of each build")
+    p.add_argument("--turn-s", type=float, default=0.5)
+    p.add_argument("--warmup", type=float, default=5.0,
+                   help="seconds each build serves before the first turn (the tuner settles)")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args()
+    json.loads(args.settings)  # fail early on a typo
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from shmeval._util.procstat import machine_steal_s
+
+    with tempfile.TemporaryDirectory(prefix="shmeval-ab-") as tmp:
+        srcs = {name: build(rev, tmp) for name, rev in (("A", args.a), ("B", args.b))}
+        sides = [Side(name, srcs[name], args.settings, args.workers) for name in ("A", "B")]
+        try:
+            for side in sides:
+                side.turn(args.warmup)
+            t0, steal0 = time.monotonic(), machine_steal_s()
+            rates: Dict[str, List[float]] = {"A": [], "B": []}
+            for t in range(args.turns):
+                for side in (sides if t % 2 == 0 else sides[::-1]):
+                    rates[side.name].append(side.turn(args.turn_s))
+            wall = time.monotonic() - t0
+            steal = (machine_steal_s() - steal0) / (wall * (os.cpu_count() or 1))
+        finally:
+            tuners = {side.name: side.close() for side in sides}
+    ratios = [b / a for a, b in zip(rates["A"], rates["B"])]
+    q1, med, q3 = statistics.quantiles(ratios, n=4)
+    ahead = sum(r > 1 for r in ratios)
+    out = {"a": args.a, "b": args.b, "a_commit": describe(args.a), "b_commit": describe(args.b),
+           "workers": args.workers, "cpus": args.cpus,
+           "settings": json.loads(args.settings), "turn_s": args.turn_s,
+           "median_a": statistics.median(rates["A"]), "median_b": statistics.median(rates["B"]),
+           "ratio_median": med, "ratio_quartiles": [q1, q3], "b_ahead": ahead,
+           "pairs": len(ratios), "steal_share": steal, "rates": rates, "tuners": tuners}
+    print(f"A {args.a}: median {out['median_a']:,.0f}/s   B {args.b}: median {out['median_b']:,.0f}/s")
+    print(f"B/A per pair of turns: median {med:.2f} (quartiles {q1:.2f}-{q3:.2f}); "
+          f"B ahead in {ahead} of {len(ratios)}; the host took {steal:.1%} of the CPU time as steal")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

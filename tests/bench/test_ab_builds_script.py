@@ -1,0 +1,59 @@
+"""bench/ab_builds.py end to end on this checkout against itself (a
+revision would be built first, minutes): both sides serve in alternating
+turns, the JSON holds a rate per turn of each and one ratio per pair, and
+no process is left running.  No timed assertions."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "ab_builds.py"
+RUN_TIMEOUT = 150
+
+
+def _serving_sides() -> list[int]:
+    """Processes still running a side of the script (``--serve``)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(SCRIPT).encode() in cmd and b"--serve" in cmd:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_two_sides_take_turns(tmp_path: Path) -> None:
+    out = tmp_path / "ab.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--a", ".", "--b", ".", "--workers", "2",
+                        "--turns", "3", "--turn-s", "0.1", "--warmup", "0.2",
+                        "--json", str(out)],
+                       capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["workers"] == 2 and result["pairs"] == 3
+    assert len(result["rates"]["A"]) == len(result["rates"]["B"]) == 3
+    assert all(x > 0 for side in "AB" for x in result["rates"][side])
+    # Both sides ran the tuner (every knob "auto") and reported it.
+    assert {"A", "B"} <= set(result["tuners"])
+    assert all(t is not None and "why_spin" in t for t in result["tuners"].values())
+    assert 0 <= result["b_ahead"] <= 3
+    q1, q3 = result["ratio_quartiles"]
+    assert q1 <= result["ratio_median"] <= q3
+    assert "B ahead in" in r.stdout and "steal" in r.stdout
+    assert _serving_sides() == []
+
+
+def test_an_unknown_revision_is_named(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(SCRIPT), "--a", "no-such-rev-0000"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "no revision 'no-such-rev-0000'" in r.stderr
