@@ -53,7 +53,11 @@ requests in every pair of three, or in five of six when the first three
 disagree, or in seven of nine when it was ahead in four of six
 (``TRIAL_PAIRS``).  A window in which no model call ran (the
 clients paused or left) does not count: a trial waits for requests
-rather than deciding on empty windows.  After that the settings hold until the
+rather than deciding on empty windows.  Nor does a window served to
+another number of clients (by ``CHANGE_RATIO`` or more) than the trial
+began with: clients attaching one by one, or a worker restarting, are not
+the load being measured; the trial starts over only once the change has
+lasted ``HORIZON_NS``.  After that the settings hold until the
 load changes: the attached clients, the model's cost per call or the CPUs
 by ``CHANGE_RATIO`` or more for ``HORIZON_NS`` (a weight update that makes
 the net slower, workers joining or leaving, another program taking the
@@ -413,8 +417,16 @@ class Tuner:
                 # stays for the next one.
                 pass
             elif _moved(self.trial.clients, r.clients):
-                self._start_trials()   # the load changed under the trial: start over
+                # Not the load the trial is measuring: the window does not
+                # count, and the trial starts over once the change has
+                # lasted HORIZON_NS.  Clients attaching one by one, or a
+                # worker restarting, pass; a new load stays.
+                if self._changed_at is None:
+                    self._changed_at = r.now_ns
+                elif r.now_ns - self._changed_at >= HORIZON_NS:
+                    self._start_trials()
             else:
+                self._changed_at = None
                 self._trial_window(rate)
         elif r.calls and self.cost is not None and self._lasting_change(r.now_ns):
             self._start_trials()

@@ -355,14 +355,39 @@ def test_a_passing_disturbance_runs_no_trials() -> None:
     assert t.trial is not None
 
 
-def test_a_change_during_a_trial_starts_it_over() -> None:
+def test_a_lasting_change_during_a_trial_starts_it_over() -> None:
     t = Tuner(256, 2, WAKE)
     feed = Feed(t, clients=16)
     feed.run(3, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
     assert t.trial is not None and t.trial.knob == "threads"
+    counted = len(t.trial.rates)
     feed.clients = 64
+    # Windows of another load do not count; the trial goes on until the
+    # change has lasted HORIZON_NS, then starts over for the new load.
+    feed.run(tuning.HORIZON_NS // PERIOD, lambda d: 10_000.0, [16] * 40, FIXED, PER_ROW)
+    assert t.trial is not None and t.trial.clients == 16 and len(t.trial.rates) == counted
     feed.tick(lambda d: 10_000.0, [16] * 40, FIXED, PER_ROW)
     assert t.trial is not None and t.trial.clients == 64 and len(t.trial.rates) == 0
+
+
+def test_clients_coming_back_do_not_start_a_trial_over() -> None:
+    """The clients attach one by one after a pause (or a worker restarts):
+    the windows served to fewer of them do not count, and the trial goes on
+    where it was.  Restarting it at each such dip kept the trials from ever
+    finishing in a benchmark whose workers reattach every few seconds."""
+    t = Tuner(256, 2, WAKE)
+    feed = Feed(t, clients=16)
+    feed.run(3, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
+    assert t.trial is not None and t.trial.knob == "threads"
+    trial, counted = t.trial, len(t.trial.rates)
+    for attached in (0, 1, 4, 9):
+        feed.clients = attached
+        feed.tick(lambda d: 0.0 if not feed.clients else 3_000.0, [1] * 4 if attached else [],
+                  FIXED, PER_ROW)
+    assert t.trial is trial and len(trial.rates) == counted
+    feed.clients = 16
+    settle(feed, lambda d: 10_000.0 * d.threads, [16] * 40)
+    assert t.decision.threads == 2 and t.why_threads.startswith("2:")
 
 
 def test_a_trial_waits_out_a_pause_of_the_clients() -> None:
