@@ -17,10 +17,14 @@ A build is a git revision (built into a temporary directory: the sources
 of that commit, with the extensions compiled in place by this
 interpreter) or "." (this checkout, as it is built now).  The model is a
 NumPy function of the batch (the evaluator's own cost only); --settings is
-a JSON object of Evaluator.spawn keywords, the same for both builds.
+a JSON object of Evaluator.spawn keywords, the same for both builds unless
+--settings-b gives B its own (then one build against itself compares two
+settings the same way).
 
     python bench/ab_builds.py --a 62897fd --b . --workers 1 --cpus 0,1
     python bench/ab_builds.py --a 62897fd --b . --settings '{"spin_us": 100, "evaluator_spin_us": 50}'
+    python bench/ab_builds.py --a . --b . --cpus 0 --workers 2 \
+        --settings '{"spin_us": 100, "evaluator_spin_us": 50}' --settings-b '{}'
 """
 from __future__ import annotations
 
@@ -180,13 +184,16 @@ def main() -> None:
     p.add_argument("--cpus", default=None,
                    help="CPUs for the whole run, as for taskset -c (e.g. 0,1; default: all)")
     p.add_argument("--settings", default="{}", help="Evaluator.spawn keywords, as JSON")
+    p.add_argument("--settings-b", default=None, help="B's own keywords (default: --settings)")
     p.add_argument("--turns", type=int, default=80, help="turns of each build")
     p.add_argument("--turn-s", type=float, default=0.5)
     p.add_argument("--warmup", type=float, default=5.0,
                    help="seconds each build serves before the first turn (the tuner settles)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
-    json.loads(args.settings)  # fail early on a typo
+    if args.settings_b is None:
+        args.settings_b = args.settings
+    json.loads(args.settings), json.loads(args.settings_b)  # fail early on a typo
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     sys.path.insert(0, os.path.join(ROOT, "src"))
@@ -194,7 +201,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="shmeval-ab-") as tmp:
         srcs = {name: build(rev, tmp) for name, rev in (("A", args.a), ("B", args.b))}
-        sides = [Side(name, srcs[name], args.settings, args.workers) for name in ("A", "B")]
+        sides = [Side(name, srcs[name], settings, args.workers)
+                 for name, settings in (("A", args.settings), ("B", args.settings_b))]
         try:
             for side in sides:
                 side.turn(args.warmup)
@@ -212,11 +220,16 @@ def main() -> None:
     ahead = sum(r > 1 for r in ratios)
     out = {"a": args.a, "b": args.b, "a_commit": describe(args.a), "b_commit": describe(args.b),
            "workers": args.workers, "cpus": args.cpus,
-           "settings": json.loads(args.settings), "turn_s": args.turn_s,
+           "settings": json.loads(args.settings), "settings_b": json.loads(args.settings_b),
+           "turn_s": args.turn_s,
            "median_a": statistics.median(rates["A"]), "median_b": statistics.median(rates["B"]),
            "ratio_median": med, "ratio_quartiles": [q1, q3], "b_ahead": ahead,
            "pairs": len(ratios), "steal_share": steal, "rates": rates, "tuners": tuners}
-    print(f"A {args.a}: median {out['median_a']:,.0f}/s   B {args.b}: median {out['median_b']:,.0f}/s")
+    label = {"A": args.a, "B": args.b}
+    if args.settings_b != args.settings:
+        label = {"A": f"{args.a} {args.settings}", "B": f"{args.b} {args.settings_b}"}
+    print(f"A {label['A']}: median {out['median_a']:,.0f}/s   "
+          f"B {label['B']}: median {out['median_b']:,.0f}/s")
     print(f"B/A per pair of turns: median {med:.2f} (quartiles {q1:.2f}-{q3:.2f}); "
           f"B ahead in {ahead} of {len(ratios)}; the host took {steal:.1%} of the CPU time as steal")
     if args.json:

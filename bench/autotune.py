@@ -327,6 +327,19 @@ def held_out(rates: Dict[str, List[float]],
             statistics.median(rates["auto"][k:rounds]))
 
 
+def paired(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+    """The median over rounds of a's window over b's in the same round.
+
+    A cell's settings take their windows of a round within seconds of each
+    other, its rounds a minute or more apart; on a shared host the
+    machine's speed moves between rounds by more than the settings differ
+    (the noise pairs).  The ratio within each round cancels what the
+    round's minute did to both, which the ratio of the medians over all
+    rounds does not."""
+    ratios = [x / y for x, y in zip(a, b) if y > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def same_setting(model: str, cpus: int, workers: int) -> bool:
     """``today`` and ``nospin`` are one setting in this cell: a model
     without TensorFlow (the two differ in the net's style only for tfnet),
@@ -337,16 +350,26 @@ def same_setting(model: str, cpus: int, workers: int) -> bool:
     return model != "tfnet" and workers > cpus
 
 
-def noise(cells: Dict[Tuple[str, int, int], Dict[str, float]]) -> Dict[str, Any]:
+def noise(cells: Dict[Tuple[str, int, int], Dict[str, float]],
+          windows: Optional[Dict[Tuple[str, int, int], Dict[str, List[float]]]] = None
+          ) -> Dict[str, Any]:
     """today against nospin where they are one setting (same_setting):
-    the larger over the smaller in each such cell."""
-    ratios = [max(r["today"], r["nospin"]) / min(r["today"], r["nospin"])
-              for (model, cpus, n), r in cells.items()
-              if same_setting(model, cpus, n) and r.get("today") and r.get("nospin")]
-    return {"cells": len(ratios),
-            "median": statistics.median(ratios) if ratios else None,
-            "max": max(ratios) if ratios else None,
-            "cells_apart_by_more_than_0.9": sum(x > 1 / 0.9 for x in ratios)}
+    the larger over the smaller in each such cell; with ``windows`` (each
+    setting's windows, by round), the same of their paired ratio."""
+    ones = [k for k, r in cells.items()
+            if same_setting(*k) and r.get("today") and r.get("nospin")]
+    ratios = [max(cells[k]["today"], cells[k]["nospin"]) /
+              min(cells[k]["today"], cells[k]["nospin"]) for k in ones]
+    out = {"cells": len(ratios),
+           "median": statistics.median(ratios) if ratios else None,
+           "max": max(ratios) if ratios else None,
+           "cells_apart_by_more_than_0.9": sum(x > 1 / 0.9 for x in ratios)}
+    if windows is not None:
+        each = [paired(windows[k]["today"], windows[k]["nospin"]) for k in ones]
+        pr = [max(x, 1 / x) for x in each if x]
+        out["paired_median"] = statistics.median(pr) if pr else None
+        out["paired_max"] = max(pr) if pr else None
+    return out
 
 
 def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dict[str, Any]]:
@@ -354,16 +377,21 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
     ``auto / best`` take the best of the hand settings' medians over all
     rounds (biased towards the hand settings: held_out); ``held out``
     chooses it on the first half of the rounds and compares it with auto
-    on the others."""
+    on the others.  ``paired`` compares auto with each hand setting round
+    by round (:func:`paired`): ``auto / best`` there is the least of
+    those ratios (the hand setting auto fares worst against, a choice
+    biased against auto), ``auto / today`` the one against today's."""
     cells: Dict[Tuple[str, int, int], Dict[str, Dict[str, Any]]] = {}
     for r in rows:
         cells.setdefault((r["model"], r["cpus"], r["workers"]), {})[r["setting"]] = r
     columns = [s for s in settings if s != "auto"]
     hand = [s for s in columns if s not in PARTLY_AUTO]
     head = ("| model | CPUs | workers | auto | " + " | ".join(columns) +
-            " | best hand | auto / best | held out: best, auto / best | auto / today |")
+            " | best hand | auto / best | held out: best, auto / best | auto / today |"
+            " paired: best, auto / best | paired: auto / today |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    ratios: Dict[str, List[float]] = {"best": [], "held_out": [], "today": []}
+    ratios: Dict[str, List[float]] = {"best": [], "held_out": [], "today": [],
+                                      "paired_best": [], "paired_today": []}
     for (model, cpus, n), got in sorted(cells.items(), key=lambda kv: (
             MODELS.index(kv[0][0]) if kv[0][0] in MODELS else 9, kv[0][1], kv[0][2])):
         rates = {s: r["rate"] for s, r in got.items()}
@@ -374,7 +402,17 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
         rt = auto / rates["today"] if auto and rates.get("today") else None
         ho = held_out({s: r["rates"] for s, r in got.items()}, list(hands)) if auto else None
         rh = ho[2] / ho[1] if ho and ho[1] else None
-        for key, x in (("best", rb), ("held_out", rh), ("today", rt)):
+        windows = {s: r["rates"] for s, r in got.items()}
+        against: Dict[str, float] = {}
+        for s in hands if auto else []:
+            x = paired(windows["auto"], windows[s])
+            if x is not None:
+                against[s] = x
+        pbest = min(against, key=lambda s: against[s]) if against else None
+        pb = against[pbest] if pbest else None
+        pt = paired(windows["auto"], windows["today"]) if auto and "today" in windows else None
+        for key, x in (("best", rb), ("held_out", rh), ("today", rt),
+                       ("paired_best", pb), ("paired_today", pt)):
             if x is not None:
                 ratios[key].append(x)
 
@@ -385,7 +423,9 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
                      " | ".join(fmt(rates.get(s)) for s in columns) +
                      f" | {best or '-'} | {f'{rb:.2f}' if rb else '-'} | " +
                      (f"{ho[0]}, {rh:.2f}" if ho and rh else "-") +
-                     f" | {f'{rt:.2f}' if rt else '-'} |")
+                     f" | {f'{rt:.2f}' if rt else '-'} | " +
+                     (f"{pbest}, {pb:.2f}" if pbest and pb else "-") +
+                     f" | {f'{pt:.2f}' if pt else '-'} |")
 
     def least(xs: List[float]) -> Optional[float]:
         return min(xs) if xs else None
@@ -405,7 +445,15 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
         "min_auto_over_today": least(ratios["today"]),
         "median_auto_over_today": median(ratios["today"]),
         "cells_auto_at_least_today": sum(r >= 1.0 for r in ratios["today"]),
+        "min_auto_over_best_paired": least(ratios["paired_best"]),
+        "median_auto_over_best_paired": median(ratios["paired_best"]),
+        "cells_auto_at_least_0.9_best_paired": sum(r >= 0.9 for r in ratios["paired_best"]),
+        "min_auto_over_today_paired": least(ratios["paired_today"]),
+        "median_auto_over_today_paired": median(ratios["paired_today"]),
+        "cells_auto_at_least_today_paired": sum(r >= 1.0 for r in ratios["paired_today"]),
         "same_setting_today_nospin": noise({k: {s: r["rate"] for s, r in v.items()}
+                                            for k, v in cells.items()},
+                                           {k: {s: r["rates"] for s, r in v.items()}
                                             for k, v in cells.items()}),
     }
     return "\n".join(lines), summary

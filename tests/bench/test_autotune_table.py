@@ -84,3 +84,36 @@ def test_the_noise_is_read_where_today_and_nospin_are_one_setting(autotune: Any)
     assert got["max"] == pytest.approx(1.2)
     assert got["median"] == pytest.approx((1.2 + 1.05) / 2)
     assert got["cells_apart_by_more_than_0.9"] == 1
+
+
+def test_paired_ratios_cancel_what_each_round_did_to_both(autotune: Any) -> None:
+    # The host ran at full speed in the first two rounds and at half in the
+    # last two; auto served 0.95x today's in every round.  The medians over
+    # all rounds see the rounds' speeds as well; the paired ratio does not.
+    speed = [1.0, 1.0, 0.5, 0.5]
+    windows = {"auto": [95.0 * s for s in speed],
+               "today": [100.0 * s for s in speed],
+               "nospin": [130.0, 40.0, 30.0, 60.0]}
+    assert autotune.paired(windows["auto"], windows["today"]) == pytest.approx(0.95)
+    # Round by round auto led nospin in two rounds and trailed in two.
+    assert autotune.paired(windows["auto"], windows["nospin"]) == pytest.approx(
+        statistics.median([95 / 130, 95 / 40, 47.5 / 30, 47.5 / 60]))
+    text, summary = autotune.table(_rows(windows), ["auto", "today", "nospin"])
+    assert summary["min_auto_over_today_paired"] == pytest.approx(0.95)
+    assert summary["cells_auto_at_least_today_paired"] == 0
+    # The least of auto's paired ratios names the hand setting it fares
+    # worst against.
+    assert summary["min_auto_over_best_paired"] == pytest.approx(0.95)
+    assert "| today, 0.95 | 0.95 |" in text
+    assert autotune.paired([], []) is None and autotune.paired([1.0], [0.0]) is None
+
+
+def test_the_noise_is_also_read_round_by_round(autotune: Any) -> None:
+    cells = {("null", 2, 4): {"today": 100.0, "nospin": 100.0}}
+    windows = {("null", 2, 4): {"today": [100.0, 50.0, 100.0], "nospin": [80.0, 60.0, 100.0]}}
+    got = autotune.noise(cells, windows)
+    assert got["max"] == pytest.approx(1.0)
+    # Per round 1.25, 0.83, 1.0: the median 1.0.
+    assert got["paired_max"] == pytest.approx(1.0)
+    windows[("null", 2, 4)]["nospin"] = [80.0, 40.0, 80.0]
+    assert autotune.noise(cells, windows)["paired_max"] == pytest.approx(1.25)
