@@ -427,30 +427,20 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
                      (f"{pbest}, {pb:.2f}" if pbest and pb else "-") +
                      f" | {f'{pt:.2f}' if pt else '-'} |")
 
-    def least(xs: List[float]) -> Optional[float]:
-        return min(xs) if xs else None
-
-    def median(xs: List[float]) -> Optional[float]:
-        return statistics.median(xs) if xs else None
+    def figures(xs: List[float], versus: str, at_least: str, bar: float) -> Dict[str, Any]:
+        """The least and median ratio, and the cells at ``bar`` or more."""
+        return {f"min_auto_over_{versus}": min(xs) if xs else None,
+                f"median_auto_over_{versus}": statistics.median(xs) if xs else None,
+                f"cells_auto_at_least_{at_least}": sum(r >= bar for r in xs)}
 
     summary = {
         "cells": len(cells),
-        "min_auto_over_best": least(ratios["best"]),
-        "median_auto_over_best": median(ratios["best"]),
-        "cells_auto_at_least_0.9_best": sum(r >= 0.9 for r in ratios["best"]),
+        **figures(ratios["best"], "best", "0.9_best", 0.9),
         "held_out_cells": len(ratios["held_out"]),
-        "min_auto_over_best_held_out": least(ratios["held_out"]),
-        "median_auto_over_best_held_out": median(ratios["held_out"]),
-        "cells_auto_at_least_0.9_best_held_out": sum(r >= 0.9 for r in ratios["held_out"]),
-        "min_auto_over_today": least(ratios["today"]),
-        "median_auto_over_today": median(ratios["today"]),
-        "cells_auto_at_least_today": sum(r >= 1.0 for r in ratios["today"]),
-        "min_auto_over_best_paired": least(ratios["paired_best"]),
-        "median_auto_over_best_paired": median(ratios["paired_best"]),
-        "cells_auto_at_least_0.9_best_paired": sum(r >= 0.9 for r in ratios["paired_best"]),
-        "min_auto_over_today_paired": least(ratios["paired_today"]),
-        "median_auto_over_today_paired": median(ratios["paired_today"]),
-        "cells_auto_at_least_today_paired": sum(r >= 1.0 for r in ratios["paired_today"]),
+        **figures(ratios["held_out"], "best_held_out", "0.9_best_held_out", 0.9),
+        **figures(ratios["today"], "today", "today", 1.0),
+        **figures(ratios["paired_best"], "best_paired", "0.9_best_paired", 0.9),
+        **figures(ratios["paired_today"], "today_paired", "today_paired", 1.0),
         "same_setting_today_nospin": noise({k: {s: r["rate"] for s, r in v.items()}
                                             for k, v in cells.items()},
                                            {k: {s: r["rates"] for s, r in v.items()}
