@@ -15,7 +15,8 @@ quartiles, and in how many pairs B was ahead.
 
 A build is a git revision (built into a temporary directory: the sources
 of that commit, with the extensions compiled in place by this
-interpreter) or "." (this checkout, as it is built now).  The model is a
+interpreter) or "." (the shmeval this interpreter imports: this checkout
+built in place, or the copy installed from it).  The model is a
 NumPy function of the batch (the evaluator's own cost only); --settings is
 a JSON object of Evaluator.spawn keywords, the same for both builds unless
 --settings-b gives B its own (then one build against itself compares two
@@ -116,10 +117,11 @@ def serve(settings: Dict[str, Any], n_workers: int) -> None:
 
 
 def build(rev: str, into: str) -> str:
-    """The src directory of revision ``rev`` (``"."``: this checkout's),
-    built in place."""
+    """The directory holding the package of revision ``rev``, built
+    (``"."``: the one this interpreter imports)."""
     if rev == ".":
-        return os.path.join(ROOT, "src")
+        import shmeval
+        return os.path.dirname(os.path.dirname(os.path.abspath(shmeval.__file__)))
     tree = os.path.join(into, rev.replace("/", "_"))
     os.makedirs(tree)
     archive = subprocess.run(["git", "-C", ROOT, "archive", rev], capture_output=True)
@@ -196,7 +198,6 @@ def main() -> None:
     json.loads(args.settings), json.loads(args.settings_b)  # fail early on a typo
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    sys.path.insert(0, os.path.join(ROOT, "src"))
     from shmeval._util.procstat import machine_steal_s
 
     with tempfile.TemporaryDirectory(prefix="shmeval-ab-") as tmp:

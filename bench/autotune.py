@@ -400,9 +400,9 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
         best = max(hands, key=lambda s: hands[s]) if hands else None
         rb = auto / hands[best] if auto and best else None
         rt = auto / rates["today"] if auto and rates.get("today") else None
-        ho = held_out({s: r["rates"] for s, r in got.items()}, list(hands)) if auto else None
-        rh = ho[2] / ho[1] if ho and ho[1] else None
         windows = {s: r["rates"] for s, r in got.items()}
+        ho = held_out(windows, list(hands)) if auto else None
+        rh = ho[2] / ho[1] if ho and ho[1] else None
         against: Dict[str, float] = {}
         for s in hands if auto else []:
             x = paired(windows["auto"], windows[s])
@@ -410,7 +410,7 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
                 against[s] = x
         pbest = min(against, key=lambda s: against[s]) if against else None
         pb = against[pbest] if pbest else None
-        pt = paired(windows["auto"], windows["today"]) if auto and "today" in windows else None
+        pt = against.get("today")
         for key, x in (("best", rb), ("held_out", rh), ("today", rt),
                        ("paired_best", pb), ("paired_today", pt)):
             if x is not None:

@@ -630,6 +630,20 @@ static inline void shm_copy(char *dst, const char *src, size_t n) {
 #define shm_sched_yield() sched_yield()
 #endif
 
+/* The pause after look i of a spin that must end at `end` (CLOCK_MONOTONIC
+ * ns): a yielding spin reads the clock and yields after every look, a
+ * plain one pauses and does both after every SHM_SPIN_LOOKS looks.
+ * Returns 1 once `end` has passed (the spin is over). */
+static inline int shm_spin_pause(uint32_t i, uint64_t end, int yield) {
+    if (yield || i % SHM_SPIN_LOOKS == SHM_SPIN_LOOKS - 1) {
+        if (shm_now_ns() >= end) return 1;
+        shm_sched_yield();
+    } else {
+        shm_cpu_relax();
+    }
+    return 0;
+}
+
 /* No timeout or deadline: a futex wait without a timer. */
 #define SHM_NO_DEADLINE UINT64_MAX
 
@@ -1095,16 +1109,7 @@ static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
             if (shm_word_gen(cur) != gen) return SHM_STALE;
             if (shm_state_is_final(shm_word_state(cur)))
                 return (int)shm_word_state(cur);
-            if (yield) { /* a syscall per look: the clock each time too */
-                if (shm_now_ns() - start >= spin_ns) break;
-                shm_sched_yield();
-                continue;
-            }
-            if (i % SHM_SPIN_LOOKS == SHM_SPIN_LOOKS - 1) {
-                if (shm_now_ns() - start >= spin_ns) break;
-                shm_sched_yield();
-            }
-            shm_cpu_relax();
+            if (shm_spin_pause(i, start + spin_ns, yield)) break;
         }
     }
     for (;;) {
@@ -1226,16 +1231,7 @@ static inline int shm_slots_wait_any(shm_seg *s, uint32_t c,
         for (uint32_t i = 0;; i++) {
             if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n)
                 return rc;
-            if (yield) {
-                if (shm_now_ns() - start >= spin_ns) break;
-                shm_sched_yield();
-                continue;
-            }
-            if (i % SHM_SPIN_LOOKS == SHM_SPIN_LOOKS - 1) {
-                if (shm_now_ns() - start >= spin_ns) break;
-                shm_sched_yield();
-            }
-            shm_cpu_relax();
+            if (shm_spin_pause(i, start + spin_ns, yield)) break;
         }
     }
     for (;;) {
@@ -1734,8 +1730,9 @@ static inline int shm_collect(shm_seg *s, uint32_t v, char *batch,
             return (int)n;
         uint64_t deadline = n > 0 ? first + max_wait_ns : start + timeout_ns;
         if (now >= deadline) return (int)n;
-        /* Spin on the doorbell word while the budget lasts. */
-        uint64_t spin_end = now + spin_ns;
+        /* Spin on the doorbell word while the budget lasts (and not past
+         * the deadline). */
+        uint64_t spin_end = now + spin_ns < deadline ? now + spin_ns : deadline;
         int changed = 0;
         for (uint32_t i = 0; spin_ns; i++) {
             /* MO: relaxed; a hint only, the rescan does the acquire. */
@@ -1744,13 +1741,7 @@ static inline int shm_collect(shm_seg *s, uint32_t v, char *batch,
                 changed = 1;
                 break;
             }
-            if (yield || i % SHM_SPIN_LOOKS == SHM_SPIN_LOOKS - 1) {
-                now = shm_now_ns();
-                if (now >= spin_end || now >= deadline) break;
-                shm_sched_yield();
-            } else {
-                shm_cpu_relax();
-            }
+            if (shm_spin_pause(i, spin_end, yield)) break;
         }
         if (changed) continue;
         now = shm_now_ns();
