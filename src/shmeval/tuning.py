@@ -79,6 +79,7 @@ running evaluator.
 """
 from __future__ import annotations
 
+import array
 import functools
 import json
 import math
@@ -87,7 +88,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -127,6 +128,31 @@ SLEEP, YIELD, SPIN = "sleep", "yield", "spin"
 
 #: One model call: (start, duration) in CLOCK_MONOTONIC ns, and its rows.
 Call = Tuple[int, int, int]
+
+
+def _as_calls(calls: Union[Sequence[Call], np.ndarray]) -> np.ndarray:
+    """Calls as an (n, 3) int64 array (a view when they already are)."""
+    return np.asarray(calls, dtype=np.int64).reshape(-1, 3)
+
+
+#: Cost.fit packs a call's rows and duration into one sort key: durations
+#: take the low _NS_BITS bits (capped at about 18 minutes).
+_NS_BITS = 40
+_NS_MAX = (1 << _NS_BITS) - 1
+
+
+def _upper_median(x: np.ndarray) -> float:
+    """The middle value (the upper one of an even count), by partition:
+    ``np.median`` imports ``numpy.ma`` on its first call, tens of ms that
+    would land on a serving thread's housekeeping."""
+    k = len(x) // 2
+    return float(np.partition(x, k)[k])
+
+
+def _lower_quartile(x: np.ndarray) -> float:
+    """The value a quarter of the way up ``x`` (nearest rank, by partition)."""
+    k = (len(x) - 1) // 4
+    return float(np.partition(x, k)[k])
 
 
 def check_auto(name: str, value: Any, check: Callable[[str, Any], Any]) -> Any:
@@ -211,8 +237,9 @@ class Reading:
     cpus: int
     #: Tasks runnable on them now, the reader included (:func:`runnable_tasks`).
     runnable: float
-    #: The model calls since the previous reading.
-    calls: Sequence[Call] = ()
+    #: The model calls since the previous reading: Call tuples, or an
+    #: (n, 3) array of them (what :class:`ServingTuner` passes).
+    calls: Union[Sequence[Call], np.ndarray] = ()
 
 
 @dataclass(frozen=True)
@@ -244,17 +271,19 @@ class Cost:
     at_mean: float = 0.0
 
     @classmethod
-    def fit(cls, calls: Sequence[Call], prior: Optional["Cost"] = None) -> Optional["Cost"]:
-        if not calls:
+    def fit(cls, calls: Union[Sequence[Call], np.ndarray], prior: Optional["Cost"] = None) -> Optional["Cost"]:
+        a = _as_calls(calls)
+        if not len(a):
             return None
-        a = np.asarray(calls, dtype=np.float64)
-        rows, ns = a[:, 2], a[:, 1]
-        order = np.lexsort((ns, rows))
-        rows, ns = rows[order], ns[order]
+        # Sorted by rows, then duration, as one int64 key (a sort of one
+        # key costs a fraction of a lexsort of two).
+        key = np.sort(a[:, 2] << _NS_BITS | np.minimum(a[:, 1], _NS_MAX))
+        rows = (key >> _NS_BITS).astype(np.float64)
+        ns = (key & _NS_MAX).astype(np.float64)
         sizes, first, counts = np.unique(rows, return_index=True, return_counts=True)
         medians = ns[first + counts // 2]
         mean_rows = float(rows.mean())
-        at_mean = float(np.median(ns))
+        at_mean = _upper_median(ns)
         solid = counts >= 3
         if solid.sum() >= 2 and np.max(sizes[solid]) >= 2 * np.min(sizes[solid]):
             w = counts.astype(np.float64)
@@ -391,14 +420,14 @@ class Tuner:
         #: What the trials measured (None: they have not run).
         self.load: Optional[Load] = None
         self._prev: Optional[Reading] = None
-        self._recent: List[Tuple[int, Sequence[Call]]] = []   # (now_ns, calls)
+        self._recent: List[Tuple[int, np.ndarray]] = []   # (now_ns, calls as _as_calls)
         self._changed_at: Optional[int] = None   # when the load was first seen changed
 
     # -- the reading of one window ---------------------------------------------
 
     def tick(self, r: Reading) -> Decision:
         prev, self._prev = self._prev, r
-        self._recent.append((r.now_ns, r.calls))
+        self._recent.append((r.now_ns, _as_calls(r.calls)))
         self._recent = [(t, c) for t, c in self._recent if r.now_ns - t < HORIZON_NS]
         self.clients, self.cpus = r.clients, r.cpus
         self._spin(r)
@@ -406,12 +435,13 @@ class Tuner:
             return self.decision
         rate = (r.requests - prev.requests) * 1e9 / (r.now_ns - prev.now_ns)
         self.rate = rate if self.rate == 0 else 0.5 * (self.rate + rate)
-        calls = [c for _, cs in self._recent for c in cs]
-        if calls:
+        calls = np.concatenate([c for _, c in self._recent])
+        served = len(self._recent[-1][1]) > 0
+        if len(calls):
             self.cost = Cost.fit(calls, self.cost)
-            self._batches(np.fromiter((c[2] for c in calls), np.int64, len(calls)))
+            self._batches(calls[:, 2])
         if self.trial is not None:
-            if not r.calls:
+            if not served:
                 # Nothing was served (the clients paused or left): the
                 # window tells the trial nothing, and the setting in force
                 # stays for the next one.
@@ -428,7 +458,7 @@ class Tuner:
             else:
                 self._changed_at = None
                 self._trial_window(rate)
-        elif r.calls and self.cost is not None and self._lasting_change(r.now_ns):
+        elif served and self.cost is not None and self._lasting_change(r.now_ns):
             self._start_trials()
         return self.decision
 
@@ -446,7 +476,7 @@ class Tuner:
 
     def _batches(self, rows: np.ndarray) -> None:
         """The smaller batches and the population, from the rows per call."""
-        self.small_batch = float(np.percentile(rows, 25))
+        self.small_batch = _lower_quartile(rows)
         largest = int(rows.max())
         d = self.decision
         if d.max_wait_ns and d.batch_cap < self.max_batch and np.mean(rows >= d.batch_cap) > 0.5:
@@ -686,19 +716,20 @@ def read_report(seg: Any, replica: int) -> Optional[Dict[str, Any]]:
 CALLS_PER_PERIOD = 1024
 
 
-def _recorder(model: Any, calls: List[Call], cap: int = CALLS_PER_PERIOD) -> Callable[[Any], Any]:
-    """``model`` wrapped to append (start, duration, rows) of each call to
-    ``calls`` (a closure: cheaper than a method on the serving path), up
-    to ``cap`` calls until the list is emptied (once per period); the
-    calls past that run the model alone."""
-    now, append = time.monotonic_ns, calls.append
+def _recorder(model: Any, calls: "array.array[int]", cap: int = CALLS_PER_PERIOD) -> Callable[[Any], Any]:
+    """``model`` wrapped to append the start, duration and rows of each
+    call to ``calls`` (an ``array('q')``, flat: the period's readings
+    become one array without a Python object per call; a closure: cheaper
+    than a method on the serving path), up to ``cap`` calls until it is
+    emptied (once per period); the calls past that run the model alone."""
+    now, extend, full = time.monotonic_ns, calls.extend, 3 * cap
 
     def record(batch: Any) -> Any:
-        if len(calls) >= cap:
+        if len(calls) >= full:
             return model(batch)
         t0 = now()
         out = model(batch)
-        append((t0, now() - t0, len(batch)))
+        extend((t0, now() - t0, len(batch)))
         return out
 
     return record
@@ -724,7 +755,7 @@ class ServingTuner:
                            overrides, spin_yield)
         self.board = board
         self.period_ns = period_ns
-        self.calls: List[Call] = []
+        self.calls = array.array("q")
         self.record = _recorder(model, self.calls)
         self.next_tick = 0
         self.turns = threading.Condition()
@@ -740,8 +771,9 @@ class ServingTuner:
         if now_ns < self.next_tick:
             return
         self.next_tick = now_ns + self.period_ns
-        calls = self.calls[:]   # no call is in flight during housekeeping
-        self.calls.clear()
+        # No call is in flight during housekeeping.
+        calls = np.frombuffer(self.calls, dtype=np.int64).reshape(-1, 3).copy()
+        del self.calls[:]
         try:
             cpus = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - not Linux

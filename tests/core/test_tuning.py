@@ -19,6 +19,9 @@ a caller's settings switch the tuner off.
 """
 from __future__ import annotations
 
+import array
+import subprocess
+import sys
 import time
 from typing import Callable, List, Sequence
 
@@ -815,11 +818,41 @@ def test_serving_tuner_records_calls() -> None:
     st = tuning.ServingTuner(Seg(), fake_model, 256, 1, Overrides(), None, PERIOD, YIELD_FLAG)
     out = st.record(np.zeros((5,) + INPUT_SHAPE, np.float32))
     assert out["value"].shape == (5,)
-    assert len(st.calls) == 1 and st.calls[0][2] == 5
+    assert len(st.calls) == 3 and st.calls[2] == 5   # start, duration, rows
     st.tick(10 * PERIOD)
-    assert st.calls == [] and st.tuner.clients == 3
+    assert len(st.calls) == 0 and st.tuner.clients == 3
+    assert st.tuner._recent[-1][1][:, 2].tolist() == [5]
     st.tick(10 * PERIOD + 1)            # within the period: no second reading
     assert st.tuner._prev is not None and st.tuner._prev.now_ns == 10 * PERIOD
+
+
+def test_a_reading_imports_nothing() -> None:
+    """A reading runs on a serving thread, between batches: it must not
+    import a module there (``np.median`` imports ``numpy.ma`` on its first
+    call, about 40 ms on the development machine, which every waiting
+    client paid).  In a fresh interpreter, as a spawned evaluator is."""
+    code = """
+import sys
+import numpy as np
+from shmeval import tuning
+
+class Seg:
+    def stat(self, name): return 0
+    def n_attached(self): return 2
+
+st = tuning.ServingTuner(Seg(), lambda b: {"value": np.zeros(len(b))}, 64, 1,
+                         tuning.Overrides(), None, 1, 1 << 63)
+before = set(sys.modules)
+for t in range(1, 8):
+    for n in (1, 1, 1, 2, 2, 2, 4, 4, 4):
+        st.record(np.zeros((n, 3)))
+    st.tick(t * 200_000_000)
+assert st.tuner.cost is not None and st.tuner.cost.per_row is not None, st.tuner.cost
+print(sorted(set(sys.modules) - before))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"a reading imported {out.stdout.strip()}"
 
 
 def test_the_recorder_keeps_a_bounded_sample_per_period() -> None:
@@ -832,12 +865,12 @@ def test_the_recorder_keeps_a_bounded_sample_per_period() -> None:
         seen.append(len(batch))
         return len(batch)
 
-    calls: List[tuple[int, int, int]] = []
+    calls = array.array("q")
     record = tuning._recorder(model, calls, cap=4)
     assert [record(np.zeros(n)) for n in range(1, 7)] == [1, 2, 3, 4, 5, 6]
     assert seen == [1, 2, 3, 4, 5, 6]
-    assert [c[2] for c in calls] == [1, 2, 3, 4]
-    calls.clear()
+    assert calls[2::3].tolist() == [1, 2, 3, 4]
+    del calls[:]
     record(np.zeros(7))
-    assert [c[2] for c in calls] == [7]
+    assert calls[2::3].tolist() == [7]
     assert tuning.CALLS_PER_PERIOD >= 256   # enough for a median per batch size
