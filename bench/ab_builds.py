@@ -10,8 +10,11 @@ minutes, not the builds.  Here each build has its own evaluator and
 workers, started once and kept up, and the two take turns of --turn-s
 seconds, in the order A B, B A, A B, ...: each pair of adjacent turns
 sees nearly the same host, and the ratio B/A per pair is the measure.
-The script prints each build's median rate, the ratio's median and
-quartiles, and in how many pairs B was ahead.
+The script prints each build's median rate and how evenly its workers
+shared it (the slowest worker's rate over the mean's, median over the
+turns), the ratio's median and quartiles, and in how many pairs B was
+ahead.  --busy N runs N busy loops beside both builds: other programs
+taking the CPUs.
 
 A build is a git revision (built into a temporary directory: the sources
 of that commit, with the extensions compiled in place by this
@@ -37,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (6, 7, 2)
@@ -102,7 +105,8 @@ def serve(settings: Dict[str, Any], n_workers: int) -> None:
                 break
             for q in turns:
                 q.put(float(line))
-            print(sum(results.get(timeout=120) for _ in procs), flush=True)
+            got = [results.get(timeout=120) for _ in procs]
+            print(sum(got), min(got) * len(got) / max(sum(got), 1e-9), flush=True)
     finally:
         for q in turns:
             q.put(None)
@@ -159,11 +163,14 @@ class Side:
         if not ready[1].startswith(src):
             raise RuntimeError(f"build {name} imported {ready[1]}, not its own {src}")
 
-    def turn(self, seconds: float) -> float:
+    def turn(self, seconds: float) -> Tuple[float, float]:
+        """One turn: the workers' summed rate, and the slowest worker's
+        rate over the mean worker's."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(f"{seconds}\n")
         self.proc.stdin.flush()
-        return float(self.proc.stdout.readline())
+        rate, fairness = self.proc.stdout.readline().split()
+        return float(rate), float(fairness)
 
     def close(self) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -191,6 +198,9 @@ def main() -> None:
     p.add_argument("--turn-s", type=float, default=0.5)
     p.add_argument("--warmup", type=float, default=5.0,
                    help="seconds each build serves before the first turn (the tuner settles)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="busy loops run beside both builds, from before the warm-up to the end "
+                        "(other programs taking CPUs; within --cpus)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     if args.settings_b is None:
@@ -204,17 +214,25 @@ def main() -> None:
         srcs = {name: build(rev, tmp) for name, rev in (("A", args.a), ("B", args.b))}
         sides = [Side(name, srcs[name], settings, args.workers)
                  for name, settings in (("A", args.settings), ("B", args.settings_b))]
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(args.busy)]
         try:
             for side in sides:
                 side.turn(args.warmup)
             t0, steal0 = time.monotonic(), machine_steal_s()
             rates: Dict[str, List[float]] = {"A": [], "B": []}
+            fairness: Dict[str, List[float]] = {"A": [], "B": []}
             for t in range(args.turns):
                 for side in (sides if t % 2 == 0 else sides[::-1]):
-                    rates[side.name].append(side.turn(args.turn_s))
+                    rate, fair = side.turn(args.turn_s)
+                    rates[side.name].append(rate)
+                    fairness[side.name].append(fair)
             wall = time.monotonic() - t0
             steal = (machine_steal_s() - steal0) / (wall * (os.cpu_count() or 1))
         finally:
+            for b in busy:
+                b.kill()
+                b.wait()
             tuners = {side.name: side.close() for side in sides}
     ratios = [b / a for a, b in zip(rates["A"], rates["B"])]
     q1, med, q3 = statistics.quantiles(ratios, n=4)
@@ -222,15 +240,19 @@ def main() -> None:
     out = {"a": args.a, "b": args.b, "a_commit": describe(args.a), "b_commit": describe(args.b),
            "workers": args.workers, "cpus": args.cpus,
            "settings": json.loads(args.settings), "settings_b": json.loads(args.settings_b),
-           "turn_s": args.turn_s,
+           "turn_s": args.turn_s, "busy": args.busy,
            "median_a": statistics.median(rates["A"]), "median_b": statistics.median(rates["B"]),
+           "fairness_a": statistics.median(fairness["A"]),
+           "fairness_b": statistics.median(fairness["B"]),
            "ratio_median": med, "ratio_quartiles": [q1, q3], "b_ahead": ahead,
-           "pairs": len(ratios), "steal_share": steal, "rates": rates, "tuners": tuners}
+           "pairs": len(ratios), "steal_share": steal, "rates": rates, "fairness": fairness,
+           "tuners": tuners}
     label = {"A": args.a, "B": args.b}
     if args.settings_b != args.settings:
         label = {"A": f"{args.a} {args.settings}", "B": f"{args.b} {args.settings_b}"}
-    print(f"A {label['A']}: median {out['median_a']:,.0f}/s   "
-          f"B {label['B']}: median {out['median_b']:,.0f}/s")
+    print(f"A {label['A']}: median {out['median_a']:,.0f}/s (slowest worker "
+          f"{out['fairness_a']:.2f} of the mean)   B {label['B']}: median {out['median_b']:,.0f}/s "
+          f"({out['fairness_b']:.2f})")
     print(f"B/A per pair of turns: median {med:.2f} (quartiles {q1:.2f}-{q3:.2f}); "
           f"B ahead in {ahead} of {len(ratios)}; the host took {steal:.1%} of the CPU time as steal")
     if args.json:

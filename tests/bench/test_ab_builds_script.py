@@ -14,10 +14,12 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "ab_builds.py"
 RUN_TIMEOUT = 150
+BUSY = [b"-c", b"while True: pass"]   # the script's busy loop (--busy)
 
 
-def _serving_sides() -> list[int]:
-    """Processes still running a side of the script (``--serve``)."""
+def _left_running() -> list[int]:
+    """Processes still running a side of the script (``--serve``) or one of
+    its busy loops."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -25,7 +27,7 @@ def _serving_sides() -> list[int]:
                 cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if str(SCRIPT).encode() in cmd and b"--serve" in cmd:
+            if (str(SCRIPT).encode() in cmd and b"--serve" in cmd) or cmd[1:3] == BUSY:
                 pids.append(int(entry))
     return pids
 
@@ -34,7 +36,7 @@ def _serving_sides() -> list[int]:
 def test_two_sides_take_turns(tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
     r = subprocess.run([sys.executable, str(SCRIPT), "--a", ".", "--b", ".", "--workers", "2",
-                        "--turns", "3", "--turn-s", "0.1", "--warmup", "0.2",
+                        "--turns", "3", "--turn-s", "0.1", "--warmup", "0.2", "--busy", "1",
                         "--json", str(out)],
                        capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -42,6 +44,9 @@ def test_two_sides_take_turns(tmp_path: Path) -> None:
     assert result["workers"] == 2 and result["pairs"] == 3
     assert len(result["rates"]["A"]) == len(result["rates"]["B"]) == 3
     assert all(x > 0 for side in "AB" for x in result["rates"][side])
+    assert result["busy"] == 1
+    assert all(len(result["fairness"][side]) == 3 and all(0 < f <= 1 for f in result["fairness"][side])
+               for side in "AB")
     # Both sides ran the tuner (every knob "auto") and reported it.
     assert {"A", "B"} <= set(result["tuners"])
     assert all(t is not None and "why_spin" in t for t in result["tuners"].values())
@@ -49,7 +54,7 @@ def test_two_sides_take_turns(tmp_path: Path) -> None:
     q1, q3 = result["ratio_quartiles"]
     assert q1 <= result["ratio_median"] <= q3
     assert "B ahead in" in r.stdout and "steal" in r.stdout
-    assert _serving_sides() == []
+    assert _left_running() == []
 
 
 def test_an_unknown_revision_is_named(tmp_path: Path) -> None:
