@@ -492,6 +492,17 @@ cdef class Segment:
     def n_attached(self):
         return shm_n_attached(&self.seg)
 
+    def crowding(self):
+        """How crowded the evaluator's CPUs are (CROWD_NONE, CROWD_YIELD or
+        CROWD_SLEEP), as its tuner last published."""
+        return shm_crowding(&self.seg)
+
+    def set_crowding(self, uint32_t c):
+        """Publishes the crowding every client's spin rule reads (_spin)."""
+        if c > SHM_CROWD_SLEEP:
+            raise ValueError(f"crowding must be CROWD_NONE, CROWD_YIELD or CROWD_SLEEP, got {c}")
+        shm_set_crowding(&self.seg, c)
+
     def request_close(self):
         with nogil:
             shm_request_close(&self.seg)
@@ -664,8 +675,17 @@ cdef class Segment:
         """The client spin budget (_spin_policy): none when the attached
         clients outnumber the CPUs (spinning would steal the CPU of the
         process we wait for), a yielding spin when the evaluator is the one
-        process more than CPUs."""
-        return _spin_policy(spin_ns, shm_n_attached(&self.seg) + 1, ncpu)
+        process more than CPUs.  The processes counted are at least as many
+        as the crowding the evaluator's tuner published says: other
+        programs' runnable tasks take CPUs too, and a spin that yields to one
+        of them gets its CPU back only when that task's time slice ends
+        (milliseconds), where a sleeper is woken at once (docs/protocol.md,
+        Waiting)."""
+        cdef uint32_t processes = shm_n_attached(&self.seg) + 1
+        cdef uint32_t crowd = shm_crowding(&self.seg)
+        if crowd != SHM_CROWD_NONE and processes < ncpu + crowd:
+            processes = ncpu + crowd
+        return _spin_policy(spin_ns, processes, ncpu)
 
     cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
                    uint64_t timeout_ns, uint32_t ncpu):
@@ -1985,6 +2005,10 @@ def evaluator_spin(uint64_t spin_ns, uint32_t n_attached, uint32_t ncpu):
 
 #: The flag of a yielding spin in a spin budget (ring.h's SHM_SPIN_YIELD).
 SPIN_YIELD = SHM_SPIN_YIELD
+#: The crowding a tuner publishes (ring.h's enum shm_crowding).
+CROWD_NONE = SHM_CROWD_NONE
+CROWD_YIELD = SHM_CROWD_YIELD
+CROWD_SLEEP = SHM_CROWD_SLEEP
 
 
 def spin_policy(uint64_t spin_ns, uint32_t processes, uint32_t ncpu):

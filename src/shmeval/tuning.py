@@ -43,7 +43,10 @@ What it decides, and from what:
   clients against CPUs) on top, so the tuner can only make the evaluator
   spin less, and it tries the long budget only where that rule lets the
   evaluator spin at all.  Each client chooses its own budget the same way,
-  from its own waits (``_ring.SpinArms``).
+  from its own waits (``_ring.SpinArms``); the mode is published in the
+  segment as the *crowding* (:meth:`Tuner.crowding`), and each client's
+  rule counts at least that many tasks, so that a client does not spin on
+  a CPU that another program's task wants (docs/protocol.md, Waiting).
 
 **Trials.**  A candidate setting (a second call in flight; waiting; the
 long spin) is
@@ -486,10 +489,10 @@ class Tuner:
         self.population = min(self.max_batch, max(self.clients, largest, 1))
 
     def _spin(self, r: Reading) -> None:
-        """The evaluator's spin mode from the runnable tasks, smoothed; the
-        mode changes once the level is half a task past its region."""
-        if self.overrides.spin_ns is not None:
-            return
+        """The spin mode from the runnable tasks, smoothed; the mode changes
+        once the level is half a task past its region.  It sets the
+        evaluator's budget (unless the caller fixed it) and, published as
+        the crowding (:meth:`crowding`), bounds the clients' spins."""
         first = self.runnable is None
         x = r.runnable
         self.runnable = x if self.runnable is None else 0.5 * (self.runnable + x)
@@ -498,9 +501,21 @@ class Tuner:
                   SLEEP: (cpus + 1, math.inf)}[self.spin_mode]
         if first or not lo - 0.5 < level <= hi + 0.5:
             self.spin_mode = spin_mode(level, cpus)
+        if self.overrides.spin_ns is not None:
+            return
         if self.trial is not None and self.trial.knob == "spin":
             return  # the trial sets the budget
         self.decision = replace(self.decision, spin_ns=self._spin_budget(bool(self.spin_long)))
+
+    def crowding(self) -> int:
+        """The spin mode as the ``_ring`` crowding every client's spin rule
+        reads: CROWD_SLEEP when the runnable tasks outnumber the CPUs by
+        more than one, CROWD_YIELD by one, CROWD_NONE otherwise (and before
+        the first reading)."""
+        if self.runnable is None:
+            return _ring.CROWD_NONE
+        return {SPIN: _ring.CROWD_NONE, YIELD: _ring.CROWD_YIELD,
+                SLEEP: _ring.CROWD_SLEEP}[self.spin_mode]
 
     def _spin_budget(self, long: bool) -> int:
         """The evaluator's spin budget in the rule's mode: one wake-up's
@@ -658,6 +673,9 @@ class Tuner:
             "spin": self.spin_mode if self.overrides.spin_ns is None else "set by the caller",
             "spin_us": (d.spin_ns & ~self.spin_yield) / 1e3,
             "runnable": round(self.runnable, 2) if self.runnable is not None else None,
+            # What the clients' spins are held to (published in the segment).
+            "crowding": {_ring.CROWD_NONE: "none", _ring.CROWD_YIELD: "yield",
+                         _ring.CROWD_SLEEP: "sleep"}[self.crowding()],
             "cpus": self.cpus,
             "clients": self.clients,
             "why_wait": self.why_wait,
@@ -781,6 +799,7 @@ class ServingTuner:
         before = self.tuner.decision.threads
         self.tuner.tick(Reading(now_ns, int(self.seg.stat("requests")),
                                 int(self.seg.n_attached()), cpus, runnable_tasks(cpus), calls))
+        self.seg.set_crowding(self.tuner.crowding())
         if self.tuner.decision.threads != before:
             with self.turns:
                 self.turns.notify_all()

@@ -2,6 +2,8 @@
 the clients (docs/performance.md, *Which knob when*)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from helpers import run_python
 
@@ -68,3 +70,59 @@ def test_client_waits_use_the_rule() -> None:
         assert seg.client_spin(0, 2) == 0
     finally:
         segment.unlink(name)
+
+
+@pytest.mark.timeout(30)
+def test_client_waits_follow_the_published_crowding() -> None:
+    """Other programs' runnable tasks, as the evaluator's tuner publishes
+    them (Segment.set_crowding), count like processes of the segment: with
+    one client on 8 CPUs, a crowded machine makes the wait yield or sleep,
+    and a crowding no worse than the segment's own changes nothing."""
+    import os
+
+    from helpers import INPUT_SHAPE, OUTPUTS
+
+    from shmeval import segment
+    from shmeval.spec import Spec
+
+    spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 4, 1)
+    seg, name = segment.create(spec)
+    try:
+        seg.register(os.getpid(), 0, 0)
+        assert seg.crowding() == _ring.CROWD_NONE   # nothing published yet
+        seen = {}
+        for crowd in (_ring.CROWD_NONE, _ring.CROWD_YIELD, _ring.CROWD_SLEEP):
+            seg.set_crowding(crowd)
+            seen[crowd] = (seg.client_spin(50_000, 8), seg.client_spin(50_000, 1))
+        assert seen == {
+            _ring.CROWD_NONE: (50_000, 50_000 | _ring.SPIN_YIELD),   # 2 processes
+            _ring.CROWD_YIELD: (50_000 | _ring.SPIN_YIELD, 50_000 | _ring.SPIN_YIELD),
+            _ring.CROWD_SLEEP: (0, 0),
+        }
+        with pytest.raises(ValueError, match="crowding"):
+            seg.set_crowding(3)
+    finally:
+        segment.unlink(name)
+
+
+@pytest.mark.timeout(60)
+def test_a_serving_evaluator_publishes_the_crowding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving evaluator's tuner reads the runnable tasks at its
+    housekeeping and publishes what they mean for the clients' spins: a
+    machine with many more runnable tasks than CPUs makes them sleep."""
+    import time
+
+    from helpers import make_ev, make_state
+
+    from shmeval import tuning
+
+    monkeypatch.setattr(tuning, "runnable_tasks", lambda cpus: 3.0 * cpus + 2)
+    with make_ev() as ev:
+        state = make_state(1)
+        deadline = time.monotonic() + 30
+        while ev._seg.crowding() != _ring.CROWD_SLEEP and time.monotonic() < deadline:
+            ev.evaluate(state)
+            time.sleep(0.01)
+        assert ev._seg.crowding() == _ring.CROWD_SLEEP
+        assert ev._seg.client_spin(50_000, os.cpu_count() or 1) == 0
+        assert ev.stats()["tuner"]["crowding"] == "sleep"

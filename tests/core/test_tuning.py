@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import shmeval
-from shmeval import tuning
+from shmeval import _ring, tuning
 from shmeval.tuning import (CHANGE_RATIO, SLEEP, SPIN, TRIAL_PAIRS, YIELD, Board, Cost,
                             Decision, Overrides, Reading, Tuner)
 from helpers import INPUT_SHAPE, OUTPUTS, fake_factory, fake_model, make_state, run_python
@@ -430,6 +430,21 @@ def test_spin_mode_from_runnable_tasks(runnable: float, mode: str) -> None:
     d = feed.run(3, lambda d: 1000.0, [1], FIXED, PER_ROW)[-1]
     assert t.spin_mode == mode
     assert d.spin_ns == {SPIN: WAKE, YIELD: WAKE | YIELD_FLAG, SLEEP: 0}[mode]
+    assert t.crowding() == {SPIN: _ring.CROWD_NONE, YIELD: _ring.CROWD_YIELD,
+                            SLEEP: _ring.CROWD_SLEEP}[mode]
+
+
+def test_crowding_is_published_with_the_evaluator_spin_fixed() -> None:
+    """The clients' bound comes from the runnable tasks even when the caller
+    fixed the evaluator's own spin (which the tuner then leaves alone), and
+    says nothing before the first reading."""
+    t = Tuner(256, 1, WAKE, Overrides(spin_ns=7_000))
+    assert t.crowding() == _ring.CROWD_NONE
+    feed = Feed(t, cpus=2, runnable=5.0)
+    d = feed.run(3, lambda d: 1000.0, [1], FIXED, PER_ROW)[-1]
+    assert d.spin_ns == 7_000
+    assert t.crowding() == _ring.CROWD_SLEEP
+    assert t.report()["crowding"] == "sleep" and t.report()["spin"] == "set by the caller"
 
 
 def test_spin_mode_has_a_margin() -> None:
@@ -797,6 +812,9 @@ def test_wait_turn_parks_the_threads_beyond_the_decision() -> None:
         def n_attached(self) -> int:
             return 0
 
+        def set_crowding(self, c: int) -> None:
+            pass
+
     st = tuning.ServingTuner(Seg(), Overlapping(), 256, 2, Overrides(), None, PERIOD, YIELD_FLAG)
     assert st.wait_turn(0, 0.0)
     assert not st.wait_turn(1, 0.0)        # one call in flight to start with
@@ -815,12 +833,17 @@ def test_serving_tuner_records_calls() -> None:
         def n_attached(self) -> int:
             return 3
 
-    st = tuning.ServingTuner(Seg(), fake_model, 256, 1, Overrides(), None, PERIOD, YIELD_FLAG)
+        def set_crowding(self, c: int) -> None:
+            self.crowding = c
+
+    seg = Seg()
+    st = tuning.ServingTuner(seg, fake_model, 256, 1, Overrides(), None, PERIOD, YIELD_FLAG)
     out = st.record(np.zeros((5,) + INPUT_SHAPE, np.float32))
     assert out["value"].shape == (5,)
     assert len(st.calls) == 3 and st.calls[2] == 5   # start, duration, rows
     st.tick(10 * PERIOD)
     assert len(st.calls) == 0 and st.tuner.clients == 3
+    assert seg.crowding == st.tuner.crowding()   # published with each reading
     assert st.tuner._recent[-1][1][:, 2].tolist() == [5]
     st.tick(10 * PERIOD + 1)            # within the period: no second reading
     assert st.tuner._prev is not None and st.tuner._prev.now_ns == 10 * PERIOD
@@ -834,11 +857,12 @@ def test_a_reading_imports_nothing() -> None:
     code = """
 import sys
 import numpy as np
-from shmeval import tuning
+from shmeval import _ring, tuning
 
 class Seg:
     def stat(self, name): return 0
     def n_attached(self): return 2
+    def set_crowding(self, c): pass
 
 st = tuning.ServingTuner(Seg(), lambda b: {"value": np.zeros(len(b))}, 64, 1,
                          tuning.Overrides(), None, 1, 1 << 63)

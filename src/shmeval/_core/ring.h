@@ -74,7 +74,7 @@
 /* ------------------------------------------------------------------ */
 
 #define SHM_MAGIC 0x314C4156454D4853ULL /* "SHMEVAL1" little-endian */
-#define SHM_LAYOUT_VERSION 6u
+#define SHM_LAYOUT_VERSION 7u
 #define SHM_LINE 64u
 #define SHM_SPEC_MAX 4096u       /* bytes of JSON spec kept in the header */
 #define SHM_HIST_BINS 256u       /* log-scale latency histogram bins */
@@ -276,6 +276,11 @@ typedef struct {
     _Alignas(SHM_LINE) _Atomic uint32_t clients_hwm; /* 1 + highest index
                                                         ever claimed */
     _Atomic uint32_t n_attached;
+    /* How crowded the evaluator's CPUs are with runnable tasks, its own
+     * processes and any other program's (enum shm_crowding; written by the
+     * evaluator's tuner, SHM_CROWD_NONE without one).  Clients read it with
+     * n_attached, on this line, before every wait (_ring.pyx, _spin). */
+    _Atomic uint32_t crowding;
 
     /* --- statistics: written by the evaluator's serving threads, relaxed --- */
     _Alignas(SHM_LINE) _Atomic uint64_t st[SHM_N_STATS];            /* enum shm_stat */
@@ -2283,6 +2288,23 @@ static inline uint64_t shm_heartbeat(shm_seg *s) {
 static inline uint32_t shm_n_attached(shm_seg *s) {
     /* MO: relaxed; a hint for spin decisions. */
     return atomic_load_explicit(&shm_hdr(s)->n_attached, memory_order_relaxed);
+}
+/* shm_header.crowding: the runnable tasks on the evaluator's CPUs against
+ * those CPUs, as the spin rule reads them (_ring.pyx, _spin_policy). */
+enum shm_crowding {
+    SHM_CROWD_NONE = 0,  /* no reading, or no more tasks than CPUs */
+    SHM_CROWD_YIELD = 1, /* one more task than CPUs */
+    SHM_CROWD_SLEEP = 2, /* more than that */
+};
+static inline uint32_t shm_crowding(shm_seg *s) {
+    /* MO: relaxed; a hint for spin decisions, like n_attached. */
+    return atomic_load_explicit(&shm_hdr(s)->crowding, memory_order_relaxed);
+}
+static inline void shm_set_crowding(shm_seg *s, uint32_t c) {
+    /* MO: relaxed; see shm_crowding.  Stored only on a change: every
+     * client's wait reads this line. */
+    if (atomic_load_explicit(&shm_hdr(s)->crowding, memory_order_relaxed) != c)
+        atomic_store_explicit(&shm_hdr(s)->crowding, c, memory_order_relaxed);
 }
 /* The spec as this process read and checked it (shm_attach's copy). */
 static inline const char *shm_spec(shm_seg *s, uint32_t *len) {

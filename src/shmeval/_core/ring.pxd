@@ -185,6 +185,11 @@ cdef extern from "ring.h" nogil:
                              const char *device)
     uint64_t shm_heartbeat(shm_seg *s)
     uint32_t shm_n_attached(shm_seg *s)
+    enum: SHM_CROWD_NONE
+    enum: SHM_CROWD_YIELD
+    enum: SHM_CROWD_SLEEP
+    uint32_t shm_crowding(shm_seg *s)
+    void shm_set_crowding(shm_seg *s, uint32_t c)
     uint32_t shm_clients_hwm(shm_seg *s)
     const char *shm_spec(shm_seg *s, uint32_t *len)
     int32_t shm_owner_pid(shm_seg *s)
