@@ -274,7 +274,8 @@ class Cost:
     at_mean: float = 0.0
 
     @classmethod
-    def fit(cls, calls: Union[Sequence[Call], np.ndarray], prior: Optional["Cost"] = None) -> Optional["Cost"]:
+    def fit(cls, calls: Union[Sequence[Call], np.ndarray],
+            prior: Optional["Cost"] = None) -> Optional["Cost"]:
         a = _as_calls(calls)
         if not len(a):
             return None
