@@ -51,9 +51,10 @@ summary gives their ratio, the noise any comparison of the run carries.
 
 --timeline runs a second experiment instead, on the CPUs it has: the device
 model served with every knob "auto" while 16 workers become 64 and then
-16 again, and then the model's cost doubles, sampling ev.stats() every
-0.2 s: the plot shows throughput and the wait the tuner chose over time,
-and the table how long each phase took to settle.
+16 again, then the model's cost doubles, then a busy loop runs on every
+CPU (another program taking them), sampling ev.stats() every 0.2 s: the
+plot shows throughput and the wait the tuner chose over time, and the
+table how long each phase took to settle.
 
     python bench/autotune.py --json bench/results/autotune.json --plot docs/img/autotune.png
     python bench/autotune.py --quick                        # 2 CPUs, 1 and 16 workers, 3 settings
@@ -487,44 +488,55 @@ def plot_grid(rows: List[Dict[str, Any]], path: str) -> None:
 # --- the timeline --------------------------------------------------------------------------
 
 
-PHASES = (("16 workers", 16, 1.0), ("64 workers", 64, 1.0), ("16 workers", 16, 1.0),
-          ("16 workers, model cost x2", 16, 2.0))
+def phases(few: int, many: int) -> List[Tuple[str, int, float, bool]]:
+    """The timeline's phases: (name, workers, the model's cost factor,
+    whether a busy loop runs on every CPU, as another program would)."""
+    return [(f"{few} workers", few, 1.0, False), (f"{many} workers", many, 1.0, False),
+            (f"{few} workers", few, 1.0, False), (f"{few} workers, model cost x2", few, 2.0, False),
+            (f"{few} workers, cost x2, a busy loop per CPU", few, 2.0, True)]
 
 
 def run_timeline(args: argparse.Namespace) -> Dict[str, Any]:
+    plan_phases = phases(*args.timeline_workers)
     shm = shared_memory.SharedMemory(create=True, size=8)
     scale = np.ndarray((1,), np.float64, shm.buf)
     scale[0] = 1.0
-    pool = Pool(64)
+    pool = Pool(max(n for _, n, _, _ in plan_phases))
     ev = spawn("device", "auto", args.net, shm.name)
     samples: List[Dict[str, Any]] = []
+    busy: List[subprocess.Popen[bytes]] = []
     try:
         t0 = time.monotonic() + 1.0
         spans: Dict[int, List[float]] = {}
-        for k, (_, n, _) in enumerate(PHASES):
+        for k, (_, n, _, _) in enumerate(plan_phases):
             a, b = t0 + k * args.phase, t0 + (k + 1) * args.phase
             for w in range(n):
                 if w in spans and spans[w][1] == a:
                     spans[w][1] = b
                 else:
                     spans.setdefault(w, [a, b])
-        # Workers 16-63 run in phase 2 only; 0-15 throughout.
+        # The extra workers run in the second phase only; the first few
+        # throughout.
         plan = [(w, s, s, e) for w, (s, e) in sorted(spans.items())]
         done: List[List[int]] = []
         runner = threading.Thread(target=lambda: done.append(pool.run(ev, plan)), daemon=True)
         runner.start()
-        end = t0 + len(PHASES) * args.phase
+        end = t0 + len(plan_phases) * args.phase
         prev = None
         while time.monotonic() < end:
             now = time.monotonic()
             phase = int((now - t0) // args.phase) if now >= t0 else -1
-            scale[0] = PHASES[phase][2] if phase >= 0 else 1.0
+            scale[0] = plan_phases[phase][2] if phase >= 0 else 1.0
+            if phase >= 0 and plan_phases[phase][3] and not busy:
+                busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                        for _ in os.sched_getaffinity(0)]
             st = ev.stats()
             tuner = st.get("tuner") or {}
             s = {"t": now - t0, "phase": phase, "requests": st["requests"],
                  "clients": st["clients"], "max_wait_us": tuner.get("max_wait_us"),
                  "serving_threads": tuner.get("serving_threads"),
                  "batch_cap": tuner.get("batch_cap"), "spin": tuner.get("spin"),
+                 "crowding": tuner.get("crowding"), "runnable": tuner.get("runnable"),
                  "tuner_phase": tuner.get("phase"), "mean_batch_total": st["mean_batch"],
                  "model_us_at_mean_batch": tuner.get("model_us_at_mean_batch")}
             if prev is not None:
@@ -532,32 +544,41 @@ def run_timeline(args: argparse.Namespace) -> Dict[str, Any]:
             samples.append(s)
             prev = s
             time.sleep(max(0.0, 0.2 - (time.monotonic() - now)))
+        for b in busy:   # the workers' last calls need the CPUs
+            b.kill()
+            b.wait()
+        busy = []
         runner.join(60)
     finally:
+        for b in busy:
+            b.kill()
+            b.wait()
         ev.close()
         pool.close()
         del scale
         shm.close()
         shm.unlink()
-    return {"samples": samples, "phases": [p[0] for p in PHASES], "phase_s": args.phase,
-            "settle": settle_times(samples, args.phase)}
+    names = [p[0] for p in plan_phases]
+    return {"samples": samples, "phases": names, "phase_s": args.phase,
+            "settle": settle_times(samples, args.phase, names)}
 
 
-def settle_times(samples: List[Dict[str, Any]], phase_s: float) -> List[Dict[str, Any]]:
-    """Per phase: when the tuner's choice (wait, threads) last changed, and
-    from when on the 1 s rolling throughput stayed within 15% of the phase's
-    last half's mean."""
+def settle_times(samples: List[Dict[str, Any]], phase_s: float,
+                 names: Sequence[str]) -> List[Dict[str, Any]]:
+    """Per phase: when the tuner's choice (wait, threads, the clients'
+    crowding) last changed, and from when on the 1 s rolling throughput
+    stayed within 15% of the phase's last half's mean."""
     out = []
-    for k in range(len(PHASES)):
+    for k, name in enumerate(names):
         mine = [s for s in samples if s["phase"] == k and "rate" in s]
         if not mine:
             continue
         start = k * phase_s
-        choice = [(s["max_wait_us"], s["serving_threads"]) for s in mine]
+        choice = [(s["max_wait_us"], s["serving_threads"], s.get("crowding")) for s in mine]
         last_change = start
-        for a, b in zip(mine, mine[1:]):
-            if (a["max_wait_us"], a["serving_threads"]) != (b["max_wait_us"], b["serving_threads"]):
-                last_change = b["t"]
+        for t, a, b in zip([s["t"] for s in mine[1:]], choice, choice[1:]):
+            if a != b:
+                last_change = t
         rates = np.array([s["rate"] for s in mine])
         ts = np.array([s["t"] for s in mine])
         roll = np.array([rates[max(0, i - 4):i + 1].mean() for i in range(len(rates))])
@@ -568,7 +589,7 @@ def settle_times(samples: List[Dict[str, Any]], phase_s: float) -> List[Dict[str
             if not ok[i]:
                 break
             settled_at = ts[i]
-        out.append({"phase": PHASES[k][0], "choice_settled_s": round(last_change - start, 2),
+        out.append({"phase": name, "choice_settled_s": round(last_change - start, 2),
                     "rate_settled_s": round(float(settled_at) - start, 2),
                     "final_rate": float(final), "final_choice": list(choice[-1])})
     return out
@@ -583,6 +604,10 @@ def plot_timeline(res: Dict[str, Any], path: str) -> None:
     t = [x["t"] for x in s]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 5), sharex=True)
     a1.plot(t, [x["rate"] for x in s], color="k", lw=1)
+    # Where the tuner held the clients' spins (crowding "yield" or "sleep").
+    for x, nxt in zip(s, s[1:]):
+        if x.get("crowding") not in (None, "none"):
+            a1.axvspan(x["t"], nxt["t"], color="tab:red", alpha=0.12, lw=0)
     a1.set_ylabel("evaluations/s")
     a1.set_ylim(bottom=0)
     a2.step(t, [x["max_wait_us"] or 0 for x in s], where="post", color="tab:blue",
@@ -632,6 +657,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="auto's warm-up before each window: it settles after each change")
     p.add_argument("--hand-warmup", type=float, default=0.5)
     p.add_argument("--phase", type=float, default=10.0, help="--timeline: seconds per phase")
+    p.add_argument("--timeline-workers", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[16, 64], help="--timeline: the few and the many workers (16,64)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     p.add_argument("--net", help=argparse.SUPPRESS)          # the .keras file (children)
@@ -650,6 +677,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f"unknown model {m!r} (choose from {', '.join(MODELS)})")
     if "auto" not in args.settings:
         args.settings.insert(0, "auto")
+    if len(args.timeline_workers) != 2 or not 0 < args.timeline_workers[0] < args.timeline_workers[1]:
+        p.error("--timeline-workers takes two counts, the few then the many (e.g. 16,64)")
     return args
 
 
@@ -661,7 +690,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tmp = tempfile.mkdtemp(prefix="shmeval-autotune-")
     if args.net is None:
         args.net = os.path.join(tmp, "net.keras")
-        if "tfnet" in args.models or args.timeline:
+        if "tfnet" in args.models and not args.timeline:   # the timeline serves "device"
             proc = mp.get_context("spawn").Process(target=save_net, args=(args.net,))
             proc.start()
             proc.join()
@@ -669,10 +698,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.timeline:
         res = run_timeline(args)
         print("| phase | choice settled after | throughput settled after | evaluations/s | "
-              "wait µs, calls in flight |\n|---|---|---|---|---|")
+              "wait µs, calls in flight, crowding |\n|---|---|---|---|---|")
         for s in res["settle"]:
+            wait, threads, crowding = s["final_choice"]
             print(f"| {s['phase']} | {s['choice_settled_s']:.1f} s | {s['rate_settled_s']:.1f} s | "
-                  f"{s['final_rate']:,.0f} | {s['final_choice'][0]:.0f}, {s['final_choice'][1]} |")
+                  f"{s['final_rate']:,.0f} | {wait or 0:.0f}, {threads}, {crowding} |")
         out: Dict[str, Any] = {"experiment": "timeline", "machine": machine_info(), **res}
         if args.plot:
             plot_timeline(res, args.plot)

@@ -117,3 +117,47 @@ def test_the_noise_is_also_read_round_by_round(autotune: Any) -> None:
     assert got["paired_max"] == pytest.approx(1.0)
     windows[("null", 2, 4)]["nospin"] = [80.0, 40.0, 80.0]
     assert autotune.noise(cells, windows)["paired_max"] == pytest.approx(1.25)
+
+
+def _busy_loops() -> list[int]:
+    """Busy loops of the timeline (``python -c "while True: pass"``) still running."""
+    import os
+
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmd[1:3] == [b"-c", b"while True: pass"]:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.timeout(240)
+def test_the_timeline_runs_every_phase(tmp_path: Path) -> None:
+    """--timeline end to end with 1 and 2 workers and 1 s phases: every
+    phase is sampled and served, its settling is reported with the
+    tuner's choice (the clients' crowding included), the plot is written,
+    and the busy loops of the last phase are gone afterwards.  No timed
+    assertions: what the tuner chose within 1 s is not checked."""
+    import json
+    import subprocess
+
+    out, plot = tmp_path / "timeline.json", tmp_path / "timeline.png"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--timeline", "--timeline-workers", "1,2",
+                        "--phase", "1.0", "--json", str(out), "--plot", str(plot)],
+                       capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["phases"] == ["1 workers", "2 workers", "1 workers", "1 workers, model cost x2",
+                             "1 workers, cost x2, a busy loop per CPU"]
+    assert [s["phase"] for s in res["settle"]] == res["phases"]
+    assert all(s["final_rate"] > 0 for s in res["settle"])
+    assert all(len(s["final_choice"]) == 3 for s in res["settle"])
+    assert {x["phase"] for x in res["samples"]} >= {0, 1, 2, 3, 4}
+    assert all("crowding" in x for x in res["samples"])
+    assert plot.stat().st_size > 0
+    assert "| phase |" in r.stdout and "crowding" in r.stdout
+    assert _busy_loops() == []
