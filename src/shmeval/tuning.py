@@ -128,6 +128,13 @@ HORIZON_NS = 1_000_000_000
 SPIN_LONG_WAKES = 16
 #: Spin modes (the ``_ring`` flag of a yielding spin is ``SPIN_YIELD``).
 SLEEP, YIELD, SPIN = "sleep", "yield", "spin"
+_STRICTNESS = (SPIN, YIELD, SLEEP)
+#: Each reading moves the smoothed runnable tasks this share of the way
+#: to its count: a time constant of about four readings (0.8 s at the
+#: evaluator's 200 ms).  One reading is one instant's count
+#: (/proc/loadavg), which moves by several tasks from one reading to the
+#: next with 16 workers on 2 CPUs.
+RUNNABLE_SMOOTHING = 0.25
 
 #: One model call: (start, duration) in CLOCK_MONOTONIC ns, and its rows.
 Call = Tuple[int, int, int]
@@ -406,6 +413,9 @@ class Tuner:
                                  overrides.spin_ns if overrides.spin_ns is not None else 0,
                                  overrides.threads or 1)
         self.spin_mode = SLEEP
+        #: The mode the runnable tasks alone give (the segment's own
+        #: processes aside), with its margin.
+        self.load_mode = SLEEP
         #: The spin trial's verdict: None (none yet: the rule's budget),
         #: True (the long budget won), False (it lost).
         self.spin_long: Optional[bool] = None
@@ -490,18 +500,25 @@ class Tuner:
         self.population = min(self.max_batch, max(self.clients, largest, 1))
 
     def _spin(self, r: Reading) -> None:
-        """The spin mode from the runnable tasks, smoothed; the mode changes
-        once the level is half a task past its region.  It sets the
-        evaluator's budget (unless the caller fixed it) and, published as
-        the crowding (:meth:`crowding`), bounds the clients' spins."""
+        """The spin mode from the runnable tasks, smoothed (RUNNABLE_SMOOTHING);
+        the mode they give changes once the level is half a task past its
+        region.  The segment's own processes (the clients and the
+        evaluator) count at least as the ``_ring`` rule counts them, so
+        that many clients, who make no spin pay, hold the mode still
+        however the level moves.  The mode sets the evaluator's budget
+        (unless the caller fixed it) and, published as the crowding
+        (:meth:`crowding`), bounds the clients' spins."""
         first = self.runnable is None
         x = r.runnable
-        self.runnable = x if self.runnable is None else 0.5 * (self.runnable + x)
+        self.runnable = x if self.runnable is None else \
+            self.runnable + RUNNABLE_SMOOTHING * (x - self.runnable)
         level, cpus = self.runnable, max(1, r.cpus)
         lo, hi = {SPIN: (-math.inf, cpus), YIELD: (cpus, cpus + 1),
-                  SLEEP: (cpus + 1, math.inf)}[self.spin_mode]
+                  SLEEP: (cpus + 1, math.inf)}[self.load_mode]
         if first or not lo - 0.5 < level <= hi + 0.5:
-            self.spin_mode = spin_mode(level, cpus)
+            self.load_mode = spin_mode(level, cpus)
+        own = spin_mode(r.clients + 1, cpus)
+        self.spin_mode = max(self.load_mode, own, key=_STRICTNESS.index)
         if self.overrides.spin_ns is not None:
             return
         if self.trial is not None and self.trial.knob == "spin":

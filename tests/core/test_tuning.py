@@ -426,7 +426,7 @@ def test_idle_evaluator_runs_no_trials() -> None:
                                             (40.0, SLEEP)])
 def test_spin_mode_from_runnable_tasks(runnable: float, mode: str) -> None:
     t = Tuner(256, 1, WAKE)
-    feed = Feed(t, cpus=2, runnable=runnable)
+    feed = Feed(t, clients=1, cpus=2, runnable=runnable)
     d = feed.run(3, lambda d: 1000.0, [1], FIXED, PER_ROW)[-1]
     assert t.spin_mode == mode
     assert d.spin_ns == {SPIN: WAKE, YIELD: WAKE | YIELD_FLAG, SLEEP: 0}[mode]
@@ -451,7 +451,7 @@ def test_spin_mode_has_a_margin() -> None:
     """Runnable tasks wandering within half a task of a boundary do not flip
     the mode; a move past the margin does."""
     t = Tuner(256, 1, WAKE)
-    feed = Feed(t, cpus=2, runnable=1.0)
+    feed = Feed(t, clients=1, cpus=2, runnable=1.0)
     feed.run(4, lambda d: 1000.0, [1], FIXED, PER_ROW)
     assert t.spin_mode == SPIN
     modes = []
@@ -461,13 +461,13 @@ def test_spin_mode_has_a_margin() -> None:
         modes.append(t.spin_mode)
     assert set(modes) == {SPIN}
     feed.runnable = 4.0
-    feed.run(4, lambda d: 1000.0, [1], FIXED, PER_ROW)
+    feed.run(6, lambda d: 1000.0, [1], FIXED, PER_ROW)
     assert t.spin_mode == SLEEP
 
 
 def test_spin_mode_follows_the_cpus() -> None:
     t = Tuner(256, 1, WAKE)
-    feed = Feed(t, cpus=8, runnable=6.0)
+    feed = Feed(t, clients=1, cpus=8, runnable=6.0)
     feed.run(3, lambda d: 1000.0, [1], FIXED, PER_ROW)
     assert t.spin_mode == SPIN
     feed.cpus = 2     # another program's affinity, or the evaluator's, narrowed
@@ -501,7 +501,7 @@ def test_long_spin_is_tried_and_kept_when_it_wins(runnable: float, flag: int) ->
     the rule's budget and kept if it serves more; where the rule would
     yield or sleep, the long spin yields between looks."""
     t = Tuner(256, 1, WAKE)
-    feed = Feed(t, clients=2, cpus=2, runnable=runnable)
+    feed = Feed(t, clients=1, cpus=2, runnable=runnable)
     assert spin_trial_seen(feed, long_spin_pays)
     assert t.phase == "settled" and t.spin_long is True
     assert t.decision.spin_ns == LONG | flag
@@ -526,8 +526,41 @@ def test_no_spin_trial_when_clients_outnumber_the_cpus() -> None:
     t = Tuner(256, 1, WAKE)
     feed = Feed(t, clients=16, cpus=2, runnable=1.0)
     assert not spin_trial_seen(feed, long_spin_pays)
-    assert t.spin_long is False and t.decision.spin_ns == WAKE
+    # The segment's own 17 processes on 2 CPUs: sleep, whatever the count.
+    assert t.spin_long is False and t.decision.spin_ns == 0 and t.spin_mode == SLEEP
     assert "16 clients on 2 CPUs" in t.report()["why_spin"]
+
+
+def test_many_clients_hold_the_mode_still() -> None:
+    """With more clients than CPUs the ``_ring`` rule lets no one spin, so
+    the runnable tasks, however they swing from one reading to the next,
+    move neither the mode nor the crowding the clients read."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=16, cpus=2, runnable=1.0)
+    modes = []
+    for x in [1.0, 5.0, 2.0, 3.0, 1.0, 6.0] * 4:
+        feed.runnable = x
+        feed.tick(lambda d: 1000.0, [1], FIXED, PER_ROW)
+        modes.append((t.spin_mode, t.crowding()))
+    assert set(modes) == {(SLEEP, _ring.CROWD_SLEEP)}
+
+
+def test_one_reading_does_not_flip_the_mode() -> None:
+    """One reading is one instant's count: a single high one among low
+    ones leaves the mode as it was (the smoothed level stays within the
+    margin); a lasting change moves it within a few readings."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=1, cpus=2, runnable=1.0)
+    feed.run(4, lambda d: 1000.0, [1], FIXED, PER_ROW)
+    modes = []
+    for x in [6.0, 1.0, 1.0, 1.0, 1.0]:
+        feed.runnable = x
+        feed.tick(lambda d: 1000.0, [1], FIXED, PER_ROW)
+        modes.append(t.spin_mode)
+    assert modes == [SPIN] * 5
+    feed.runnable = 6.0
+    modes = [t.spin_mode for _ in range(6) if feed.tick(lambda d: 1000.0, [1], FIXED, PER_ROW)]
+    assert modes[-1] == SLEEP and modes.index(SLEEP) <= 4
 
 
 def test_a_load_change_tries_the_spin_again() -> None:
