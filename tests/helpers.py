@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -122,3 +122,19 @@ def is_final(seg: Any, c: int, k: int) -> bool:
     from shmeval import _ring
 
     return seg.slot_state(c, k)[0] in (_ring.DONE, _ring.FAILED)
+
+
+#: The command line of a busy loop (bench/ab_builds.py --busy, bench/autotune.py
+#: --timeline), after the interpreter.
+BUSY_LOOP = [b"-c", b"while True: pass"]
+
+
+def command_lines() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process this user can see."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    yield int(entry), f.read().split(b"\0")
+            except OSError:
+                continue

@@ -5,31 +5,22 @@ no process is left running.  No timed assertions."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import BUSY_LOOP, command_lines
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "ab_builds.py"
 RUN_TIMEOUT = 150
-BUSY = [b"-c", b"while True: pass"]   # the script's busy loop (--busy)
 
 
 def _left_running() -> list[int]:
     """Processes still running a side of the script (``--serve``) or one of
     its busy loops."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if (str(SCRIPT).encode() in cmd and b"--serve" in cmd) or cmd[1:3] == BUSY:
-                pids.append(int(entry))
-    return pids
+    return [pid for pid, cmd in command_lines()
+            if (str(SCRIPT).encode() in cmd and b"--serve" in cmd) or cmd[1:3] == BUSY_LOOP]
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import BUSY_LOOP, command_lines
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "autotune.py"
 
@@ -120,19 +121,8 @@ def test_the_noise_is_also_read_round_by_round(autotune: Any) -> None:
 
 
 def _busy_loops() -> list[int]:
-    """Busy loops of the timeline (``python -c "while True: pass"``) still running."""
-    import os
-
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if cmd[1:3] == [b"-c", b"while True: pass"]:
-                pids.append(int(entry))
-    return pids
+    """Busy loops of the timeline still running."""
+    return [pid for pid, cmd in command_lines() if cmd[1:3] == BUSY_LOOP]
 
 
 @pytest.mark.timeout(240)
