@@ -208,14 +208,14 @@ def main() -> None:
     json.loads(args.settings), json.loads(args.settings_b)  # fail early on a typo
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    from shmeval._util.children import start_busy_loops, stop_busy_loops
     from shmeval._util.procstat import machine_steal_s
 
     with tempfile.TemporaryDirectory(prefix="shmeval-ab-") as tmp:
         srcs = {name: build(rev, tmp) for name, rev in (("A", args.a), ("B", args.b))}
         sides = [Side(name, srcs[name], settings, args.workers)
                  for name, settings in (("A", args.settings), ("B", args.settings_b))]
-        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(args.busy)]
+        busy = start_busy_loops(args.busy)
         try:
             for side in sides:
                 side.turn(args.warmup)
@@ -230,9 +230,7 @@ def main() -> None:
             wall = time.monotonic() - t0
             steal = (machine_steal_s() - steal0) / (wall * (os.cpu_count() or 1))
         finally:
-            for b in busy:
-                b.kill()
-                b.wait()
+            stop_busy_loops(busy)
             tuners = {side.name: side.close() for side in sides}
     ratios = [b / a for a, b in zip(rates["A"], rates["B"])]
     q1, med, q3 = statistics.quantiles(ratios, n=4)

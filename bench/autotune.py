@@ -85,7 +85,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 
 import shmeval  # noqa: E402
-from shmeval._util.children import child_setup, start_process  # noqa: E402
+from shmeval._util.children import (child_setup, start_busy_loops, start_process,  # noqa: E402
+                                    stop_busy_loops)
 from shmeval._util.jsonout import write_json  # noqa: E402
 from shmeval._util.machine import machine_info  # noqa: E402
 from shmeval._util.procstat import machine_steal_s  # noqa: E402
@@ -528,8 +529,7 @@ def run_timeline(args: argparse.Namespace) -> Dict[str, Any]:
             phase = int((now - t0) // args.phase) if now >= t0 else -1
             scale[0] = plan_phases[phase][2] if phase >= 0 else 1.0
             if phase >= 0 and plan_phases[phase][3] and not busy:
-                busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                        for _ in os.sched_getaffinity(0)]
+                busy = start_busy_loops(len(os.sched_getaffinity(0)))
             st = ev.stats()
             tuner = st.get("tuner") or {}
             s = {"t": now - t0, "phase": phase, "requests": st["requests"],
@@ -544,15 +544,10 @@ def run_timeline(args: argparse.Namespace) -> Dict[str, Any]:
             samples.append(s)
             prev = s
             time.sleep(max(0.0, 0.2 - (time.monotonic() - now)))
-        for b in busy:   # the workers' last calls need the CPUs
-            b.kill()
-            b.wait()
-        busy = []
+        stop_busy_loops(busy)   # the workers' last calls need the CPUs
         runner.join(60)
     finally:
-        for b in busy:
-            b.kill()
-            b.wait()
+        stop_busy_loops(busy)
         ev.close()
         pool.close()
         del scale

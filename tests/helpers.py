@@ -8,6 +8,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from shmeval._util import children
+
 INPUT_SHAPE = (6, 7, 2)
 OUTPUTS = {"policy": ((7,), "float32"), "value": ((), "float32")}
 
@@ -125,8 +127,8 @@ def is_final(seg: Any, c: int, k: int) -> bool:
 
 
 #: The command line of a busy loop (bench/ab_builds.py --busy, bench/autotune.py
-#: --timeline), after the interpreter.
-BUSY_LOOP = [b"-c", b"while True: pass"]
+#: --timeline) after the interpreter, as /proc/<pid>/cmdline holds it.
+BUSY_LOOP = [arg.encode() for arg in children.BUSY_LOOP]
 
 
 def command_lines() -> Iterator[tuple[int, list[bytes]]]:

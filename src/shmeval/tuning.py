@@ -129,6 +129,8 @@ SPIN_LONG_WAKES = 16
 #: Spin modes (the ``_ring`` flag of a yielding spin is ``SPIN_YIELD``).
 SLEEP, YIELD, SPIN = "sleep", "yield", "spin"
 _STRICTNESS = (SPIN, YIELD, SLEEP)
+#: A spin mode as the crowding it publishes to the clients (Tuner.crowding).
+_CROWDING = {SPIN: _ring.CROWD_NONE, YIELD: _ring.CROWD_YIELD, SLEEP: _ring.CROWD_SLEEP}
 #: Each reading moves the smoothed runnable tasks this share of the way
 #: to its count: a time constant of about four readings (0.8 s at the
 #: evaluator's 200 ms).  One reading is one instant's count
@@ -441,7 +443,9 @@ class Tuner:
 
     def tick(self, r: Reading) -> Decision:
         prev, self._prev = self._prev, r
-        self._recent.append((r.now_ns, _as_calls(r.calls)))
+        window = _as_calls(r.calls)
+        served = len(window) > 0
+        self._recent.append((r.now_ns, window))
         self._recent = [(t, c) for t, c in self._recent if r.now_ns - t < HORIZON_NS]
         self.clients, self.cpus = r.clients, r.cpus
         self._spin(r)
@@ -450,7 +454,6 @@ class Tuner:
         rate = (r.requests - prev.requests) * 1e9 / (r.now_ns - prev.now_ns)
         self.rate = rate if self.rate == 0 else 0.5 * (self.rate + rate)
         calls = np.concatenate([c for _, c in self._recent])
-        served = len(self._recent[-1][1]) > 0
         if len(calls):
             self.cost = Cost.fit(calls, self.cost)
             self._batches(calls[:, 2])
@@ -532,8 +535,7 @@ class Tuner:
         the first reading)."""
         if self.runnable is None:
             return _ring.CROWD_NONE
-        return {SPIN: _ring.CROWD_NONE, YIELD: _ring.CROWD_YIELD,
-                SLEEP: _ring.CROWD_SLEEP}[self.spin_mode]
+        return _CROWDING[self.spin_mode]
 
     def _spin_budget(self, long: bool) -> int:
         """The evaluator's spin budget in the rule's mode: one wake-up's
@@ -692,8 +694,7 @@ class Tuner:
             "spin_us": (d.spin_ns & ~self.spin_yield) / 1e3,
             "runnable": round(self.runnable, 2) if self.runnable is not None else None,
             # What the clients' spins are held to (published in the segment).
-            "crowding": {_ring.CROWD_NONE: "none", _ring.CROWD_YIELD: "yield",
-                         _ring.CROWD_SLEEP: "sleep"}[self.crowding()],
+            "crowding": "none" if self.crowding() == _ring.CROWD_NONE else self.spin_mode,
             "cpus": self.cpus,
             "clients": self.clients,
             "why_wait": self.why_wait,
@@ -752,7 +753,8 @@ def read_report(seg: Any, replica: int) -> Optional[Dict[str, Any]]:
 CALLS_PER_PERIOD = 1024
 
 
-def _recorder(model: Any, calls: "array.array[int]", cap: int = CALLS_PER_PERIOD) -> Callable[[Any], Any]:
+def _recorder(model: Any, calls: "array.array[int]",
+              cap: int = CALLS_PER_PERIOD) -> Callable[[Any], Any]:
     """``model`` wrapped to append the start, duration and rows of each
     call to ``calls`` (an ``array('q')``, flat: the period's readings
     become one array without a Python object per call; a closure: cheaper

@@ -5,7 +5,13 @@ import contextlib
 import ctypes
 import os
 import signal
-from typing import Any, Callable, Tuple
+import subprocess
+import sys
+from typing import Any, Callable, List, Tuple
+
+#: A busy loop's command line after the interpreter: what the benchmarks
+#: run as another program taking a CPU.
+BUSY_LOOP = ("-c", "while True: pass")
 
 
 def child_setup() -> None:
@@ -32,3 +38,16 @@ def start_process(ctx: Any, target: Callable[..., None], name: str,
     finally:
         signal.signal(signal.SIGINT, old)
     return p
+
+
+def start_busy_loops(n: int) -> "List[subprocess.Popen[bytes]]":
+    """``n`` busy loops (:data:`BUSY_LOOP`), each a process of its own."""
+    return [subprocess.Popen([sys.executable, *BUSY_LOOP]) for _ in range(n)]
+
+
+def stop_busy_loops(loops: "List[subprocess.Popen[bytes]]") -> None:
+    """Kills and reaps the loops, and empties the list."""
+    for p in loops:
+        p.kill()
+        p.wait()
+    loops.clear()
