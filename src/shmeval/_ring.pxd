@@ -66,8 +66,13 @@ cdef class SpinArms:
     cdef double mean_ns[2]             # a wait's ns under each arm, by blocks
     cdef double block_ns               # the judged waits of this block, summed
     cdef uint32_t waits                # ... and counted
+    cdef uint64_t top[8]               # ... the longest SPIN_TRIM (8) of them
+    cdef uint32_t top_min              # index of the shortest in top
     cdef uint32_t explore_in           # blocks of the better arm before the other's
     cdef int arm                       # the arm of this block
+    cdef int best                      # the arm with the shorter mean (-1: not known)
+    cdef bint checking                 # this block checks a changed verdict
+    cdef uint64_t blocks[2]            # blocks served under each arm
     cdef uint64_t pick(self) noexcept
     cdef void saw(self, uint64_t ns) noexcept
 

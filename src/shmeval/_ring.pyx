@@ -1049,10 +1049,12 @@ cdef inline int _publish_and_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t g
     return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, t)
 
 
-# SpinArms: judged waits per block, blocks of the better arm per block of
-# the other (times the ratio of their means, at most SPIN_EXPLORE_MAX), and
-# the share of the way an arm's mean moves to each of its blocks' means.
+# SpinArms: judged waits per block, the longest of them left out of its
+# mean, blocks of the better arm per block of the other (times the ratio of
+# their means, at most SPIN_EXPLORE_MAX), and the share of the way an arm's
+# mean moves to each of its blocks' means.
 DEF SPIN_BLOCK = 64
+DEF SPIN_TRIM = 8  # the size of SpinArms.top
 DEF SPIN_EXPLORE = 32
 DEF SPIN_EXPLORE_MAX = 512
 DEF SPIN_SMOOTH = 2.0
@@ -1079,7 +1081,12 @@ cdef class SpinArms:
     evaluator that finds its clients spinning), so one long wait among
     short ones measures the short arm's regime, not the long arm's; and a
     block's mean of 64 waits is steady where a mean smoothed over a few
-    waits follows their tail.  A block of the worse arm comes after as many
+    waits follows their tail.  The block's SPIN_TRIM longest waits are left
+    out of its mean: a wait that the scheduler or the host preempted takes
+    milliseconds under either arm, and a few of them in one block outweigh
+    the microseconds per wait that the arms differ by (with a mean of
+    every wait, 2 clients on 2 CPUs served a quarter to half of their
+    blocks with the worse arm).  A block of the worse arm comes after as many
     blocks of the better one as SPIN_EXPLORE times the ratio of their
     means, so that trying an arm five times as slow costs no more time
     than trying one a little slower.  ``long_ns`` 0: one fixed budget
@@ -1089,6 +1096,7 @@ cdef class SpinArms:
         self.short_ns = short_ns
         self.long_ns = long_ns if long_ns > short_ns else 0
         self.explore_in = SPIN_EXPLORE
+        self.best = -1
 
     cdef uint64_t pick(self) noexcept:
         """The budget of the next wait (before the spin policy)."""
@@ -1097,28 +1105,63 @@ cdef class SpinArms:
         return self.long_ns if self.arm else self.short_ns
 
     cdef void saw(self, uint64_t ns) noexcept:
-        """The wait that pick() budgeted took ns.  Counted up to twice the
-        long arm: a longer wait slept under either arm, and one preempted
-        wait must not outweigh the many the arms differ on.  The last wait
-        of a block updates its arm's mean and chooses the next block's."""
+        """The wait that pick() budgeted took ns.  A wait longer than its
+        budget slept, and the evaluator paid a system call to wake it: it
+        counts one wake-up (``short_ns``) more, so that where the arms wait
+        alike, the arm that leaves the evaluator's time to the other
+        clients serves.  Counted up to twice the long arm (a longer wait
+        slept under either arm), and kept in ``top`` while it is one of the
+        block's SPIN_TRIM longest, which the block's mean leaves out.  The
+        last wait of a block updates its arm's mean and chooses the next
+        block's."""
         cdef double *m
         cdef double block
         cdef int best
+        cdef uint32_t i
         if self.long_ns == 0:
             return
-        self.block_ns += <double>min(ns, 2 * self.long_ns)
+        if ns > (self.long_ns if self.arm else self.short_ns):
+            ns += self.short_ns  # it slept, and its waker paid a wake-up
+        ns = min(ns, 2 * self.long_ns)
+        self.block_ns += <double>ns
         self.waits += 1
+        if ns > self.top[self.top_min]:  # one of the block's longest so far
+            self.top[self.top_min] = ns
+            for i in range(SPIN_TRIM):
+                if self.top[i] < self.top[self.top_min]:
+                    self.top_min = i
         if self.waits < SPIN_BLOCK:
             return
-        block = self.block_ns / self.waits
+        for i in range(SPIN_TRIM):
+            self.block_ns -= <double>self.top[i]
+            self.top[i] = 0
+        block = self.block_ns / (self.waits - SPIN_TRIM)
+        self.blocks[self.arm] += 1
         self.block_ns = 0
         self.waits = 0
         m = &self.mean_ns[self.arm]
-        m[0] = block if m[0] == 0 else m[0] + (block - m[0]) / SPIN_SMOOTH
+        if m[0] == 0 or self.checking:
+            m[0] = block  # a check measures the arm afresh
+        else:
+            m[0] += (block - m[0]) / SPIN_SMOOTH
         if self.mean_ns[0] == 0 or self.mean_ns[1] == 0:  # an arm not measured yet
             self.arm = 1 if self.mean_ns[1] == 0 else 0
             return
         best = 1 if self.mean_ns[1] < self.mean_ns[0] else 0
+        if self.best != best and not self.checking and self.best >= 0:
+            # The verdict changed: the arm that lost it serves one block
+            # more, whose mean replaces its own, and that decides.  A block
+            # that the host slowed (more than SPIN_TRIM preempted waits)
+            # then costs one block of the worse arm, not the SPIN_EXPLORE
+            # blocks until it would be tried again.
+            self.best = best
+            self.checking = True
+            self.arm = 1 - best
+            return
+        self.best = best
+        if self.checking:
+            self.checking = False
+            self.explore_in = SPIN_EXPLORE
         if self.explore_in > 0:
             self.explore_in -= 1
             self.arm = best
@@ -1142,7 +1185,8 @@ cdef class SpinArms:
                 "long_wait_us": self.mean_ns[1] / 1e3 if self.mean_ns[1] else None,
                 "arm": ("fixed" if self.long_ns == 0 else
                         "measuring" if not (self.mean_ns[0] and self.mean_ns[1]) else
-                        "long" if self.mean_ns[1] < self.mean_ns[0] else "short")}
+                        "long" if self.mean_ns[1] < self.mean_ns[0] else "short"),
+                "short_blocks": self.blocks[0], "long_blocks": self.blocks[1]}
 
 
 cdef class ClientPort:

@@ -610,7 +610,8 @@ def test_spin_arms_serve_with_the_shorter_waits(short_wait: int, long_wait: int,
     assert 1 / 45 <= time_worse <= 1 / 25
     rep = arms.report()
     assert rep["arm"] == serving
-    assert rep["short_wait_us"] == pytest.approx(short_wait / 1e3)
+    # Each short wait outlasted its budget: it slept, and counts a wake-up more.
+    assert rep["short_wait_us"] == pytest.approx((short_wait + 5_000) / 1e3)
 
 
 def test_spin_arms_judge_a_spin_by_what_it_does_while_it_lasts() -> None:
@@ -650,6 +651,64 @@ def test_spin_arms_follow_a_change_and_bound_outliers() -> None:
         arms.next_budget()
         arms.record(10**9)
     assert arms.report()["short_wait_us"] == pytest.approx(160.0)
+
+
+def drive_blocks(arms: "shmeval._ring.SpinArms", waits: Callable[[bool, int], int],
+                 blocks: int) -> List[bool]:
+    """``blocks`` blocks of 64 waits, each taking ``waits(long, i)`` (i:
+    the wait's index in its block); which arm served each block."""
+    served = []
+    for _ in range(blocks):
+        long = arms.next_budget() == arms.long_ns
+        served.append(long)
+        for i in range(64):
+            assert (arms.next_budget() == arms.long_ns) == long
+            arms.record(waits(long, i))
+    return served
+
+
+def test_spin_arms_leave_a_blocks_preempted_waits_out() -> None:
+    """Six waits of a block of 64 preempted for a millisecond (under either
+    arm) outweighed the 10 µs per wait the arms differ by, in a mean of
+    every wait: the long arm's blocks met them and the short arm served."""
+    from shmeval._ring import SpinArms
+
+    arms = SpinArms(5_000, 150_000)
+
+    def waits(long: bool, i: int) -> int:
+        return 1_000_000 if long and i % 10 == 3 else 20_000 if long else 30_000
+
+    served = drive_blocks(arms, waits, 400)
+    assert arms.report()["arm"] == "long"
+    assert sum(served[100:]) / 300 >= 0.9
+
+
+def test_spin_arms_break_a_tie_for_the_spin() -> None:
+    """Where the waits are alike under either arm, the short arm's slept
+    and the evaluator paid for each wake-up: the long arm serves."""
+    from shmeval._ring import SpinArms
+
+    arms = SpinArms(5_000, 80_000)
+    served = drive_blocks(arms, lambda long, i: 30_000, 400)
+    assert arms.report()["arm"] == "long"
+    assert sum(served[100:]) / 300 >= 0.9
+
+
+def test_spin_arms_check_a_verdict_one_slow_block_changed() -> None:
+    """One block of the serving arm that the host slowed throughout (more
+    waits than the trim leaves out) turns the verdict; the arm that lost
+    it serves one block more, which restores it.  Without that check the
+    worse arm served until its next turn to be tried, 32 blocks or more."""
+    from shmeval._ring import SpinArms
+
+    arms = SpinArms(5_000, 80_000)
+    drive_blocks(arms, lambda long, i: 20_000 if long else 30_000, 200)
+    assert arms.report()["arm"] == "long"
+    slowed = drive_blocks(arms, lambda long, i: 160_000 if long else 30_000, 1)
+    assert slowed == [True]
+    after = drive_blocks(arms, lambda long, i: 20_000 if long else 30_000, 40)
+    assert after.count(False) <= 2
+    assert arms.report()["arm"] == "long"
 
 
 def test_a_fixed_spin_has_one_arm() -> None:
