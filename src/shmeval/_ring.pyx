@@ -2293,8 +2293,9 @@ cdef class Server:
         batches: collect -> model(batch[:rows]) -> finish_fast, repeated until
         something needs the Python layer.  Returns (kind, n, rows, detail,
         model_ns) with kind:
-          IDLE    nothing arrived within timeout_ns, or until_ns (CLOCK_MONOTONIC)
-                  passed: time for housekeeping
+          IDLE    nothing arrived within timeout_ns (detail True: the clients
+                  paused), or until_ns (CLOCK_MONOTONIC) passed (detail None):
+                  time for housekeeping
           CLOSED  close requested, or the group's stop flag is set
           SLOW    the outputs (detail) need conversion or an explanation
           RAISED  the model raised (detail is the exception)
@@ -2341,7 +2342,7 @@ cdef class Server:
                 return (SERVE_IDLE, 0, 0, None, 0)
             rc = self.collect(max_batch, spin_ns, max_wait_ns, timeout_ns)
             if rc == 0:
-                return (SERVE_IDLE, 0, 0, None, 0)
+                return (SERVE_IDLE, 0, 0, True, 0)
             self._seg_unlock()
             if rc == SHM_CLOSED:
                 return (SERVE_CLOSED, 0, 0, None, 0)

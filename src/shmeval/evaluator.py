@@ -324,6 +324,8 @@ class _ServingLoop:
                     self.check_replicas()
                     if not server.take_over_lock(detail):
                         continue
+                if detail is True and self.tuner is not None:
+                    self.tuner.paused = True
                 now = _ring.now_ns()
                 self.poll_control(now)
                 if self.control_until and now < self.housekeeping_at and \

@@ -54,9 +54,12 @@ compared with the simpler one in force in adjacent pairs of windows (one
 housekeeping period each), alternating, and adopted only if it served more
 requests in every pair of three, or in five of six when the first three
 disagree, or in seven of nine when it was ahead in four of six
-(``TRIAL_PAIRS``).  A window in which no model call ran (the
-clients paused or left) does not count: a trial waits for requests
-rather than deciding on empty windows.  Nor does a window served to
+(``TRIAL_PAIRS``).  A window in which the clients paused or left (the
+evaluator waited a whole idle timeout for a request) does not count, nor
+the one after it, which began while they were away: a trial waits for
+steady requests rather than deciding on windows served for part of
+their time (workers that stop between games or for a weight update).
+Nor does a window served to
 another number of clients (by ``CHANGE_RATIO`` or more) than the trial
 began with: clients attaching one by one, or a worker restarting, are not
 the load being measured; the trial starts over only once the change has
@@ -252,6 +255,9 @@ class Reading:
     #: The model calls since the previous reading: Call tuples, or an
     #: (n, 3) array of them (what :class:`ServingTuner` passes).
     calls: Union[Sequence[Call], np.ndarray] = ()
+    #: The evaluator waited a whole idle timeout for a request since the
+    #: previous reading: the clients paused.
+    paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -438,13 +444,18 @@ class Tuner:
         self._prev: Optional[Reading] = None
         self._recent: List[Tuple[int, np.ndarray]] = []   # (now_ns, calls as _as_calls)
         self._changed_at: Optional[int] = None   # when the load was first seen changed
+        self._paused = False                      # the clients paused in the last window
 
     # -- the reading of one window ---------------------------------------------
 
     def tick(self, r: Reading) -> Decision:
         prev, self._prev = self._prev, r
         window = _as_calls(r.calls)
-        served = len(window) > 0
+        # A window counts for a trial only if requests came all through it:
+        # one in which the clients paused served for part of its time,
+        # and so does the one after it (it began while they were away).
+        served = len(window) > 0 and not (r.paused or self._paused)
+        self._paused = r.paused
         self._recent.append((r.now_ns, window))
         self._recent = [(t, c) for t, c in self._recent if r.now_ns - t < HORIZON_NS]
         self.clients, self.cpus = r.clients, r.cpus
@@ -459,9 +470,9 @@ class Tuner:
             self._batches(calls[:, 2])
         if self.trial is not None:
             if not served:
-                # Nothing was served (the clients paused or left): the
-                # window tells the trial nothing, and the setting in force
-                # stays for the next one.
+                # Nothing was served, or not all through the window (the
+                # clients paused or left): the window tells the trial
+                # nothing, and the setting in force stays for the next one.
                 pass
             elif _moved(self.trial.clients, r.clients):
                 # Not the load the trial is measuring: the window does not
@@ -796,6 +807,9 @@ class ServingTuner:
         self.calls = array.array("q")
         self.record = _recorder(model, self.calls)
         self.next_tick = 0
+        #: Set by the serving loop when a whole idle timeout passed without
+        #: a request (the next reading's ``paused``).
+        self.paused = False
         self.turns = threading.Condition()
         self.stopped = False
 
@@ -817,8 +831,10 @@ class ServingTuner:
         except AttributeError:  # pragma: no cover - not Linux
             cpus = os.cpu_count() or 1
         before = self.tuner.decision.threads
+        paused, self.paused = self.paused, False
         self.tuner.tick(Reading(now_ns, int(self.seg.stat("requests")),
-                                int(self.seg.n_attached()), cpus, runnable_tasks(cpus), calls))
+                                int(self.seg.n_attached()), cpus, runnable_tasks(cpus), calls,
+                                paused))
         self.seg.set_crowding(self.tuner.crowding())
         if self.tuner.decision.threads != before:
             with self.turns:

@@ -57,11 +57,11 @@ class Feed:
         self.clients, self.cpus, self.runnable = clients, cpus, runnable
 
     def tick(self, rate: Callable[[Decision], float], rows: Sequence[int], fixed_ns: float,
-             per_row_ns: float) -> Decision:
+             per_row_ns: float, paused: bool = False) -> Decision:
         self.now += PERIOD
         self.requests += int(rate(self.tuner.decision) * PERIOD / 1e9)
         r = Reading(self.now, self.requests, self.clients, self.cpus, self.runnable,
-                    calls_of(rows, fixed_ns, per_row_ns, self.now))
+                    calls_of(rows, fixed_ns, per_row_ns, self.now), paused)
         return self.tuner.tick(r)
 
     def run(self, n: int, rate: Callable[[Decision], float], rows: Sequence[int],
@@ -409,6 +409,52 @@ def test_a_trial_waits_out_a_pause_of_the_clients() -> None:
     feed.clients = 16
     settle(feed, lambda d: 10_000.0 * d.threads, [16] * 40)
     assert t.decision.threads == 2 and t.why_threads.startswith("2:")
+
+
+def test_a_trial_leaves_out_the_windows_around_a_pause() -> None:
+    """Workers that stop now and then (between games, or taking turns with
+    other work): each pause leaves a window served for part of its time,
+    and the one after it began while they were away.  Those windows say
+    nothing about the setting in force; counted, they decided the trial
+    of a second call in flight (which pays) against it."""
+    t = Tuner(256, 2, WAKE)
+    feed = Feed(t, clients=16)
+    feed.run(3, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
+    assert t.trial is not None and t.trial.knob == "threads"
+    for i in range(40 * TRIAL_PAIRS):
+        phase = i % 3
+        feed.tick(lambda d: (10_000.0 * d.threads, 2_000.0, 6_000.0)[phase], [16] * 40,
+                  FIXED, PER_ROW, paused=phase == 1)
+        if t.trial is None:
+            break
+    assert t.decision.threads == 2 and t.why_threads.startswith("2:")
+
+
+def test_a_pause_reaches_the_tuner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving loop that waits a whole idle timeout for a request tells
+    its tuner: the next reading says the clients paused, and readings
+    while requests keep coming say they did not."""
+    from shmeval.evaluator import IDLE_TIMEOUT_NS
+
+    seen: List[bool] = []
+    tick = Tuner.tick
+
+    def spy(self: Tuner, r: Reading) -> Decision:
+        seen.append(r.paused)
+        return tick(self, r)
+
+    monkeypatch.setattr(Tuner, "tick", spy)
+    with shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
+                           max_batch=8) as ev:
+        ev.evaluate(make_state(1))
+        time.sleep(3 * max(IDLE_TIMEOUT_NS, PERIOD) / 1e9)
+        assert True in seen
+        busy_from = len(seen) + 1   # the reading after the pause's own
+        deadline = time.monotonic() + 6 * PERIOD / 1e9
+        while time.monotonic() < deadline:
+            ev.evaluate(make_state(1))
+        assert len(seen) > busy_from + 1
+        assert not any(seen[busy_from + 1:])
 
 
 def test_idle_evaluator_runs_no_trials() -> None:
