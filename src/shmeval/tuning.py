@@ -571,11 +571,16 @@ class Tuner:
 
     def _changed(self) -> bool:
         """The load differs from the one the trials measured by CHANGE_RATIO:
-        clients, the model's cost at the same rows, the CPUs."""
+        clients, the model's cost at the same rows (and by a wake-up's cost
+        at least: the trials weigh the model's cost against wake-ups, and a
+        call of a few µs moves by more than the ratio with the host's cache
+        misses and steal), the CPUs."""
         m = self.load
         if m is None:
             return True
-        return (_moved(m.clients, self.clients) or _moved(m.cost, self._predicted(m.rows))
+        cost = self._predicted(m.rows)
+        return (_moved(m.clients, self.clients)
+                or (_moved(m.cost, cost) and abs(cost - m.cost) >= self.wake_ns)
                 or m.cpus != self.cpus)
 
     def _start_trials(self) -> None:

@@ -338,6 +338,24 @@ def test_small_changes_do_not_rerun_trials() -> None:
     assert len({(d.max_wait_ns, d.threads) for d in seen}) == 1
 
 
+def test_a_cheap_models_cost_moves_by_less_than_a_wake_up() -> None:
+    """A call of a few µs that takes twice as long (a cache miss, the host's
+    steal) changes nothing the trials weigh against a wake-up: no trials,
+    however long it lasts.  A change by a wake-up or more does rerun them."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=16)
+    fixed, per_row = WAKE / 8, WAKE / 400
+    settle(feed, lambda d: 10_000.0, [16] * 40, fixed, per_row)
+    load = t.load
+    assert load is not None and t.trial is None
+    feed.run(4 * tuning.HORIZON_NS // PERIOD, lambda d: 10_000.0, [16] * 40, 2 * fixed,
+             2 * per_row)
+    assert t.load is load and t.trial is None and t.phase == "settled"
+    feed.run(4 * tuning.HORIZON_NS // PERIOD, lambda d: 10_000.0, [16] * 40, fixed + WAKE,
+             per_row)
+    assert t.load is not load
+
+
 def test_a_passing_disturbance_runs_no_trials() -> None:
     """Calls twice as slow for less than HORIZON_NS (another program's
     burst): nothing; for longer: the trials run again.  The rate served
