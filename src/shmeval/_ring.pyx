@@ -1084,9 +1084,8 @@ cdef class SpinArms:
     waits follows their tail.  The block's SPIN_TRIM longest waits are left
     out of its mean: a wait that the scheduler or the host preempted takes
     milliseconds under either arm, and a few of them in one block outweigh
-    the microseconds per wait that the arms differ by (with a mean of
-    every wait, 2 clients on 2 CPUs served a quarter to half of their
-    blocks with the worse arm).  A block of the worse arm comes after as many
+    the microseconds per wait that the arms differ by.  A block of the
+    worse arm comes after as many
     blocks of the better one as SPIN_EXPLORE times the ratio of their
     means, so that trying an arm five times as slow costs no more time
     than trying one a little slower.  ``long_ns`` 0: one fixed budget
