@@ -2213,6 +2213,7 @@ cdef class Server:
             PyThread_release_lock(self.group.lock)
         free(self.fields)
         free(self.strides)
+        free(self.calls)
 
     cdef inline void _set_n(self, uint32_t n) noexcept:
         """The outstanding batch's size; keeps the group's in_flight count
@@ -2225,6 +2226,31 @@ cdef class Server:
         if self.seg_locked:
             self.seg_locked = False
             shm_collect_unlock(&self.seg.seg)
+
+    def record_calls(self, Py_ssize_t cap):
+        """Makes serve() record the start (CLOCK_MONOTONIC ns), duration (ns)
+        and rows of each model call that returns, up to ``cap`` calls
+        between two take_calls() (the calls past that run unrecorded); 0
+        stops recording.  serve() times every call anyway, so the record
+        costs a few stores, and no Python frame around the model."""
+        cdef int64_t *buf = NULL
+        if cap < 0:
+            raise ValueError("cap must be >= 0")
+        if cap:
+            buf = <int64_t *>malloc(sizeof(int64_t) * 3 * cap)
+            if buf == NULL:
+                raise MemoryError()
+        free(self.calls)
+        self.calls, self.calls_cap, self.n_calls = buf, cap, 0
+
+    def take_calls(self):
+        """The calls recorded since the last take, as an int64 array of
+        shape (n, 3) (start, duration, rows); empties the record."""
+        out = np.empty((self.n_calls, 3), dtype=np.int64)
+        if self.n_calls:
+            memcpy(cnp.PyArray_DATA(out), self.calls, sizeof(int64_t) * 3 * self.n_calls)
+        self.n_calls = 0
+        return out
 
     def unlock(self):
         """Releases the collect locks (the segment's, then the group's) if
@@ -2365,6 +2391,11 @@ cdef class Server:
             except Exception as e:
                 return (SERVE_RAISED, n, rows, e, shm_now_ns() - t0)
             model_ns = shm_now_ns() - t0
+            if self.n_calls < self.calls_cap:
+                self.calls[3 * self.n_calls] = <int64_t>t0
+                self.calls[3 * self.n_calls + 1] = <int64_t>model_ns
+                self.calls[3 * self.n_calls + 2] = rows
+                self.n_calls += 1
             if not self.finish_fast(out, rows, model_ns, g.version, reject_nonfinite):
                 return (SERVE_SLOW, n, rows, out, model_ns)
 

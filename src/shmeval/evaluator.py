@@ -206,8 +206,8 @@ class _ServingLoop:
         self.stop_reason = _ring.STOP_CLOSED  # why serving stops, unless it raises
         self.warned_extra = False  # about outputs the spec does not declare
         self.errors: list[BaseException] = []
-        # The "auto" settings' tuner; it stands in for the model in serve().
-        self.tuner = (ServingTuner(seg, model, policy.max_batch, policy.threads,
+        # The "auto" settings' tuner; it reads the calls the servers record.
+        self.tuner = (ServingTuner(seg, model, self.servers, policy.max_batch, policy.threads,
                                    policy.overrides(), Board(seg, replica), HOUSEKEEPING_NS,
                                    _ring.SPIN_YIELD)
                       if policy.tuned else None)
@@ -283,7 +283,7 @@ class _ServingLoop:
                         return
                     continue
                 d = tuner.decision
-                model, max_batch = tuner.record, d.batch_cap
+                max_batch = d.batch_cap
                 spin_ns, wait_ns = d.spin_ns, d.max_wait_ns
             until = self.housekeeping_at
             if self.control_until:

@@ -85,7 +85,6 @@ running evaluator.
 """
 from __future__ import annotations
 
-import array
 import functools
 import json
 import math
@@ -762,55 +761,37 @@ def read_report(seg: Any, replica: int) -> Optional[Dict[str, Any]]:
     return report if isinstance(report, dict) else None
 
 
-#: Most calls the recorder keeps per housekeeping period: the cost fit
-#: needs a median per batch size, which a thousand calls give; a fast
-#: model makes hundreds of thousands a second, and fitting them all held
-#: the serving thread for about half of each period.
+#: Most calls each serving thread records per housekeeping period
+#: (``Server.record_calls``): the cost fit needs a median per batch size,
+#: which a thousand calls give; a fast model makes hundreds of thousands a
+#: second, and fitting them all held the serving thread for about half of
+#: each period.
 CALLS_PER_PERIOD = 1024
-
-
-def _recorder(model: Any, calls: "array.array[int]",
-              cap: int = CALLS_PER_PERIOD) -> Callable[[Any], Any]:
-    """``model`` wrapped to append the start, duration and rows of each
-    call to ``calls`` (an ``array('q')``, flat: the period's readings
-    become one array without a Python object per call; a closure: cheaper
-    than a method on the serving path), up to ``cap`` calls until it is
-    emptied (once per period); the calls past that run the model alone."""
-    now, extend, full = time.monotonic_ns, calls.extend, 3 * cap
-
-    def record(batch: Any) -> Any:
-        if len(calls) >= full:
-            return model(batch)
-        t0 = now()
-        out = model(batch)
-        extend((t0, now() - t0, len(batch)))
-        return out
-
-    return record
 
 
 class ServingTuner:
     """Feeds a :class:`Tuner` from a serving loop.
 
-    The loop calls :attr:`record` in place of the model (each call's start,
-    duration and rows are recorded: two clock reads, under a microsecond),
-    :meth:`tick` at its
-    housekeeping (a reading of the segment's counters, the CPUs and the
+    Each of ``servers`` (the loop's ``_ring.Server`` objects, or anything
+    with their ``record_calls`` and ``take_calls``) records the start,
+    duration and rows of its model calls in C, where ``Server.serve`` times
+    them anyway.  The loop calls :meth:`tick` at its housekeeping (a
+    reading of those calls, the segment's counters, the CPUs and the
     runnable tasks once per ``period_ns``; the report goes to the board),
     and :meth:`wait_turn` before each round of serving, which parks the
     serving threads the decision does not use."""
 
-    def __init__(self, seg: Any, model: Any, max_batch: int, threads: int,
-                 overrides: Overrides, board: Optional[Board], period_ns: int,
+    def __init__(self, seg: Any, model: Any, servers: Sequence[Any], max_batch: int,
+                 threads: int, overrides: Overrides, board: Optional[Board], period_ns: int,
                  spin_yield: int) -> None:
         self.seg = seg
-        self.model = model
+        self.servers = list(servers)
+        for s in self.servers:
+            s.record_calls(CALLS_PER_PERIOD)
         self.tuner = Tuner(max_batch, min(threads, model_concurrency(model)), wake_cost_ns(),
                            overrides, spin_yield)
         self.board = board
         self.period_ns = period_ns
-        self.calls = array.array("q")
-        self.record = _recorder(model, self.calls)
         self.next_tick = 0
         #: Set by the serving loop when a whole idle timeout passed without
         #: a request (the next reading's ``paused``).
@@ -828,9 +809,8 @@ class ServingTuner:
         if now_ns < self.next_tick:
             return
         self.next_tick = now_ns + self.period_ns
-        # No call is in flight during housekeeping.
-        calls = np.frombuffer(self.calls, dtype=np.int64).reshape(-1, 3).copy()
-        del self.calls[:]
+        calls = np.concatenate([s.take_calls() for s in self.servers]) if self.servers \
+            else np.empty((0, 3), np.int64)
         try:
             cpus = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - not Linux

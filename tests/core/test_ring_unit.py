@@ -275,6 +275,60 @@ def test_collect_timeout_and_outstanding_batch(rig: Rig) -> None:
     rig.server.complete(rig.results(1), 0)
 
 
+@pytest.mark.timeout(30)
+def test_serve_records_its_model_calls(rig: Rig) -> None:
+    """Server.serve records each model call that returns (start, duration,
+    rows as the model saw them, padded to a bucket) for the tuner, up to the
+    cap between two takes; the calls past the cap, and one that raised, are
+    not recorded, and all of them ran."""
+    seg, server = rig.seg, rig.server
+    rig.serve()
+    c = seg.register(os.getpid(), 0, 0)
+    ran: list[int] = []
+
+    def model(batch: np.ndarray) -> dict[str, np.ndarray]:
+        ran.append(len(batch))
+        if len(batch) == 2:
+            raise RuntimeError("no pairs")
+        time.sleep(0.002)
+        return fake_model(batch)
+
+    def serve_posted(slots: list[int], buckets: Any = None) -> tuple[int, int, int]:
+        for k in slots:
+            if is_final(seg, c, k):
+                seg.fetch(c, k, gen(seg, c, k), rig.outs(), 0)   # frees the slot
+        rig.post(c, slots, list(slots))
+        before = _ring.now_ns()
+        kind = server.serve(model, 8, 0, 0, MS, False, buckets, 0)[0]
+        if kind == _ring.SERVE_RAISED:
+            server.fail("no pairs")
+        else:
+            assert kind == _ring.SERVE_IDLE
+            server.unlock()
+        return kind, before, _ring.now_ns()
+
+    assert server.take_calls().shape == (0, 3)    # nothing recorded before record_calls
+    serve_posted([0])
+    assert server.take_calls().shape == (0, 3)
+    server.record_calls(2)
+    _, before, after = serve_posted([0, 1, 2], [4, 8])
+    assert serve_posted([0, 1])[0] == _ring.SERVE_RAISED
+    serve_posted([3])
+    serve_posted([0])                              # past the cap: runs, unrecorded
+    assert ran == [1, 4, 2, 1, 1]
+    calls = server.take_calls()
+    assert calls[:, 2].tolist() == [4, 1]          # rows; the raised call is not there
+    assert before <= calls[0, 0] <= after and calls[0, 1] >= 2 * MS
+    assert calls[0, 0] + calls[0, 1] <= calls[1, 0]
+    serve_posted([1])                              # the take made room again
+    assert server.take_calls()[:, 2].tolist() == [1]
+    server.record_calls(0)
+    serve_posted([2])
+    assert server.take_calls().shape == (0, 3)
+    with pytest.raises(ValueError):
+        server.record_calls(-1)
+
+
 # ================================================================ refused transitions
 
 @pytest.mark.timeout(30)

@@ -19,7 +19,6 @@ a caller's settings switch the tuner off.
 """
 from __future__ import annotations
 
-import array
 import subprocess
 import sys
 import time
@@ -971,7 +970,8 @@ def test_wait_turn_parks_the_threads_beyond_the_decision() -> None:
         def set_crowding(self, c: int) -> None:
             pass
 
-    st = tuning.ServingTuner(Seg(), Overlapping(), 256, 2, Overrides(), None, PERIOD, YIELD_FLAG)
+    st = tuning.ServingTuner(Seg(), Overlapping(), [], 256, 2, Overrides(), None, PERIOD,
+                             YIELD_FLAG)
     assert st.wait_turn(0, 0.0)
     assert not st.wait_turn(1, 0.0)        # one call in flight to start with
     st.tuner.decision = Decision(0, 256, 0, 2)
@@ -981,7 +981,23 @@ def test_wait_turn_parks_the_threads_beyond_the_decision() -> None:
     assert not st.wait_turn(1, 3600.0)     # stopping: no wait
 
 
-def test_serving_tuner_records_calls() -> None:
+class Recorded:
+    """Stands in for a ``_ring.Server``: the calls it recorded."""
+
+    def __init__(self) -> None:
+        self.cap = 0
+        self.calls: list[tuple[int, int, int]] = []
+
+    def record_calls(self, cap: int) -> None:
+        self.cap = cap
+
+    def take_calls(self) -> np.ndarray:
+        out = np.array(self.calls, np.int64).reshape(-1, 3)
+        self.calls = []
+        return out
+
+
+def test_serving_tuner_reads_the_servers_calls() -> None:
     class Seg:
         def stat(self, name: str) -> int:
             return 0
@@ -992,17 +1008,21 @@ def test_serving_tuner_records_calls() -> None:
         def set_crowding(self, c: int) -> None:
             self.crowding = c
 
-    seg = Seg()
-    st = tuning.ServingTuner(seg, fake_model, 256, 1, Overrides(), None, PERIOD, YIELD_FLAG)
-    out = st.record(np.zeros((5,) + INPUT_SHAPE, np.float32))
-    assert out["value"].shape == (5,)
-    assert len(st.calls) == 3 and st.calls[2] == 5   # start, duration, rows
+    seg, servers = Seg(), [Recorded(), Recorded()]
+    st = tuning.ServingTuner(seg, fake_model, servers, 256, 2, Overrides(), None, PERIOD,
+                             YIELD_FLAG)
+    assert [s.cap for s in servers] == [tuning.CALLS_PER_PERIOD] * 2
+    servers[0].calls = [(PERIOD, 1000, 5)]
+    servers[1].calls = [(PERIOD + 10, 1000, 7), (PERIOD + 2000, 1000, 2)]
     st.tick(10 * PERIOD)
-    assert len(st.calls) == 0 and st.tuner.clients == 3
+    assert st.tuner.clients == 3
     assert seg.crowding == st.tuner.crowding()   # published with each reading
-    assert st.tuner._recent[-1][1][:, 2].tolist() == [5]
+    assert sorted(st.tuner._recent[-1][1][:, 2].tolist()) == [2, 5, 7]
+    assert all(s.calls == [] for s in servers)   # taken
+    servers[0].calls = [(11 * PERIOD, 1000, 3)]
     st.tick(10 * PERIOD + 1)            # within the period: no second reading
     assert st.tuner._prev is not None and st.tuner._prev.now_ns == 10 * PERIOD
+    assert servers[0].calls                      # left for the next reading
 
 
 def test_a_reading_imports_nothing() -> None:
@@ -1020,12 +1040,16 @@ class Seg:
     def n_attached(self): return 2
     def set_crowding(self, c): pass
 
-st = tuning.ServingTuner(Seg(), lambda b: {"value": np.zeros(len(b))}, 64, 1,
+class Server:
+    def record_calls(self, cap): pass
+    def take_calls(self):
+        return np.array([(0, 100_000 + 10_000 * n, n) for n in (1, 1, 1, 2, 2, 2, 4, 4, 4)],
+                        np.int64)
+
+st = tuning.ServingTuner(Seg(), lambda b: {"value": np.zeros(len(b))}, [Server()], 64, 1,
                          tuning.Overrides(), None, 1, 1 << 63)
 before = set(sys.modules)
 for t in range(1, 8):
-    for n in (1, 1, 1, 2, 2, 2, 4, 4, 4):
-        st.record(np.zeros((n, 3)))
     st.tick(t * 200_000_000)
 assert st.tuner.cost is not None and st.tuner.cost.per_row is not None, st.tuner.cost
 print(sorted(set(sys.modules) - before))
@@ -1033,24 +1057,3 @@ print(sorted(set(sys.modules) - before))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"a reading imported {out.stdout.strip()}"
-
-
-def test_the_recorder_keeps_a_bounded_sample_per_period() -> None:
-    """A fast model makes far more calls per period than the fit needs:
-    past CALLS_PER_PERIOD the calls still run, unrecorded, until the next
-    reading empties the list."""
-    seen = []
-
-    def model(batch: np.ndarray) -> int:
-        seen.append(len(batch))
-        return len(batch)
-
-    calls = array.array("q")
-    record = tuning._recorder(model, calls, cap=4)
-    assert [record(np.zeros(n)) for n in range(1, 7)] == [1, 2, 3, 4, 5, 6]
-    assert seen == [1, 2, 3, 4, 5, 6]
-    assert calls[2::3].tolist() == [1, 2, 3, 4]
-    del calls[:]
-    record(np.zeros(7))
-    assert calls[2::3].tolist() == [7]
-    assert tuning.CALLS_PER_PERIOD >= 256   # enough for a median per batch size
