@@ -194,7 +194,7 @@ cdef class Server:
     cdef uint32_t replica         # the replica it serves for
     cdef bint shared              # several replicas: collect under the segment's lock
     cdef bint seg_locked          # holds the segment's collect lock
-    cdef int64_t *calls           # serve()'s model calls: start, duration, rows
+    cdef int64_t *calls           # serve()'s model calls: start, duration, rows, requests
     cdef Py_ssize_t n_calls, calls_cap
 
     cdef void _set_n(self, uint32_t n) noexcept

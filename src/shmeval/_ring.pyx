@@ -2228,8 +2228,9 @@ cdef class Server:
             shm_collect_unlock(&self.seg.seg)
 
     def record_calls(self, Py_ssize_t cap):
-        """Makes serve() record the start (CLOCK_MONOTONIC ns), duration (ns)
-        and rows of each model call that returns, up to ``cap`` calls
+        """Makes serve() record the start (CLOCK_MONOTONIC ns), duration (ns),
+        rows (padded to a bucket) and requests of each model call that
+        returns, up to ``cap`` calls
         between two take_calls() (the calls past that run unrecorded); 0
         stops recording.  serve() times every call anyway, so the record
         costs a few stores, and no Python frame around the model."""
@@ -2237,7 +2238,7 @@ cdef class Server:
         if cap < 0:
             raise ValueError("cap must be >= 0")
         if cap:
-            buf = <int64_t *>malloc(sizeof(int64_t) * 3 * cap)
+            buf = <int64_t *>malloc(sizeof(int64_t) * 4 * cap)
             if buf == NULL:
                 raise MemoryError()
         free(self.calls)
@@ -2245,10 +2246,10 @@ cdef class Server:
 
     def take_calls(self):
         """The calls recorded since the last take, as an int64 array of
-        shape (n, 3) (start, duration, rows); empties the record."""
-        out = np.empty((self.n_calls, 3), dtype=np.int64)
+        shape (n, 4) (start, duration, rows, requests); empties the record."""
+        out = np.empty((self.n_calls, 4), dtype=np.int64)
         if self.n_calls:
-            memcpy(cnp.PyArray_DATA(out), self.calls, sizeof(int64_t) * 3 * self.n_calls)
+            memcpy(cnp.PyArray_DATA(out), self.calls, sizeof(int64_t) * 4 * self.n_calls)
         self.n_calls = 0
         return out
 
@@ -2392,9 +2393,10 @@ cdef class Server:
                 return (SERVE_RAISED, n, rows, e, shm_now_ns() - t0)
             model_ns = shm_now_ns() - t0
             if self.n_calls < self.calls_cap:
-                self.calls[3 * self.n_calls] = <int64_t>t0
-                self.calls[3 * self.n_calls + 1] = <int64_t>model_ns
-                self.calls[3 * self.n_calls + 2] = rows
+                self.calls[4 * self.n_calls] = <int64_t>t0
+                self.calls[4 * self.n_calls + 1] = <int64_t>model_ns
+                self.calls[4 * self.n_calls + 2] = rows
+                self.calls[4 * self.n_calls + 3] = n
                 self.n_calls += 1
             if not self.finish_fast(out, rows, model_ns, g.version, reject_nonfinite):
                 return (SERVE_SLOW, n, rows, out, model_ns)

@@ -13,8 +13,9 @@ What it decides, and from what:
   of ``λa - n`` whatever ``w``: waiting pays exactly when the rows that
   arrive during one fixed cost outnumber those in hand, and then it pays
   until no more rows come.  So the tuner considers waiting only while the
-  smaller batches (their lower quartile) hold fewer rows than ``λa`` (per
-  call in flight), and when it waits it waits at most one fixed cost
+  smaller batches (their lower quartile) hold fewer requests than ``λa``
+  (per call in flight; requests, not the rows a model with buckets pads
+  them to), and when it waits it waits at most one fixed cost
   (longer, and running the rows in hand with a second call for the latecomers
   costs no more: the ski-rental bound) and stops as soon as the whole
   population of requests, the attached clients or the largest batch seen,
@@ -140,13 +141,22 @@ _CROWDING = {SPIN: _ring.CROWD_NONE, YIELD: _ring.CROWD_YIELD, SLEEP: _ring.CROW
 #: next with 16 workers on 2 CPUs.
 RUNNABLE_SMOOTHING = 0.25
 
-#: One model call: (start, duration) in CLOCK_MONOTONIC ns, and its rows.
-Call = Tuple[int, int, int]
+#: One model call: (start, duration) in CLOCK_MONOTONIC ns, its rows (what
+#: the model computed: the requests padded to a bucket) and its requests.
+#: The cost is fitted on the rows; whether waiting can gather more counts
+#: the requests (a batch of 3 padded to 4 holds 3).  Three fields: the
+#: requests are the rows.
+Call = Union[Tuple[int, int, int], Tuple[int, int, int, int]]
 
 
 def _as_calls(calls: Union[Sequence[Call], np.ndarray]) -> np.ndarray:
-    """Calls as an (n, 3) int64 array (a view when they already are)."""
-    return np.asarray(calls, dtype=np.int64).reshape(-1, 3)
+    """Calls as an (n, 4) int64 array (a view when they already are)."""
+    a = np.asarray(calls, dtype=np.int64)
+    if a.size == 0:
+        return np.empty((0, 4), np.int64)
+    if a.shape[-1] == 3:
+        a = np.column_stack([a, a[:, 2]])
+    return a.reshape(-1, 4)
 
 
 #: Cost.fit packs a call's rows and duration into one sort key: durations
@@ -252,7 +262,7 @@ class Reading:
     #: Tasks runnable on them now, the reader included (:func:`runnable_tasks`).
     runnable: float
     #: The model calls since the previous reading: Call tuples, or an
-    #: (n, 3) array of them (what :class:`ServingTuner` passes).
+    #: (n, 4) array of them (what :class:`ServingTuner` passes).
     calls: Union[Sequence[Call], np.ndarray] = ()
     #: The evaluator waited a whole idle timeout for a request since the
     #: previous reading: the clients paused.
@@ -466,7 +476,7 @@ class Tuner:
         calls = np.concatenate([c for _, c in self._recent])
         if len(calls):
             self.cost = Cost.fit(calls, self.cost)
-            self._batches(calls[:, 2])
+            self._batches(calls[:, 3])
         if self.trial is not None:
             if not served:
                 # Nothing was served, or not all through the window (the
@@ -502,7 +512,9 @@ class Tuner:
         return now_ns - self._changed_at >= HORIZON_NS
 
     def _batches(self, rows: np.ndarray) -> None:
-        """The smaller batches and the population, from the rows per call."""
+        """The smaller batches and the population, from the requests per
+        call (not the rows padded to a bucket: those overstate what a
+        batch gathered)."""
         self.small_batch = _lower_quartile(rows)
         largest = int(rows.max())
         d = self.decision
@@ -661,8 +673,8 @@ class Tuner:
 
     def _try_waiting(self) -> None:
         """Waiting is tried where it can pay (the module's docstring): the
-        rows one fixed cost gathers outnumber those of the smaller batches,
-        and the population is larger than those batches."""
+        requests one fixed cost gathers outnumber those of the smaller
+        batches, and the population is larger than those batches."""
         if self.overrides.max_wait_ns is not None:
             self.why_wait = "max_wait_us set by the caller"
             self._try_spinning()
@@ -674,7 +686,7 @@ class Tuner:
         if fixed <= 0 or gathered <= self.small_batch or self.population <= self.small_batch:
             self.why_wait = (
                 "greedy: the calls show no fixed cost (one batch size)" if fixed <= 0 else
-                f"greedy: one fixed cost ({fixed / 1e3:.0f} µs) gathers {gathered:.1f} rows, "
+                f"greedy: one fixed cost ({fixed / 1e3:.0f} µs) gathers {gathered:.1f} requests, "
                 f"the smaller batches hold {self.small_batch:.0f}" if gathered <= self.small_batch
                 else f"greedy: the batches hold every request ({self.population})")
             self._try_spinning()
@@ -774,8 +786,8 @@ class ServingTuner:
 
     Each of ``servers`` (the loop's ``_ring.Server`` objects, or anything
     with their ``record_calls`` and ``take_calls``) records the start,
-    duration and rows of its model calls in C, where ``Server.serve`` times
-    them anyway.  The loop calls :meth:`tick` at its housekeeping (a
+    duration, rows and requests of its model calls in C, where
+    ``Server.serve`` times them anyway.  The loop calls :meth:`tick` at its housekeeping (a
     reading of those calls, the segment's counters, the CPUs and the
     runnable tasks once per ``period_ns``; the report goes to the board),
     and :meth:`wait_turn` before each round of serving, which parks the
@@ -810,7 +822,7 @@ class ServingTuner:
             return
         self.next_tick = now_ns + self.period_ns
         calls = np.concatenate([s.take_calls() for s in self.servers]) if self.servers \
-            else np.empty((0, 3), np.int64)
+            else np.empty((0, 4), np.int64)
         try:
             cpus = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - not Linux

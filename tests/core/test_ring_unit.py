@@ -278,9 +278,9 @@ def test_collect_timeout_and_outstanding_batch(rig: Rig) -> None:
 @pytest.mark.timeout(30)
 def test_serve_records_its_model_calls(rig: Rig) -> None:
     """Server.serve records each model call that returns (start, duration,
-    rows as the model saw them, padded to a bucket) for the tuner, up to the
-    cap between two takes; the calls past the cap, and one that raised, are
-    not recorded, and all of them ran."""
+    rows as the model saw them, padded to a bucket, and requests) for the
+    tuner, up to the cap between two takes; the calls past the cap, and one
+    that raised, are not recorded, and all of them ran."""
     seg, server = rig.seg, rig.server
     rig.serve()
     c = seg.register(os.getpid(), 0, 0)
@@ -307,9 +307,9 @@ def test_serve_records_its_model_calls(rig: Rig) -> None:
             server.unlock()
         return kind, before, _ring.now_ns()
 
-    assert server.take_calls().shape == (0, 3)    # nothing recorded before record_calls
+    assert server.take_calls().shape == (0, 4)    # nothing recorded before record_calls
     serve_posted([0])
-    assert server.take_calls().shape == (0, 3)
+    assert server.take_calls().shape == (0, 4)
     server.record_calls(2)
     _, before, after = serve_posted([0, 1, 2], [4, 8])
     assert serve_posted([0, 1])[0] == _ring.SERVE_RAISED
@@ -318,13 +318,14 @@ def test_serve_records_its_model_calls(rig: Rig) -> None:
     assert ran == [1, 4, 2, 1, 1]
     calls = server.take_calls()
     assert calls[:, 2].tolist() == [4, 1]          # rows; the raised call is not there
+    assert calls[:, 3].tolist() == [3, 1]          # requests
     assert before <= calls[0, 0] <= after and calls[0, 1] >= 2 * MS
     assert calls[0, 0] + calls[0, 1] <= calls[1, 0]
     serve_posted([1])                              # the take made room again
     assert server.take_calls()[:, 2].tolist() == [1]
     server.record_calls(0)
     serve_posted([2])
-    assert server.take_calls().shape == (0, 3)
+    assert server.take_calls().shape == (0, 4)
     with pytest.raises(ValueError):
         server.record_calls(-1)
 

@@ -220,6 +220,25 @@ def test_no_waiting_where_the_batches_hold_what_a_fixed_cost_gathers() -> None:
     assert t.why_wait.startswith("greedy: one fixed cost")
 
 
+def test_waiting_counts_the_requests_not_the_padded_rows() -> None:
+    """A model with buckets: batches of 3 and 5 requests run as 4 and 8
+    rows.  One fixed cost gathers 3.6 requests, more than the smaller
+    batches hold (3), so waiting is tried (and kept: it wins); judged by the
+    padded rows (4) it would not be."""
+    t = Tuner(256, 1, WAKE)
+    now = requests = 0
+    for _ in range(40):
+        now += PERIOD
+        rate = 22_000.0 if t.decision.max_wait_ns else 18_000.0
+        requests += int(rate * PERIOD / 1e9)
+        calls = [(now + i, FIXED + PER_ROW * rows, rows, n)
+                 for i, (n, rows) in enumerate([(3, 4), (5, 8)] * 20)]
+        t.tick(Reading(now, requests, 8, 2, 1.0, calls))
+    assert t.phase == "settled"
+    assert t.decision.max_wait_ns > 0, t.why_wait
+    assert t.why_wait.startswith("waiting")
+
+
 def test_no_waiting_when_every_request_is_in_each_batch() -> None:
     """16 clients, every batch holds all 16: nothing to wait for."""
     t = Tuner(256, 1, WAKE)
