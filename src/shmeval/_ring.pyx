@@ -2230,10 +2230,10 @@ cdef class Server:
     def record_calls(self, Py_ssize_t cap):
         """Makes serve() record the start (CLOCK_MONOTONIC ns), duration (ns),
         rows (padded to a bucket) and requests of each model call that
-        returns, up to ``cap`` calls
-        between two take_calls() (the calls past that run unrecorded); 0
-        stops recording.  serve() times every call anyway, so the record
-        costs a few stores, and no Python frame around the model."""
+        returns, up to ``cap`` calls between two take_calls() (the calls
+        past that run unrecorded); 0 stops recording.  serve() times every
+        call anyway, so the record costs a few stores, and no Python frame
+        around the model."""
         cdef int64_t *buf = NULL
         if cap < 0:
             raise ValueError("cap must be >= 0")
