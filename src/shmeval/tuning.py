@@ -787,11 +787,11 @@ class ServingTuner:
     Each of ``servers`` (the loop's ``_ring.Server`` objects, or anything
     with their ``record_calls`` and ``take_calls``) records the start,
     duration, rows and requests of its model calls in C, where
-    ``Server.serve`` times them anyway.  The loop calls :meth:`tick` at its housekeeping (a
-    reading of those calls, the segment's counters, the CPUs and the
-    runnable tasks once per ``period_ns``; the report goes to the board),
-    and :meth:`wait_turn` before each round of serving, which parks the
-    serving threads the decision does not use."""
+    ``Server.serve`` times them anyway.  The loop calls :meth:`tick` at
+    its housekeeping (a reading of those calls, the segment's counters,
+    the CPUs and the runnable tasks once per ``period_ns``; the report goes
+    to the board), and :meth:`wait_turn` before each round of serving,
+    which parks the serving threads the decision does not use."""
 
     def __init__(self, seg: Any, model: Any, servers: Sequence[Any], max_batch: int,
                  threads: int, overrides: Overrides, board: Optional[Board], period_ns: int,
