@@ -15,9 +15,11 @@ What it decides, and from what:
   until no more rows come.  So the tuner considers waiting only while the
   smaller batches (their lower quartile) hold fewer requests than ``λa``
   (per call in flight; requests, not the rows a model with buckets pads
-  them to), and when it waits it waits at most one fixed cost
-  (longer, and running the rows in hand with a second call for the latecomers
-  costs no more: the ski-rental bound) and stops as soon as the whole
+  them to; where that fails with the calls in flight kept but passes for
+  one, one call and a wait is the candidate), and when it waits it waits
+  at most one fixed cost (longer, and running the rows in hand with a
+  second call for the latecomers costs no more: the ski-rental bound) and
+  stops as soon as the whole
   population of requests, the attached clients or the largest batch seen,
   is in.  Whether that beats greedy batching is then measured, not assumed
   (*trials*, below): greedy is kept unless waiting wins.
@@ -649,8 +651,15 @@ class Tuner:
                 return
             self._try_waiting()
             return
-        self.why_wait = (f"waiting: it served {verdict} against greedy" if won else
-                         f"greedy: waiting served {verdict} against greedy")
+        if t.candidate.threads == t.base.threads:
+            self.why_wait = (f"waiting: it served {verdict} against greedy" if won else
+                             f"greedy: waiting served {verdict} against greedy")
+        else:
+            trial = (f"one call in flight and a wait served {verdict} against "
+                     f"{t.base.threads} calls, greedy")
+            self.why_wait = f"waiting: {trial}" if won else f"greedy: {trial}"
+            if won:
+                self.why_threads = f"1: {trial}"
         self._try_spinning()
 
     def _try_spinning(self) -> None:
@@ -674,7 +683,12 @@ class Tuner:
     def _try_waiting(self) -> None:
         """Waiting is tried where it can pay (the module's docstring): the
         requests one fixed cost gathers outnumber those of the smaller
-        batches, and the population is larger than those batches."""
+        batches, and the population is larger than those batches.  With
+        more than one call in flight the gate reads per call; where it fails
+        there but passes for one call, one call and a wait is tried against
+        the calls in flight, greedy: both use a fixed cost's time, one by
+        overlapping calls, the other by gathering for one, and the trial of
+        calls in flight ran greedy."""
         if self.overrides.max_wait_ns is not None:
             self.why_wait = "max_wait_us set by the caller"
             self._try_spinning()
@@ -682,7 +696,11 @@ class Tuner:
         assert self.cost is not None
         d = self.decision
         fixed = self.cost.known_fixed
-        gathered = self.rate * fixed / 1e9 / d.threads
+        gathered = self.rate * fixed / 1e9
+        alone = d.threads > 1 and self.overrides.threads is None \
+            and gathered / d.threads <= self.small_batch < gathered
+        if not alone:
+            gathered /= d.threads
         if fixed <= 0 or gathered <= self.small_batch or self.population <= self.small_batch:
             self.why_wait = (
                 "greedy: the calls show no fixed cost (one batch size)" if fixed <= 0 else
@@ -691,8 +709,10 @@ class Tuner:
                 else f"greedy: the batches hold every request ({self.population})")
             self._try_spinning()
             return
-        cap = max(1, math.ceil(self.population / d.threads))
-        self._begin("wait", d, replace(d, max_wait_ns=max(1, int(fixed)), batch_cap=cap))
+        threads = 1 if alone else d.threads
+        cap = max(1, math.ceil(self.population / threads))
+        self._begin("wait", d, replace(d, threads=threads, max_wait_ns=max(1, int(fixed)),
+                                       batch_cap=cap))
 
     def _settle(self) -> None:
         self.phase = "settled"

@@ -288,6 +288,38 @@ def test_a_second_call_is_dropped_when_it_does_not_pay() -> None:
     assert t.decision.threads == 1
 
 
+def one_call_waiting_pays(d: Decision) -> float:
+    """Four closed-loop clients: a second call in flight beats one greedy
+    call, and one call that waits for the others beats both."""
+    if d.max_wait_ns:
+        return 14_000.0 if d.threads == 1 else 9_000.0
+    return 11_000.0 if d.threads == 2 else 10_000.0
+
+
+@pytest.mark.parametrize("wins", [True, False])
+def test_one_call_and_a_wait_is_tried_against_calls_in_flight(wins: bool) -> None:
+    """Two calls in flight won their trial; per call, one fixed cost gathers
+    1.1 requests against batches of 2, but for one call 2.2: so one call
+    and a wait is tried against two calls, greedy, and kept only if it
+    wins."""
+    t = Tuner(256, 2, WAKE)
+    feed = Feed(t, clients=4)
+    rate = one_call_waiting_pays if wins else (
+        lambda d: 8_000.0 if d.max_wait_ns else one_call_waiting_pays(d))
+    seen = settle(feed, rate, [2, 4] * 20)
+    assert t.phase == "settled"
+    assert any(d.threads == 1 and d.max_wait_ns for d in seen), t.why_wait
+    if wins:
+        assert (t.decision.threads, t.decision.batch_cap) == (1, 4)
+        assert t.decision.max_wait_ns == pytest.approx(FIXED, rel=0.01)
+        assert t.why_threads.startswith("1: one call in flight and a wait")
+        assert t.why_wait.startswith("waiting: one call in flight")
+    else:
+        assert (t.decision.threads, t.decision.max_wait_ns) == (2, 0)
+        assert t.why_threads.startswith("2:")
+        assert t.why_wait.startswith("greedy: one call in flight")
+
+
 def test_one_call_when_the_model_may_not_overlap() -> None:
     t = Tuner(256, 1, WAKE)
     feed = Feed(t, clients=16)
