@@ -16,7 +16,11 @@ What it decides, and from what:
   smaller batches (their lower quartile) hold fewer requests than ``λa``
   (per call in flight; requests, not the rows a model with buckets pads
   them to; where that fails with the calls in flight kept but passes for
-  one, one call and a wait is the candidate), and when it waits it waits
+  one, one call and a wait is the candidate), or while the model computes
+  at least half the time (``BUSY_SHARE``): the clients are then a closed
+  loop held up by the model, most requests arrive while a call runs, and
+  ``λ`` is what the model lets through, not what the clients would send,
+  so ``λa`` understates what a wait gathers.  When it waits it waits
   at most one fixed cost (longer, and running the rows in hand with a
   second call for the latecomers costs no more: the ski-rental bound) and
   stops as soon as the whole
@@ -131,6 +135,12 @@ HORIZON_NS = 1_000_000_000
 #: trial): a wait of this many wake-ups would lose about a sixteenth to a
 #: sleep, so a longer spin has little left to win.
 SPIN_LONG_WAKES = 16
+#: The share of the time the model computes (per call in flight) from which
+#: the clients are taken to be a closed loop held up by it: its calls then
+#: run more than they pause, so most requests arrive while one runs and
+#: wait for the next, and the arrival rate measured is what the model
+#: lets through, not what the clients would send (the waiting gate, below).
+BUSY_SHARE = 0.5
 #: Spin modes (the ``_ring`` flag of a yielding spin is ``SPIN_YIELD``).
 SLEEP, YIELD, SPIN = "sleep", "yield", "spin"
 _STRICTNESS = (SPIN, YIELD, SLEEP)
@@ -444,6 +454,7 @@ class Tuner:
         self.rate = 0.0           # requests/s, smoothed
         self.population = 1       # requests that can be outstanding at once
         self.small_batch = 0.0    # lower quartile of rows per call
+        self.busy = 0.0           # share of the time in model calls (summed over calls in flight)
         self.clients = 0
         self.cpus = 0
         self.trial: Optional[Trial] = None
@@ -453,7 +464,8 @@ class Tuner:
         #: What the trials measured (None: they have not run).
         self.load: Optional[Load] = None
         self._prev: Optional[Reading] = None
-        self._recent: List[Tuple[int, np.ndarray]] = []   # (now_ns, calls as _as_calls)
+        #: (window's start, its end, its calls as _as_calls)
+        self._recent: List[Tuple[int, int, np.ndarray]] = []
         self._changed_at: Optional[int] = None   # when the load was first seen changed
         self._paused = False                      # the clients paused in the last window
 
@@ -467,18 +479,24 @@ class Tuner:
         # and so does the one after it (it began while they were away).
         served = len(window) > 0 and not (r.paused or self._paused)
         self._paused = r.paused
-        self._recent.append((r.now_ns, window))
-        self._recent = [(t, c) for t, c in self._recent if r.now_ns - t < HORIZON_NS]
+        # A window starts at the reading before it; the first one (no
+        # reading before it) at its first call.
+        start = prev.now_ns if prev is not None else \
+            int(window[:, 0].min()) if len(window) else r.now_ns
+        self._recent.append((min(start, r.now_ns), r.now_ns, window))
+        self._recent = [w for w in self._recent if r.now_ns - w[1] < HORIZON_NS]
         self.clients, self.cpus = r.clients, r.cpus
         self._spin(r)
         if prev is None or r.now_ns <= prev.now_ns:
             return self.decision
         rate = (r.requests - prev.requests) * 1e9 / (r.now_ns - prev.now_ns)
         self.rate = rate if self.rate == 0 else 0.5 * (self.rate + rate)
-        calls = np.concatenate([c for _, c in self._recent])
+        calls = np.concatenate([c for _, _, c in self._recent])
         if len(calls):
             self.cost = Cost.fit(calls, self.cost)
             self._batches(calls[:, 3])
+            span = r.now_ns - self._recent[0][0]
+            self.busy = float(calls[:, 1].sum()) / span if span > 0 else 0.0
         if self.trial is not None:
             if not served:
                 # Nothing was served, or not all through the window (the
@@ -701,12 +719,16 @@ class Tuner:
             and gathered / d.threads <= self.small_batch < gathered
         if not alone:
             gathered /= d.threads
-        if fixed <= 0 or gathered <= self.small_batch or self.population <= self.small_batch:
+        held_up = self.busy / d.threads >= BUSY_SHARE
+        if fixed <= 0 or self.population <= self.small_batch or \
+                gathered <= self.small_batch and not held_up:
             self.why_wait = (
                 "greedy: the calls show no fixed cost (one batch size)" if fixed <= 0 else
+                f"greedy: the batches hold every request ({self.population})"
+                if self.population <= self.small_batch else
                 f"greedy: one fixed cost ({fixed / 1e3:.0f} µs) gathers {gathered:.1f} requests, "
-                f"the smaller batches hold {self.small_batch:.0f}" if gathered <= self.small_batch
-                else f"greedy: the batches hold every request ({self.population})")
+                f"the smaller batches hold {self.small_batch:.0f}, and the model computes "
+                f"{self.busy / d.threads:.0%} of the time")
             self._try_spinning()
             return
         threads = 1 if alone else d.threads
@@ -733,6 +755,7 @@ class Tuner:
             "model_us_at_mean_batch": round(c.at_mean / 1e3, 2) if c else None,
             "mean_batch": round(c.mean_rows, 2) if c else None,
             "arrivals_per_s": round(self.rate, 1),
+            "model_busy": round(self.busy, 2),
             "population": self.population,
             "max_wait_us": d.max_wait_ns / 1e3,
             "batch_cap": d.batch_cap,
