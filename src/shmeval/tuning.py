@@ -20,13 +20,13 @@ What it decides, and from what:
   at least half the time (``BUSY_SHARE``): the clients are then a closed
   loop held up by the model, most requests arrive while a call runs, and
   ``λ`` is what the model lets through, not what the clients would send,
-  so ``λa`` understates what a wait gathers.  When it waits it waits
-  at most one fixed cost (longer, and running the rows in hand with a
-  second call for the latecomers costs no more: the ski-rental bound) and
-  stops as soon as the whole
-  population of requests, the attached clients or the largest batch seen,
-  is in.  Whether that beats greedy batching is then measured, not assumed
-  (*trials*, below): greedy is kept unless waiting wins.
+  so ``λa`` understates what a wait gathers.  When it waits it waits at
+  most one fixed cost (longer, and running the rows in hand with a second
+  call for the latecomers costs no more: the ski-rental bound) and stops
+  as soon as the whole population of requests, the attached clients or
+  the largest batch seen, is in.  Whether that beats greedy batching is
+  then measured, not assumed (*trials*, below): greedy is kept unless
+  waiting wins.
 * **How many model calls to keep in flight.**  A second call in flight
   overlaps one batch's gathering and answering with another's computation,
   which pays when the model releases the GIL and the machine has a free
