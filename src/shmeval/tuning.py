@@ -453,7 +453,7 @@ class Tuner:
         self.cost: Optional[Cost] = None
         self.rate = 0.0           # requests/s, smoothed
         self.population = 1       # requests that can be outstanding at once
-        self.small_batch = 0.0    # lower quartile of rows per call
+        self.small_batch = 0.0    # lower quartile of requests per call
         self.busy = 0.0           # share of the time in model calls (summed over calls in flight)
         self.clients = 0
         self.cpus = 0
@@ -531,14 +531,15 @@ class Tuner:
             self._changed_at = now_ns
         return now_ns - self._changed_at >= HORIZON_NS
 
-    def _batches(self, rows: np.ndarray) -> None:
+    def _batches(self, requests: np.ndarray) -> None:
         """The smaller batches and the population, from the requests per
         call (not the rows padded to a bucket: those overstate what a
         batch gathered)."""
-        self.small_batch = _lower_quartile(rows)
-        largest = int(rows.max())
+        self.small_batch = _lower_quartile(requests)
+        largest = int(requests.max())
         d = self.decision
-        if d.max_wait_ns and d.batch_cap < self.max_batch and np.mean(rows >= d.batch_cap) > 0.5:
+        if d.max_wait_ns and d.batch_cap < self.max_batch and \
+                np.mean(requests >= d.batch_cap) > 0.5:
             # Waiting, and most calls stop at the cap: the population
             # outgrew the estimate.
             largest = 2 * d.batch_cap * d.threads
@@ -719,16 +720,16 @@ class Tuner:
             and gathered / d.threads <= self.small_batch < gathered
         if not alone:
             gathered /= d.threads
-        held_up = self.busy / d.threads >= BUSY_SHARE
+        busy = self.busy / d.threads
         if fixed <= 0 or self.population <= self.small_batch or \
-                gathered <= self.small_batch and not held_up:
+                gathered <= self.small_batch and busy < BUSY_SHARE:
             self.why_wait = (
                 "greedy: the calls show no fixed cost (one batch size)" if fixed <= 0 else
                 f"greedy: the batches hold every request ({self.population})"
                 if self.population <= self.small_batch else
                 f"greedy: one fixed cost ({fixed / 1e3:.0f} µs) gathers {gathered:.1f} requests, "
                 f"the smaller batches hold {self.small_batch:.0f}, and the model computes "
-                f"{self.busy / d.threads:.0%} of the time")
+                f"{busy:.0%} of the time")
             self._try_spinning()
             return
         threads = 1 if alone else d.threads
