@@ -62,7 +62,8 @@ table how long each phase took to settle.
         --plot docs/img/autotune-timeline.png
 
 The full grid takes about 25 minutes on 2 cores; --workers, --models,
---cpus and --settings select part of it.
+--cpus and --settings select part of it, and --reports prints what auto's
+tuner was doing (its phase, choice and reasons) after each of its windows.
 """
 from __future__ import annotations
 
@@ -289,6 +290,8 @@ def run_grid(args: argparse.Namespace) -> List[Dict[str, Any]]:
                                     for w in range(n)]
                             rates[setting].append(sum(pool.run(evs[setting], plan)) /
                                                   args.seconds)
+                            if args.reports and setting == "auto":
+                                print_report(n, r, rates[setting][-1], evs[setting])
                     for setting in settings:
                         st = evs[setting].stats()
                         row = {"cpus": args.ncpu, "model": kind, "setting": setting,
@@ -306,6 +309,15 @@ def run_grid(args: argparse.Namespace) -> List[Dict[str, Any]]:
     finally:
         pool.close()
     return rows
+
+
+def print_report(workers: int, round_: int, rate: float, ev: Any) -> None:
+    """--reports: what auto's tuner was doing when one of its windows ended."""
+    t = ev.stats().get("tuner") or {}
+    print(f"    auto report  {workers:3d} workers, round {round_}: {rate:10,.0f}/s  "
+          f"{t.get('phase')}; wait {t.get('max_wait_us')} µs, {t.get('serving_threads')} "
+          f"calls in flight, spin {t.get('spin')}; {t.get('why_threads')}; {t.get('why_wait')}",
+          flush=True)
 
 
 def held_out(rates: Dict[str, List[float]],
@@ -651,6 +663,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--phase", type=float, default=10.0, help="--timeline: seconds per phase")
     p.add_argument("--timeline-workers", type=lambda s: [int(x) for x in s.split(",")],
                    default=[16, 64], help="--timeline: the few and the many workers (16,64)")
+    p.add_argument("--reports", action="store_true",
+                   help="print auto's tuner report (phase, choice, why) after each of its windows")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     p.add_argument("--net", help=argparse.SUPPRESS)          # the .keras file (children)
@@ -709,7 +723,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "--models", ",".join(args.models), "--settings", ",".join(args.settings),
                    "--seconds", str(args.seconds), "--warmup", str(args.warmup),
                    "--repeats", str(args.repeats),
-                   "--hand-warmup", str(args.hand_warmup)]
+                   "--hand-warmup", str(args.hand_warmup)] + \
+                (["--reports"] if args.reports else [])
             print(f"taskset -c {cpus}: ...", flush=True)
             subprocess.run(cmd, check=True)
             with open(rows_out) as f:
