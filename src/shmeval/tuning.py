@@ -118,12 +118,11 @@ AUTO = "auto"
 #: the first three pairs could only be adopted by winning all six after
 #: them, so the first look drops it rather than spend 2.4 s on that chance:
 #: when both serve alike, which is when the trial's length is all it
-#: costs, it ends after 4.5 pairs on average instead of 5.8.  Then it
-#: passes by chance about one time in five, which costs nothing.  A
-#: candidate ahead in 85% of pairs (a clear gain read through noisy 0.2 s
-#: windows) is adopted 88% of the time (81% with the first two looks
-#: alone), for 0.3 pairs more on average (``trial_odds`` in
-#: tests/core/test_tuning.py).
+#: costs, it ends after 4.5 pairs on average.  Then it passes by chance
+#: about one time in five, which costs nothing.  A candidate ahead in 85%
+#: of pairs (a clear gain read through noisy 0.2 s windows) is adopted 88%
+#: of the time (81% with the first two looks alone), for 0.3 pairs more on
+#: average (``trial_odds`` in tests/core/test_tuning.py).
 TRIAL_PAIRS = 3
 #: The trials run again when the attached clients, the model's cost per call
 #: or the CPUs differ from what they measured by this ratio or more (a
