@@ -47,8 +47,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RUN_TIMEOUT = 180
 WORKERS = 2
 GAMES_PER_WORKER = 2
+#: Short games and a 2 s window: every mode finishes games in it even on a
+#: crowded machine (each run's game records are checked).
+SIMULATIONS = 4
 TINY = ["--workers", str(WORKERS), "--games-per-worker", str(GAMES_PER_WORKER),
-        "--simulations", "8", "--seconds", "1", "--warmup", "0.5"]
+        "--simulations", str(SIMULATIONS), "--seconds", "2", "--warmup", "0.5"]
 REQUIRED = ("moves_per_s", "evals_per_s", "mean_batch", "worker_rss_mb", "games", "startup_s",
             "tensorflow_in_workers", "probe", "cpu", "precision")
 
@@ -143,7 +146,7 @@ def test_mode_runs_and_reports(runs: Runs, mode: str) -> None:
     # the queue run is pinned (--pin): evaluator and workers on separate CPUs
     assert r["pinned"] == (mode == "queue" and len(os.sched_getaffinity(0)) >= 2)
     st = out["settings"]
-    assert (st["workers"], st["games_per_worker"], st["simulations"]) == (WORKERS, GAMES_PER_WORKER, 8)
+    assert (st["workers"], st["games_per_worker"], st["simulations"]) == (WORKERS, GAMES_PER_WORKER, SIMULATIONS)
     assert st["evaluator_threads"] is None and st["modes"] == [mode]
     # each central mode's TensorFlow threads: its own best by default
     assert r["evaluator_tf_threads"] == {"shmeval": 1, "queue": 0}.get(mode)
