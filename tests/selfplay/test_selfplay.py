@@ -146,7 +146,8 @@ def test_mode_runs_and_reports(runs: Runs, mode: str) -> None:
     # the queue run is pinned (--pin): evaluator and workers on separate CPUs
     assert r["pinned"] == (mode == "queue" and len(os.sched_getaffinity(0)) >= 2)
     st = out["settings"]
-    assert (st["workers"], st["games_per_worker"], st["simulations"]) == (WORKERS, GAMES_PER_WORKER, SIMULATIONS)
+    assert ((st["workers"], st["games_per_worker"], st["simulations"])
+            == (WORKERS, GAMES_PER_WORKER, SIMULATIONS))
     assert st["evaluator_threads"] is None and st["modes"] == [mode]
     # each central mode's TensorFlow threads: its own best by default
     assert r["evaluator_tf_threads"] == {"shmeval": 1, "queue": 0}.get(mode)
