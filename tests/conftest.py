@@ -17,6 +17,7 @@ of the run's time, most of it the compiler) run beside them in the other.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -25,6 +26,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+
+# PyTorch's CUDA wheels bring Triton (for torch.compile and torch.export).
+# Its library loaded after TensorFlow's kills the process (TensorFlow 2.21,
+# Triton 3.7: import tensorflow, then triton, segfaults; the other order
+# works), and the suite loads both frameworks in one process: Triton first.
+with contextlib.suppress(ImportError):
+    import triton._C.libtriton  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 SUBJECTS = ("core", "stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench", "monitor",
