@@ -79,8 +79,9 @@ def test_an_announced_message_is_not_waited_for() -> None:
 @pytest.mark.timeout(60)
 def test_bumps_without_messages_do_not_stall_serving() -> None:
     """Another process of the user bumps the control ticket again and again;
-    requests keep being answered and weight updates still apply.  (The
-    loop used to wait up to a second per bump for a message.)"""
+    requests keep being answered and weight updates still apply.  (A
+    serving loop that waited for a message after each bump would stall up
+    to a second per bump.)"""
     with make_ev(WeightedModel()) as ev:
         peer = segment.attach(ev.address)[0]
         stop = threading.Event()
