@@ -37,7 +37,8 @@ wheels along.  Here, in the repository root::
         lazy-importer==0.1.0 importlib_metadata==10.2.0
 
 (4 MB; ``unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist``
-lists what each needs).  There, with ``.whl`` carried, build the extensions
+lists what each needs; cloudpickle, packaging and zipp, which tensordict
+needs as well, are there).  There, with ``.whl`` carried, build the extensions
 in place (Cython, NumPy and setuptools are there) and run::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
