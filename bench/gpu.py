@@ -64,7 +64,8 @@ import numpy as np
 
 from torch_throughput import (METHODS, STATE_SHAPE, NetConfig, Probe, _await, _int_list,
                               _on_sigterm, add_arguments, build_net, check_arguments,
-                              import_torch, make_weights, measure, print_table, summarise)
+                              import_torch, make_weights, measure, print_table, report_targets,
+                              summarise)
 
 from shmeval._util.children import child_setup
 from shmeval._util.jsonout import write_json
@@ -292,7 +293,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              ("GPU MB", "gpu_memory_mb_total", ",.0f")]
     all_ratios = {n: print_table(summary, n, extra) for n in args.workers}
     top = max(args.workers)
-    targets: dict[str, Any] = {}
     shm = next((r for r in summary if r["workers"] == top and r["method"] == "shmeval"), None)
     if shm and shm["mean_batch"]:
         batch = shm["mean_batch"]["median"]
@@ -301,13 +301,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shm["throughput"]["median"] / alone)
         print(f"\nshmeval at {top} workers: {shm['throughput']['median']:,.0f} evals/s at a mean "
               f"batch of {batch:.1f}; the model alone there: {alone:,.0f} rows/s")
-    print(f"\ntargets at {top} workers (reported, not enforced):")
-    for name, goal in TARGETS.items():
-        if name in all_ratios[top]:
-            value = all_ratios[top][name]
-            targets[name] = {"value": value, "target": goal, "met": value >= goal}
-            print(f"  {name}: {value:.2f}x (target >= {goal:g}x: "
-                  f"{'met' if value >= goal else 'NOT met'})")
+    targets = report_targets(all_ratios[top], TARGETS, top)
     print(f"\nwall time {elapsed:.0f} s")
     if args.json:
         write_json(args.json, {"machine": machine, "device": model_info, "net": vars(cfg),

@@ -81,7 +81,7 @@ import numpy as np
 
 # What the throughput benchmarks share: the states, the window's timing, the
 # process helpers and the table.
-from tf_throughput import (LATENCY_CAP, START_DELAY_NS, STATE_SHAPE, _await, _int_list, _join,
+from tf_throughput import (START_DELAY_NS, STATE_SHAPE, Window, _await, _int_list, _join,
                            _on_sigterm, _print_table, _stat, random_states)
 
 import shmeval
@@ -187,8 +187,7 @@ def worker_main(worker_id: int, addresses: dict[int, str], requests: dict[int, A
             for i in range(n_warmup):
                 step(pool[i % POOL_SIZE])
         conn.send(("ready", os.getpid()))
-        latencies = np.empty(LATENCY_CAP, dtype=np.int64)
-        i = 0
+        window = Window()
         while True:
             try:
                 msg = conn.recv()
@@ -198,26 +197,13 @@ def worker_main(worker_id: int, addresses: dict[int, str], requests: dict[int, A
                 break
             _, design, replicas, start_ns, end_ns, n_samples = msg
             step = steps[design, replicas]
-            now = time.perf_counter_ns
-            while now() < start_ns:  # untimed: the model is loaded when the window opens
+
+            def one(i: int, step: Callable[[np.ndarray], Any] = step) -> int:
                 step(pool[i % POOL_SIZE])
-                i += 1
-            count = 0
-            before = now()
-            while True:
-                step(pool[i % POOL_SIZE])
-                i += 1
-                after = now()
-                if after > end_ns:  # only what completes inside the window counts
-                    break
-                if count < LATENCY_CAP:
-                    latencies[count] = after - before
-                count += 1
-                before = after
-            recorded = latencies[:min(count, LATENCY_CAP)]
-            if len(recorded) > n_samples:  # evenly spaced over the window
-                recorded = recorded[np.linspace(0, len(recorded) - 1, n_samples).astype(np.int64)]
-            conn.send(("done", count, recorded.copy()))
+                return 1
+
+            count, _, recorded = window.run(one, start_ns, end_ns, n_samples)
+            conn.send(("done", count, recorded))
     except Exception:
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))

@@ -472,6 +472,47 @@ OPENERS = {"local": open_local, "queue": open_queue, "tfserver": open_tfserver, 
 
 # --- the worker process ----------------------------------------------------------------
 
+class Window:
+    """A worker's measured windows of its closed loop (this script's,
+    bench/torch_throughput.py's and bench/replicas.py's workers)."""
+
+    def __init__(self) -> None:
+        self.latencies = np.empty(LATENCY_CAP, dtype=np.int64)
+        self.i = 0  # the loop's step count, carried from window to window
+
+    def run(self, one: Callable[[int], int], start_ns: int, end_ns: int,
+            n_samples: int) -> tuple[int, int, np.ndarray]:
+        """Calls ``one(i)`` (which returns the evaluations it made) untimed
+        until ``start_ns``, so that the server is loaded when the window
+        opens, then timed until ``end_ns``; only calls that complete inside
+        the window count.  Returns the evaluations, the calls, and the
+        latencies (ns) of at most ``n_samples`` calls spread evenly over the
+        window."""
+        now, latencies = time.perf_counter_ns, self.latencies
+        i = self.i
+        while now() < start_ns:
+            one(i)
+            i += 1
+        count = calls = 0
+        before = now()
+        while True:
+            n = one(i)
+            i += 1
+            after = now()
+            if after > end_ns:
+                break
+            if calls < LATENCY_CAP:
+                latencies[calls] = after - before
+            calls += 1
+            count += n
+            before = after
+        self.i = i
+        recorded = latencies[:min(calls, LATENCY_CAP)]
+        if len(recorded) > n_samples:
+            recorded = recorded[np.linspace(0, len(recorded) - 1, n_samples).astype(np.int64)]
+        return count, calls, recorded.copy()
+
+
 
 def worker_main(method: str, params: dict[str, Any], worker_id: int, n_warmup: int, conn: Connection) -> None:
     """Opens the method's client, warms up, reports ready, then runs one
@@ -504,8 +545,7 @@ def worker_main(method: str, params: dict[str, Any], worker_id: int, n_warmup: i
             one(i)
         info["pid"] = os.getpid()
         conn.send(("ready", info, check_out))
-        latencies = np.empty(LATENCY_CAP, dtype=np.int64)
-        i = 0
+        window = Window()
         while True:
             try:
                 msg = conn.recv()
@@ -514,27 +554,8 @@ def worker_main(method: str, params: dict[str, Any], worker_id: int, n_warmup: i
             if msg[0] != "run":
                 break
             _, start_ns, end_ns, n_samples = msg
-            now = time.perf_counter_ns
-            while now() < start_ns:  # untimed: the server is loaded when the window opens
-                one(i)
-                i += 1
-            count = calls = 0
-            before = now()
-            while True:
-                n = one(i)
-                i += 1
-                after = now()
-                if after > end_ns:  # only what completes inside the window counts
-                    break
-                if calls < LATENCY_CAP:
-                    latencies[calls] = after - before
-                calls += 1
-                count += n
-                before = after
-            recorded = latencies[:min(calls, LATENCY_CAP)]
-            if len(recorded) > n_samples:  # evenly spaced over the window
-                recorded = recorded[np.linspace(0, len(recorded) - 1, n_samples).astype(np.int64)]
-            conn.send(("done", count, calls, recorded.copy()))
+            count, calls, recorded = window.run(one, start_ns, end_ns, n_samples)
+            conn.send(("done", count, calls, recorded))
     except Exception:
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))

@@ -73,9 +73,9 @@ import numpy as np
 
 # What both TensorFlow and PyTorch benchmarks share: the net's shape and
 # weights, the states, the summaries and the tables.
-from tf_throughput import (LATENCY_CAP, N_CHECK_STATES, POLICY_SIZE, POOL_SIZE, QUANTILES,
-                           START_DELAY_NS, STATE_SHAPE, NetConfig, _await, _exit_quickly, _fmt,
-                           _join, _print_table, _stat, check_states, make_weights,
+from tf_throughput import (N_CHECK_STATES, POLICY_SIZE, POOL_SIZE, QUANTILES,
+                           START_DELAY_NS, STATE_SHAPE, NetConfig, Window, _await, _exit_quickly,
+                           _fmt, _join, _print_table, _stat, check_states, make_weights,
                            random_states)
 
 from shmeval._util.children import child_setup
@@ -286,8 +286,12 @@ def worker_main(method: str, params: dict[str, Any], n_warmup: int, conn: Connec
             step(pool[i % POOL_SIZE])
         info["pid"] = os.getpid()
         conn.send(("ready", info, check))
-        latencies = np.empty(LATENCY_CAP, dtype=np.int64)
-        i = 0
+
+        def one(i: int) -> int:
+            step(pool[i % POOL_SIZE])
+            return 1
+
+        window = Window()
         while True:
             try:
                 msg = conn.recv()
@@ -296,26 +300,8 @@ def worker_main(method: str, params: dict[str, Any], n_warmup: int, conn: Connec
             if msg[0] != "run":
                 break
             _, start_ns, end_ns, n_samples = msg
-            now = time.perf_counter_ns
-            while now() < start_ns:  # untimed: the server is loaded when the window opens
-                step(pool[i % POOL_SIZE])
-                i += 1
-            count = 0
-            before = now()
-            while True:
-                step(pool[i % POOL_SIZE])
-                i += 1
-                after = now()
-                if after > end_ns:  # only what completes inside the window counts
-                    break
-                if count < LATENCY_CAP:
-                    latencies[count] = after - before
-                count += 1
-                before = after
-            recorded = latencies[:min(count, LATENCY_CAP)]
-            if len(recorded) > n_samples:  # evenly spaced over the window
-                recorded = recorded[np.linspace(0, len(recorded) - 1, n_samples).astype(np.int64)]
-            conn.send(("done", count, recorded.copy()))
+            count, _, recorded = window.run(one, start_ns, end_ns, n_samples)
+            conn.send(("done", count, recorded))
     except Exception:
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))
@@ -750,6 +736,22 @@ def print_table(summary: list[dict[str, Any]], workers: int,
     return rs
 
 
+def report_targets(ratios_here: dict[str, float], goals: dict[str, float],
+                   workers: int) -> dict[str, dict[str, Any]]:
+    """Prints each target whose ratio the run measured at ``workers`` and
+    whether it is met (reported, not enforced); returns them for the JSON."""
+    targets = {}
+    for name, goal in goals.items():
+        if name in ratios_here:
+            if not targets:
+                print(f"\ntargets at {workers} workers (reported, not enforced):")
+            value = ratios_here[name]
+            targets[name] = {"value": value, "target": goal, "met": value >= goal}
+            print(f"  {name}: {value:.2f}x (target >= {goal:g}x: "
+                  f"{'met' if value >= goal else 'NOT met'})")
+    return targets
+
+
 def _int_list(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
@@ -843,15 +845,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = summarise(trials)
     all_ratios = {n: print_table(summary, n) for n in args.workers}
     top = max(args.workers)
-    targets = {}
-    if all_ratios[top]:
-        print(f"\ntargets at {top} workers (reported, not enforced):")
-    for name, goal in TARGETS.items():
-        if name in all_ratios[top]:
-            value = all_ratios[top][name]
-            targets[name] = {"value": value, "target": goal, "met": value >= goal}
-            print(f"  {name}: {value:.2f}x (target >= {goal:g}x: "
-                  f"{'met' if value >= goal else 'NOT met'})")
+    targets = report_targets(all_ratios[top], TARGETS, top)
     print(f"\nwall time {elapsed:.0f} s")
     if args.json:
         write_json(args.json, {"machine": machine, "net": vars(cfg), "config": vars(args),
