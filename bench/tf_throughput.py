@@ -766,6 +766,20 @@ class LocalRun(MethodRun):
         return {"cfg": self.cfg, "weights": self.weights, "threads": self.args.local_threads}
 
 
+def stop_queue_server(run: Any, abort: bool) -> None:
+    """Stops a queue evaluator that ``run`` started (its ``server``,
+    ``requests``, ``responses`` and ``control``), if it started one."""
+    if getattr(run, "server", None) is None:
+        return
+    with contextlib.suppress(Exception):
+        run.requests.put(None)
+    _join([run.server], 2.0 if abort else JOIN_TIMEOUT_S)
+    for q in (run.requests, *run.responses):
+        q.cancel_join_thread()  # nothing we sent may keep this process from exiting
+        q.close()
+    run.control.close()
+
+
 class QueueRun(MethodRun):
     def start_server(self) -> dict[str, Any]:
         ctx = self.ctx
@@ -789,15 +803,7 @@ class QueueRun(MethodRun):
         return dict(zip(QueueServerCounters.FIELDS, list(self.shared)))
 
     def stop_server(self, abort: bool) -> None:
-        if getattr(self, "server", None) is None:
-            return
-        with contextlib.suppress(Exception):
-            self.requests.put(None)
-        _join([self.server], 2.0 if abort else JOIN_TIMEOUT_S)
-        for q in (self.requests, *self.responses):
-            q.cancel_join_thread()  # nothing we sent may keep this process from exiting
-            q.close()
-        self.control.close()
+        stop_queue_server(self, abort)
 
 
 class TFServerRun(MethodRun):

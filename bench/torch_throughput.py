@@ -76,7 +76,7 @@ import numpy as np
 from tf_throughput import (N_CHECK_STATES, POLICY_SIZE, POOL_SIZE, QUANTILES,
                            START_DELAY_NS, STATE_SHAPE, NetConfig, Window, _await, _exit_quickly,
                            _fmt, _join, _print_table, _stat, check_states, make_weights,
-                           random_states)
+                           random_states, stop_queue_server)
 
 from shmeval._util.children import child_setup
 from shmeval._util.jsonout import write_json
@@ -531,15 +531,7 @@ class QueueRun(MethodRun):
         return {"requests": float(self.shared[0]), "batches": float(self.shared[1])}
 
     def stop_server(self, abort: bool) -> None:
-        if getattr(self, "server", None) is None:
-            return
-        with contextlib.suppress(Exception):
-            self.requests.put(None)
-        _join([self.server], 2.0 if abort else JOIN_TIMEOUT_S)
-        for q in (self.requests, *self.responses):
-            q.cancel_join_thread()  # nothing we sent may keep this process from exiting
-            q.close()
-        self.control.close()
+        stop_queue_server(self, abort)
 
 
 class TorchRLRun(MethodRun):
