@@ -1,10 +1,11 @@
 """Fake model and states shared by the tests (importable by spawn children)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -84,6 +85,30 @@ def run_threads(target: Callable[[int], None], n: int, timeout: float) -> None:
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))
     assert not any(th.is_alive() for th in threads), "a thread hung"
+
+
+def wait_for_requests(ev: Any, n: int, deadline: float) -> None:
+    """Returns once ev has served n requests, or once time.monotonic()
+    passes deadline, whichever comes first."""
+    while ev.stats()["requests"] < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def running(processes: Sequence[Any], stop: Any, timeout: float) -> Iterator[None]:
+    """Starts the processes; on leaving (also on an error), sets the event
+    stop and joins each process, killing one still alive after timeout
+    seconds."""
+    for p in processes:
+        p.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for p in processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
 
 
 def run_python(code: str, timeout: float = 50.0) -> "subprocess.CompletedProcess[str]":

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import shmeval
-from helpers import INPUT_SHAPE, OUTPUTS, make_state, run_threads, settled_stats
+from helpers import (INPUT_SHAPE, OUTPUTS, make_state, run_threads, running, settled_stats,
+                     wait_for_requests)
 
 WEIGHT_STEP = 1000.0
 JOIN_TIMEOUT = 120
@@ -235,13 +236,9 @@ def test_hot_swap_under_load(mode: str) -> None:
     with make(mode) as ev:
         stop, q = ctx.Event(), ctx.Queue()
         ps = [ctx.Process(target=swap_worker, args=(ev, i, stop, q)) for i in range(workers)]
-        for p in ps:
-            p.start()
-        try:
+        with running(ps, stop, JOIN_TIMEOUT):
             # Let every worker get going (each does >= 200 requests anyway).
-            deadline = time.monotonic() + 60
-            while ev.stats()["requests"] < 2000 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for_requests(ev, 2000, time.monotonic() + 60)
             before = ev.stats()["requests"]
             for v in range(1, updates + 1):
                 assert ev.set_weights(weights_of(v)) == v
@@ -249,12 +246,6 @@ def test_hot_swap_under_load(mode: str) -> None:
             during = ev.stats()["requests"] - before
             stop.set()
             results = [q.get(timeout=JOIN_TIMEOUT) for _ in ps]
-        finally:
-            stop.set()
-            for p in ps:
-                p.join(JOIN_TIMEOUT)
-                if p.is_alive():
-                    p.kill()
         assert all(p.exitcode == 0 for p in ps), [p.exitcode for p in ps]
         sent = sum(r[1] for r in results)
         s = settled_stats(ev, "requests", sent)

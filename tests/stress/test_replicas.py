@@ -19,7 +19,7 @@ import shmeval
 from shmeval import segment
 from conservation import KW, run_workers
 from helpers import (INPUT_SHAPE, OUTPUTS, check_answer, fake_model, make_state,
-                     own_segments, slow_fake_factory)
+                     own_segments, running, slow_fake_factory, wait_for_requests)
 
 JOIN_S = 120
 
@@ -94,12 +94,9 @@ def test_a_dead_replica_is_replaced_by_the_others_until_none_is_left() -> None:
                                  **KW) as ev:
         stop, q = ctx.Event(), ctx.Queue()
         ps = [ctx.Process(target=load, args=(ev, w, stop, q)) for w in range(6)]
-        for p in ps:
-            p.start()
-        try:
+        with running(ps, stop, JOIN_S):
             deadline = time.monotonic() + 60
-            while ev.stats()["requests"] < 300 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for_requests(ev, 300, deadline)
             os.kill(ev.pids[1], signal.SIGKILL)
             while ev.stats()["replicas"][1]["state"] != "dead":
                 assert time.monotonic() < deadline, "the dead replica was never found"
@@ -110,10 +107,6 @@ def test_a_dead_replica_is_replaced_by_the_others_until_none_is_left() -> None:
                 time.sleep(0.01)
             stop.set()
             results = [q.get(timeout=JOIN_S) for _ in ps]
-        finally:
-            stop.set()
-            for p in ps:
-                p.join(JOIN_S)
         assert all(r[3] is None and r[2] == 0 for r in results), results
         check_answer(ev.evaluate(make_state(11)), 11)
         os.kill(ev.pids[0], signal.SIGKILL)
