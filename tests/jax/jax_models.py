@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from backend_contract import TRIGGER
+from backend_contract import TRIGGER, pv_outputs
 
 HIDDEN = 16
 
@@ -28,24 +28,14 @@ def apply_fn(outputs: str = "dict") -> Any:
     """apply(params, x): outputs "dict" ({"policy", "value" of shape (n, 1)}),
     "tuple" ((value, policy), unnamed), "named" (a named tuple (value,
     policy)) or "policy" (the policy alone)."""
-    import collections
-
     import jax.numpy as jnp
-
-    named = collections.namedtuple("PV", ["value", "policy"])
 
     def apply(params: Any, x: Any) -> Any:
         h = jnp.tanh(x.reshape(x.shape[0], -1).astype(params["hidden"]["w"].dtype)
                      @ params["hidden"]["w"] + params["hidden"]["b"])
         p = h @ params["policy"]["w"] + params["policy"]["b"]
         v = jnp.tanh(h @ params["value"]["w"] + params["value"]["b"])
-        if outputs == "dict":
-            return {"policy": p, "value": v}
-        if outputs == "tuple":
-            return v, p
-        if outputs == "named":
-            return named(v, p)
-        return p
+        return pv_outputs(outputs, p, v)
 
     return apply
 

@@ -27,29 +27,20 @@ import pytest
 
 import jax_models
 import shmeval
-from backend_contract import (INPUT_SHAPE, OUTPUTS, TIMEOUT, hot_swap_under_load,
-                              random_states, serve_and_compare, serves_after_bad_batches)
+from backend_contract import (F32, INPUT_SHAPE, OUTPUTS, TIMEOUT, hot_swap_under_load,
+                              mismatch_cases, mismatch_fails_at_construction, module_fixture,
+                              random_states, serve_and_compare, serves_after_bad_batches,
+                              updates_through_evaluator)
 from helpers import own_segments
 from jax_models import apply_fn, params_of, reference
 from shmeval.spec import Spec
 
-F32 = "float32"
 #: Powers of two up to max_batch 64: the batch sizes compiled by default.
 POW2 = 7
 
 
-@pytest.fixture(scope="module")
-def jax() -> Any:
-    import jax
-
-    return jax
-
-
-@pytest.fixture(scope="module")
-def backend(jax: Any) -> Any:
-    from shmeval.backends import jax as backend
-
-    return backend
+jax = module_fixture("jax")
+backend = module_fixture("shmeval.backends.jax")
 
 
 CASES = {
@@ -114,28 +105,9 @@ def test_cast_to_declared_dtype(jax: Any, backend: Any) -> None:
                                rtol=1e-3, atol=1e-3)
 
 
-MISMATCHES = {
-    "too_few_declared": ("tuple", {"policy": ((7,), F32)}, ["2 output(s)", "declares 1"]),
-    "too_many_declared": ("tuple", {"a": ((1,), F32), "b": ((7,), F32), "c": ((), F32)},
-                          ["2 output(s)", "declares 3"]),
-    "dict_names": ("dict", {"pi": ((7,), F32), "v": ((), F32)},
-                   ["['policy', 'value']", "['pi', 'v']"]),
-    "per_row_shape": ("dict", {"policy": ((8,), F32), "value": ((), F32)},
-                      ["'policy'", "(7,)", "(8,)"]),
-    "uncastable_dtype": ("dict", {"policy": ((7,), F32), "value": ((), "int32")},
-                         ["'value'", "float32", "int32"]),
-}
-
-
-@pytest.mark.parametrize("case", sorted(MISMATCHES))
-def test_mismatch_fails_at_construction(case: str, jax: Any, backend: Any) -> None:
-    what, outputs, words = MISMATCHES[case]
-    with pytest.raises(shmeval.ModelError) as info:
-        shmeval.Evaluator(backend.JaxModel(apply_fn(what), params_of(0)),
-                          input_shape=INPUT_SHAPE, outputs=outputs, max_batch=8)
-    for w in words:
-        assert w in str(info.value), (w, str(info.value))
-    assert not own_segments()
+@pytest.mark.parametrize("case, what", mismatch_cases({"ordered": ["tuple"], "named": ["dict"]}))
+def test_mismatch_fails_at_construction(case: str, what: str, jax: Any, backend: Any) -> None:
+    mismatch_fails_at_construction(case, backend.JaxModel(apply_fn(what), params_of(0)))
 
 
 def test_bad_arguments(jax: Any, backend: Any) -> None:
@@ -225,15 +197,10 @@ def test_hot_swap_through_evaluator(jax: Any, backend: Any, tmp_path: Any) -> No
     with shmeval.Evaluator(jm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
                            max_clients=4, slots_per_client=32) as ev:
         traces = jm.trace_count
-        serve_and_compare(ev, reference("dict", params_of(1)), tuple(OUTPUTS), sizes=(3, 40))
-        assert ev.set_weights(jax.tree_util.tree_leaves(params_of(2))) == 1
-        serve_and_compare(ev, reference("dict", params_of(2)), tuple(OUTPUTS), sizes=(3, 40))
         np.savez(tmp_path / "three.npz", *jax.tree_util.tree_leaves(params_of(3)))
-        assert ev.load_weights(tmp_path / "three.npz") == 2
-        with pytest.raises(shmeval.ModelError, match="set_weights: got 1 arrays"):
-            ev.set_weights([np.zeros(3, np.float32)])
-        assert ev.model_version == 2
-        serve_and_compare(ev, reference("dict", params_of(3)), tuple(OUTPUTS), sizes=(3, 40))
+        updates_through_evaluator(ev, [reference("dict", params_of(v)) for v in (1, 2, 3)],
+                                  jax.tree_util.tree_leaves(params_of(2)),
+                                  tmp_path / "three.npz")
         assert jm.trace_count == traces
 
 

@@ -18,25 +18,15 @@ import numpy as np
 import pytest
 
 import shmeval
+from backend_contract import INPUT_SHAPE, OUTPUTS, module_fixture, random_states
 from shmeval.spec import Spec
-from tf_models import INPUT_SHAPE, OUTPUTS, pv_net, random_states
+from tf_models import counting_module, pv_net
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")]
 
 
-@pytest.fixture(scope="module")
-def tf() -> Any:
-    import tensorflow
-
-    return tensorflow
-
-
-@pytest.fixture(scope="module")
-def backend(tf: Any) -> Any:
-    from shmeval.backends import tensorflow as backend
-
-    return backend
+backend = module_fixture("shmeval.backends.tensorflow")
 
 
 def prepared(backend: Any, model: Any, **kw: Any) -> Any:
@@ -87,21 +77,9 @@ def test_frequent_updates_are_never_folded(backend: Any) -> None:
         np.testing.assert_allclose(out["policy"], direct(m, x), rtol=1e-5, atol=1e-6)
 
 
-def test_a_model_that_cannot_be_frozen_is_served_as_it_is(tf: Any, backend: Any) -> None:
-    class Counting(tf.Module):  # type: ignore[misc, name-defined]
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = tf.Variable(0.0)
-            self.w = tf.Variable(np.ones((84, 8), np.float32))
-
-        @tf.function
-        def __call__(self, x: Any) -> Any:
-            self.calls.assign_add(1.0)
-            y = tf.reshape(x, [-1, 84]) @ self.w
-            return y[:, :7], y[:, 7] + self.calls
-
-    with shmeval.Evaluator(backend.TFModel(Counting()), input_shape=INPUT_SHAPE, outputs=OUTPUTS,
-                           max_batch=8) as ev:
+def test_a_model_that_cannot_be_frozen_is_served_as_it_is(backend: Any) -> None:
+    with shmeval.Evaluator(backend.TFModel(counting_module()), input_shape=INPUT_SHAPE,
+                           outputs=OUTPUTS, max_batch=8) as ev:
         assert ev.evaluate(np.zeros(INPUT_SHAPE, np.float32))["policy"].shape == (7,)
 
 

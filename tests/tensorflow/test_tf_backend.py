@@ -23,16 +23,19 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
 import shmeval
 import tf_models
-from helpers import own_segments, run_threads
+from backend_contract import (F32, INPUT_SHAPE, OUTPUTS, TIMEOUT, Reference, mismatch_cases,
+                              mismatch_fails_at_construction, module_fixture, random_states,
+                              serve_and_compare, updates_through_evaluator)
+from helpers import own_segments
 from shmeval.spec import Spec
-from tf_models import INPUT_SHAPE, OUTPUTS, pv_net, random_states
+from tf_models import counting_module, pv_net
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -40,33 +43,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
               pytest.mark.filterwarnings("ignore:Skipping nested container:UserWarning")]
 
-#: Batch sizes clients send with evaluate_many (max_batch is 64).
-SIZES = (1, 2, 3, 7, 31, 64, 100)
-TIMEOUT = 120.0
-F32 = "float32"
-
-Reference = Callable[[np.ndarray], dict[str, np.ndarray]]
-
-
-@pytest.fixture(scope="module")
-def tf() -> Any:
-    import tensorflow
-
-    return tensorflow
-
-
-@pytest.fixture(scope="module")
-def keras(tf: Any) -> Any:
-    import keras
-
-    return keras
-
-
-@pytest.fixture(scope="module")
-def backend(tf: Any) -> Any:
-    from shmeval.backends import tensorflow as backend
-
-    return backend
+tf = module_fixture("tensorflow")
+keras = module_fixture("keras")
+backend = module_fixture("shmeval.backends.tensorflow")
 
 
 def make_module(tf: Any, seed: int) -> Any:
@@ -157,31 +136,6 @@ def make_case(kind: str, tf: Any, keras: Any, tmp: Any) -> tuple[Any, dict[str, 
     raise AssertionError(kind)
 
 
-def serve_and_compare(ev: Any, ref: Reference, names: tuple[str, ...], seed: int = 0,
-                      sizes: tuple[int, ...] = SIZES) -> None:
-    """Clients in several threads: one evaluate_many per size, two more send
-    single evaluate() calls; every result equals the direct call."""
-    results: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
-
-    def client(i: int) -> None:
-        if i < len(sizes):
-            states = random_states(sizes[i], seed + i)
-            results[i] = states, ev.evaluate_many(states)
-        else:
-            states = random_states(12, seed + i)
-            singles = [ev.evaluate(s) for s in states]
-            results[i] = states, {k: np.stack([o[k] for o in singles]) for k in names}
-
-    run_threads(client, len(sizes) + 2, TIMEOUT)
-    assert len(results) == len(sizes) + 2, "a client raised"
-    for states, out in results.values():
-        expect = ref(states)
-        assert sorted(out) == sorted(names)
-        for k in names:
-            assert out[k].shape == expect[k].shape
-            np.testing.assert_allclose(out[k], expect[k], rtol=1e-5, atol=1e-5)
-
-
 KINDS = ["functional_dict", "functional_list_by_name", "sequential_one_output", "subclassed",
          "tf_module", "keras_file", "savedmodel_keras", "savedmodel_module"]
 
@@ -229,30 +183,12 @@ def test_cast_to_declared_dtype(backend: Any) -> None:
     np.testing.assert_allclose(out["policy"], expect["policy"], rtol=1e-3, atol=1e-3)
 
 
-MISMATCHES = {
-    # id: (model outputs kind, declared outputs, words the message must hold)
-    "too_few_declared": ("module", {"policy": ((7,), F32)}, ["2 output(s)", "declares 1"]),
-    "too_many_declared": ("list", {"a": ((1,), F32), "b": ((7,), F32), "c": ((), F32)},
-                          ["2 output(s)", "declares 3"]),
-    "dict_names": ("dict", {"pi": ((7,), F32), "v": ((), F32)},
-                   ["['policy', 'value']", "['pi', 'v']"]),
-    "per_row_shape": ("dict", {"policy": ((8,), F32), "value": ((), F32)},
-                      ["'policy'", "(7,)", "(8,)"]),
-    "uncastable_dtype": ("dict", {"policy": ((7,), F32), "value": ((), "int32")},
-                         ["'value'", "float32", "int32"]),
-}
-
-
-@pytest.mark.parametrize("case", sorted(MISMATCHES))
-def test_mismatch_fails_at_construction(case: str, tf: Any, backend: Any) -> None:
-    what, outputs, words = MISMATCHES[case]
+@pytest.mark.parametrize("case, what", mismatch_cases({"ordered": ["module", "list"],
+                                                         "named": ["dict"]}))
+def test_mismatch_fails_at_construction(case: str, what: str, tf: Any, backend: Any) -> None:
+    """what: the model, a tf.Module ("module") or pv_net with those outputs."""
     model = make_module(tf, 0) if what == "module" else pv_net(0, what)
-    with pytest.raises(shmeval.ModelError) as info:
-        shmeval.Evaluator(backend.TFModel(model), input_shape=INPUT_SHAPE, outputs=outputs,
-                          max_batch=8)
-    for w in words:
-        assert w in str(info.value), (w, str(info.value))
-    assert not own_segments()
+    mismatch_fails_at_construction(case, backend.TFModel(model))
 
 
 @pytest.mark.parametrize("where", ["evaluator", "tfmodel"])
@@ -419,27 +355,14 @@ def test_frozen_standalone_and_jit(tf: Any, backend: Any) -> None:
     assert all(isinstance(f, backend.FrozenGraph) for f in tm._by_rows.values())
 
 
-def test_freeze_refuses_a_model_that_assigns_while_it_runs(tf: Any, backend: Any) -> None:
+def test_freeze_refuses_a_model_that_assigns_while_it_runs(backend: Any) -> None:
     """A model whose call assigns a variable cannot be frozen: a ModelError
     that says so at start-up, not an error of TensorFlow's graph import."""
-
-    class Counting(tf.Module):  # type: ignore[misc, name-defined]
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = tf.Variable(0.0)
-            self.w = tf.Variable(np.ones((84, 8), np.float32))
-
-        @tf.function
-        def __call__(self, x: Any) -> Any:
-            self.calls.assign_add(1.0)
-            y = tf.reshape(x, [-1, 84]) @ self.w
-            return y[:, :7], y[:, 7] + self.calls
-
     with pytest.raises(shmeval.ModelError, match="freeze=False"):
-        shmeval.Evaluator(backend.TFModel(Counting(), freeze=True), input_shape=INPUT_SHAPE,
+        shmeval.Evaluator(backend.TFModel(counting_module(), freeze=True), input_shape=INPUT_SHAPE,
                           outputs=OUTPUTS, max_batch=8)
     assert not own_segments()
-    out = backend.TFModel(Counting())(random_states(2, 0))  # unfrozen it serves
+    out = backend.TFModel(counting_module())(random_states(2, 0))  # unfrozen it serves
     assert out[0].shape == (2, 7)
 
 
@@ -625,22 +548,9 @@ def test_hot_swap_through_evaluator(freeze: bool, backend: Any, tmp_path: Any) -
     with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
                            max_clients=4, slots_per_client=32) as ev:
         traces = tm.trace_count
-        serve_and_compare(ev, keras_reference(pv_net(1)), tuple(OUTPUTS), sizes=(3, 40))
-        assert ev.set_weights(pv_net(2).get_weights()) == 1
-        out, version = ev.evaluate(random_states(1, 9)[0], return_version=True)
-        assert version == 1
-        np.testing.assert_allclose(out["policy"],
-                                   keras_reference(pv_net(2))(random_states(1, 9))["policy"][0],
-                                   rtol=1e-5, atol=1e-5)
-        serve_and_compare(ev, keras_reference(pv_net(2)), tuple(OUTPUTS), sizes=(3, 40))
         np.savez(tmp_path / "three.npz", *pv_net(3).get_weights())
-        assert ev.load_weights(tmp_path / "three.npz") == 2
-        three = keras_reference(pv_net(3))
-        serve_and_compare(ev, three, tuple(OUTPUTS), sizes=(3, 40))
-        with pytest.raises(shmeval.ModelError, match="set_weights: got 1 arrays"):
-            ev.set_weights([np.zeros(3, np.float32)])
-        assert ev.model_version == 2
-        serve_and_compare(ev, three, tuple(OUTPUTS), sizes=(3, 40))
+        updates_through_evaluator(ev, [keras_reference(pv_net(v)) for v in (1, 2, 3)],
+                                  pv_net(2).get_weights(), tmp_path / "three.npz")
         assert tm.trace_count == traces
 
 

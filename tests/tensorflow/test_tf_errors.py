@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import shmeval
-from tf_models import INPUT_SHAPE, OUTPUTS, checked_factory
+from backend_contract import INPUT_SHAPE, OUTPUTS
+from tf_models import checked_factory
 
 
 @pytest.mark.timeout(240)

@@ -10,12 +10,7 @@ from typing import Any
 
 import numpy as np
 
-INPUT_SHAPE = (6, 7, 2)
-OUTPUTS = {"policy": ((7,), "float32"), "value": ((), "float32")}
-
-
-def random_states(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((n, *INPUT_SHAPE)).astype(np.float32)
+from backend_contract import INPUT_SHAPE, random_states
 
 
 def seeded_weights(model: Any, seed: int) -> None:
@@ -43,6 +38,26 @@ def pv_net(seed: int = 0, outputs: str = "dict") -> Any:
     model = keras.Model(inp, out)
     seeded_weights(model, seed)
     return model
+
+
+def counting_module() -> Any:
+    """A tf.Module whose call counts its calls in a variable (so it cannot
+    be frozen) and returns (policy, value), unnamed."""
+    import tensorflow as tf
+
+    class Counting(tf.Module):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = tf.Variable(0.0)
+            self.w = tf.Variable(np.ones((84, 8), np.float32))
+
+        @tf.function
+        def __call__(self, x: Any) -> Any:
+            self.calls.assign_add(1.0)
+            y = tf.reshape(x, [-1, 84]) @ self.w
+            return y[:, :7], y[:, 7] + self.calls
+
+    return Counting()
 
 
 def pv_factory() -> Any:

@@ -32,13 +32,13 @@ import pytest
 
 import shmeval
 import torch_models
-from backend_contract import (INPUT_SHAPE, OUTPUTS, TIMEOUT, hot_swap_under_load,
-                              random_states, serve_and_compare, serves_after_bad_batches)
+from backend_contract import (F32, INPUT_SHAPE, OUTPUTS, TIMEOUT, hot_swap_under_load,
+                              mismatch_cases, mismatch_fails_at_construction, random_states,
+                              serve_and_compare, serves_after_bad_batches,
+                              updates_through_evaluator)
 from helpers import own_segments
 from shmeval.spec import Spec
 from torch_models import pv_net, reference
-
-F32 = "float32"
 
 # TorchScript is deprecated, and still what many saved models are.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")
@@ -162,29 +162,10 @@ def test_standalone_call_keeps_the_models_structure(torch: Any, backend: Any) ->
     np.testing.assert_allclose(out["policy"], reference(pv_net(11))(x)["policy"], atol=1e-6)
 
 
-MISMATCHES = {
-    # id: (model outputs kind, declared outputs, words the message must hold)
-    "too_few_declared": ("tuple", {"policy": ((7,), F32)}, ["2 output(s)", "declares 1"]),
-    "too_many_declared": ("tuple", {"a": ((1,), F32), "b": ((7,), F32), "c": ((), F32)},
-                          ["2 output(s)", "declares 3"]),
-    "dict_names": ("dict", {"pi": ((7,), F32), "v": ((), F32)},
-                   ["['policy', 'value']", "['pi', 'v']"]),
-    "per_row_shape": ("dict", {"policy": ((8,), F32), "value": ((), F32)},
-                      ["'policy'", "(7,)", "(8,)"]),
-    "uncastable_dtype": ("dict", {"policy": ((7,), F32), "value": ((), "int32")},
-                         ["'value'", "torch.float32", "int32"]),
-}
-
-
-@pytest.mark.parametrize("case", sorted(MISMATCHES))
-def test_mismatch_fails_at_construction(case: str, torch: Any, backend: Any) -> None:
-    what, outputs, words = MISMATCHES[case]
-    with pytest.raises(shmeval.ModelError) as info:
-        shmeval.Evaluator(backend.TorchModel(pv_net(0, what)), input_shape=INPUT_SHAPE,
-                          outputs=outputs, max_batch=8)
-    for w in words:
-        assert w in str(info.value), (w, str(info.value))
-    assert not own_segments()
+@pytest.mark.parametrize("case, what", mismatch_cases({"ordered": ["tuple"], "named": ["dict"]}))
+def test_mismatch_fails_at_construction(case: str, what: str, torch: Any, backend: Any) -> None:
+    mismatch_fails_at_construction(case, backend.TorchModel(pv_net(0, what)),
+                                   float32="torch.float32")
 
 
 def test_a_model_that_fails_at_start_up(torch: Any, backend: Any) -> None:
@@ -543,21 +524,9 @@ def test_hot_swap_through_evaluator(torch: Any, backend: Any, tmp_path: Any) -> 
     with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
                            max_clients=4, slots_per_client=32) as ev:
         compiled = tm.compile_count
-        serve_and_compare(ev, reference(pv_net(1)), tuple(OUTPUTS), sizes=(3, 40))
-        assert ev.set_weights(version_weights(2)) == 1
-        state = random_states(1, 9)
-        out, version = ev.evaluate(state[0], return_version=True)
-        assert version == 1
-        np.testing.assert_allclose(out["policy"], reference(pv_net(2))(state)["policy"][0],
-                                   rtol=1e-5, atol=1e-5)
         torch.save(pv_net(3).state_dict(), tmp_path / "three.pt")
-        assert ev.load_weights(tmp_path / "three.pt") == 2
-        three = reference(pv_net(3))
-        serve_and_compare(ev, three, tuple(OUTPUTS), sizes=(3, 40))
-        with pytest.raises(shmeval.ModelError, match="set_weights: got 1 arrays"):
-            ev.set_weights([np.zeros(3, np.float32)])
-        assert ev.model_version == 2
-        serve_and_compare(ev, three, tuple(OUTPUTS), sizes=(3, 40))
+        updates_through_evaluator(ev, [reference(pv_net(v)) for v in (1, 2, 3)],
+                                  version_weights(2), tmp_path / "three.pt")
         assert tm.compile_count == compiled
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from backend_contract import TRIGGER
+from backend_contract import TRIGGER, pv_outputs
 
 
 def seeded_weights(module: Any, seed: int) -> list[np.ndarray]:
@@ -33,11 +33,7 @@ def pv_net(seed: int = 0, outputs: str = "dict") -> Any:
     outputs: "dict" ({"policy", "value"}), "tuple" ((value, policy),
     unnamed), "named" (a named tuple (value, policy)) or "policy" (the
     policy tensor alone)."""
-    import collections
-
     import torch
-
-    named = collections.namedtuple("PV", ["value", "policy"])
 
     class PVNet(torch.nn.Module):
         def __init__(self) -> None:
@@ -50,13 +46,7 @@ def pv_net(seed: int = 0, outputs: str = "dict") -> Any:
         def forward(self, x: Any) -> Any:
             h = torch.relu(self.norm(self.conv(x.permute(0, 3, 1, 2)))).flatten(1)
             p, v = self.policy(h), torch.tanh(self.value(h))
-            if outputs == "dict":
-                return {"policy": p, "value": v}
-            if outputs == "tuple":
-                return v, p
-            if outputs == "named":
-                return named(v, p)
-            return p
+            return pv_outputs(outputs, p, v)
 
     net = PVNet()
     state = net.state_dict()
