@@ -1,0 +1,40 @@
+"""bench/torch_throughput.py end to end at 2 workers with short windows:
+the per-worker models, the Queue evaluator, TorchRL's inference server and
+shmeval each start, answer the check states as the net does and are
+measured, and the JSON holds what the README's PyTorch row quotes.
+Figures are not checked: this is the script working, not a measurement."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+METHODS = ["local", "queue", "torchrl", "shmeval"]
+
+
+@pytest.mark.timeout(300)
+def test_torch_throughput_script_runs(tmp_path: Path) -> None:
+    out = tmp_path / "torch.json"
+    cmd = [sys.executable, str(BENCH / "torch_throughput.py"), "--workers", "2",
+           "--seconds", "0.3", "--repeats", "1", "--warmup", "5", "--max-batch", "16",
+           "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted(row["method"] for row in result["summary"]) == sorted(METHODS)
+    for row in result["summary"]:
+        assert row["workers"] == 2 and row["throughput"]["median"] > 0, row
+    runs = {run["method"]: run for run in result["runs"]}
+    assert sorted(runs) == sorted(METHODS)
+    assert all(run["check"]["ok"] for run in runs.values()), runs
+    assert runs["shmeval"]["workers_that_imported_torch"] == 0
+    assert runs["local"]["workers_that_imported_torch"] == 2
+    assert set(result["targets"]) == {"shmeval/torchrl evals/s", "shmeval/queue evals/s",
+                                      "shmeval/local evals/s", "worker RSS local/shmeval"}
+    assert "targets at 2 workers (reported, not enforced):" in r.stdout
