@@ -124,6 +124,31 @@ def run_python(code: str, timeout: float = 50.0) -> "subprocess.CompletedProcess
                           timeout=timeout, env=env)
 
 
+#: A figure as the benchmark scripts print it (thousands separated by commas).
+NUMBER = r"[\d,]+(?:\.\d+)?"
+
+
+def number(text: str) -> float:
+    """The value of a figure that matched NUMBER."""
+    return float(text.replace(",", ""))
+
+
+def run_bench(script: str, *args: str, timeout: float, **env: str) -> str:
+    """Runs ``bench/<script> args`` in this interpreter with unbuffered
+    output (and the environment variables ``env`` set); asserts that it
+    exited 0 (showing the ends of its output when not) and returns its
+    stdout."""
+    import subprocess
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    r = subprocess.run([sys.executable, os.path.join(bench, script), *args],
+                       capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1", **env))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
 def slow_fake_model(x: np.ndarray, seconds: float) -> dict[str, np.ndarray]:
     time.sleep(seconds)
     return fake_model(x)

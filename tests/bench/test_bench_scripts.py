@@ -9,30 +9,20 @@ even one variant takes over 16 s."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import NUMBER, number, run_bench
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 RESULTS = BENCH / "results"
-NUMBER = r"[\d,]+(?:\.\d+)?"
 
 
 def run_script(name: str, *args: str, timeout: float = 60) -> str:
-    """Runs bench/<name> with args; returns its stdout after checking that it
-    exited 0."""
-    r = subprocess.run([sys.executable, str(BENCH / name), *args], capture_output=True,
-                       text=True, timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout
-
-
-def number(text: str) -> float:
-    return float(text.replace(",", ""))
+    """bench/<name>'s stdout for args (it exited 0)."""
+    return run_bench(name, *args, timeout=timeout)
 
 
 @pytest.mark.timeout(90)

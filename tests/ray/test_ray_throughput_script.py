@@ -6,25 +6,20 @@ checked: this is the script working, not a measurement (about 30 s)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from helpers import run_bench
+
 WAYS = ["shmeval-ray", "ray-serve", "ray-actor", "shmeval"]
 
 
 @pytest.mark.timeout(300)
 def test_ray_throughput_script_runs(tmp_path: Path) -> None:
     out = tmp_path / "ray.json"
-    cmd = [sys.executable, str(BENCH / "ray_throughput.py"), "--workers", "2", "--nodes", "2",
-           "--seconds", "1", "--json", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    stdout = run_bench("ray_throughput.py", "--workers", "2", "--nodes", "2", "--seconds", "1",
+                       "--json", str(out), timeout=280)
     result = json.loads(out.read_text())
     assert sorted(result["evals_per_s"]) == sorted(WAYS)
     assert all(v > 0 for v in result["evals_per_s"].values()), result["evals_per_s"]
@@ -33,4 +28,4 @@ def test_ray_throughput_script_runs(tmp_path: Path) -> None:
     # One evaluator per simulated node, each of which served.
     per_node = result["runs"]["shmeval-ray"][0]["mean_batch_per_node"]
     assert len(per_node) == 2 and all(b >= 1 for b in per_node.values()), per_node
-    assert "shmeval-ray / way" in r.stdout
+    assert "shmeval-ray / way" in stdout

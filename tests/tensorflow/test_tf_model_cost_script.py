@@ -7,16 +7,12 @@ its table's header and a row per batch or style with positive figures.
 Figures are not checked: this is the script working, not a measurement."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-NUMBER = r"[\d,]+(?:\.\d+)?"
+from helpers import NUMBER, number, run_bench
+
 TINY = ["--filters", "4", "--layers", "1"]
 #: The calling styles the script always times (a private flat call of the
 #: converted function is added where TensorFlow has one).
@@ -29,17 +25,8 @@ FLOOR = ["concrete function(tf.constant)", "session, inter-op pool of 1",
 
 
 def run_script(*args: str) -> str:
-    """Runs bench/tf_model_cost.py with args; returns its stdout after
-    checking that it exited 0."""
-    r = subprocess.run([sys.executable, str(BENCH / "tf_model_cost.py"), *args],
-                       capture_output=True, text=True, timeout=100,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout
-
-
-def number(text: str) -> float:
-    return float(text.replace(",", ""))
+    """bench/tf_model_cost.py's stdout for args (it exited 0)."""
+    return run_bench("tf_model_cost.py", *args, timeout=100, TF_CPP_MIN_LOG_LEVEL="2")
 
 
 @pytest.mark.timeout(120)

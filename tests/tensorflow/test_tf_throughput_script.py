@@ -6,27 +6,22 @@ is the script working, not a measurement."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from helpers import run_bench
+
 METHODS = ["local", "queue", "tfserver", "shmeval"]
 
 
 @pytest.mark.timeout(420)
 def test_tf_throughput_script_runs(tmp_path: Path) -> None:
     out = tmp_path / "tf.json"
-    cmd = [sys.executable, str(BENCH / "tf_throughput.py"), "--workers", "2",
-           "--seconds", "0.3", "--repeats", "1", "--warmup", "5", "--max-batch", "32",
-           "--overhead-workers", "1", "--overhead-seconds", "0.3", "--overhead-rows", "16,32",
-           "--json", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    stdout = run_bench("tf_throughput.py", "--workers", "2", "--seconds", "0.3", "--repeats",
+                       "1", "--warmup", "5", "--max-batch", "32", "--overhead-workers", "1",
+                       "--overhead-seconds", "0.3", "--overhead-rows", "16,32",
+                       "--json", str(out), timeout=400)
     result = json.loads(out.read_text())
     assert sorted(result["checks"]) == sorted(METHODS)
     assert all(check["ok"] for check in result["checks"].values()), result["checks"]
@@ -44,4 +39,4 @@ def test_tf_throughput_script_runs(tmp_path: Path) -> None:
     assert overhead["overhead_us_per_batch"]["median"] > 0
     assert overhead["mean_batch"]["median"] > 1
     assert result["dev_shm_leftovers"] == []
-    assert "targets at 2 workers" in r.stdout
+    assert "targets at 2 workers" in stdout

@@ -5,13 +5,13 @@ the interpolation that reads the model alone's rows/s at a batch size."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from helpers import run_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 METHODS = ["local", "queue", "torchrl", "shmeval"]
@@ -38,12 +38,10 @@ def test_rows_per_s_at(gpu_module: Any) -> None:
 @pytest.mark.timeout(420)
 def test_gpu_script_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
-    cmd = [sys.executable, str(BENCH / "gpu.py"), "--device", "cpu", "--workers", "2",
-           "--seconds", "0.2", "--repeats", "1", "--warmup", "5", "--batches", "1,4,16",
-           "--sweep-seconds", "0.05", "--max-batch", "16", "--json", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    stdout = run_bench("gpu.py", "--device", "cpu", "--workers", "2", "--seconds", "0.2",
+                       "--repeats", "1", "--warmup", "5", "--batches", "1,4,16",
+                       "--sweep-seconds", "0.05", "--max-batch", "16", "--json", str(out),
+                       timeout=400)
     result = json.loads(out.read_text())
     assert [row["batch"] for row in result["model_alone"]] == [1, 4, 16]
     assert all(row["served_rows_per_s"] > 0 and row["device_rows_per_s"] > 0
@@ -60,4 +58,4 @@ def test_gpu_script_runs_on_the_cpu(tmp_path: Path) -> None:
     assert runs["local"]["workers_that_imported_torch"] == 2
     assert runs["shmeval"]["evaluator_stats"]["failed_requests"] == 0
     assert "shmeval / model alone rows/s at its batch" in result["ratios"]["2"]
-    assert "2 workers: median of windows" in r.stdout
+    assert "2 workers: median of windows" in stdout

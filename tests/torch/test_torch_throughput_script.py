@@ -6,26 +6,21 @@ Figures are not checked: this is the script working, not a measurement."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from helpers import run_bench
+
 METHODS = ["local", "queue", "torchrl", "shmeval"]
 
 
 @pytest.mark.timeout(300)
 def test_torch_throughput_script_runs(tmp_path: Path) -> None:
     out = tmp_path / "torch.json"
-    cmd = [sys.executable, str(BENCH / "torch_throughput.py"), "--workers", "2",
-           "--seconds", "0.3", "--repeats", "1", "--warmup", "5", "--max-batch", "16",
-           "--json", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    stdout = run_bench("torch_throughput.py", "--workers", "2", "--seconds", "0.3",
+                       "--repeats", "1", "--warmup", "5", "--max-batch", "16",
+                       "--json", str(out), timeout=280)
     result = json.loads(out.read_text())
     assert sorted(row["method"] for row in result["summary"]) == sorted(METHODS)
     for row in result["summary"]:
@@ -37,4 +32,4 @@ def test_torch_throughput_script_runs(tmp_path: Path) -> None:
     assert runs["local"]["workers_that_imported_torch"] == 2
     assert set(result["targets"]) == {"shmeval/torchrl evals/s", "shmeval/queue evals/s",
                                       "shmeval/local evals/s", "worker RSS local/shmeval"}
-    assert "targets at 2 workers (reported, not enforced):" in r.stdout
+    assert "targets at 2 workers (reported, not enforced):" in stdout
