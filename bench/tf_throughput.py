@@ -513,7 +513,6 @@ class Window:
         return count, calls, recorded.copy()
 
 
-
 def worker_main(method: str, params: dict[str, Any], worker_id: int, n_warmup: int, conn: Connection) -> None:
     """Opens the method's client, warms up, reports ready, then runs one
     measured window per ("run", start_ns, end_ns, n_samples) message until

@@ -20,17 +20,12 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 RESULTS = BENCH / "results"
 
 
-def run_script(name: str, *args: str, timeout: float = 60) -> str:
-    """bench/<name>'s stdout for args (it exited 0)."""
-    return run_bench(name, *args, timeout=timeout)
-
-
 @pytest.mark.timeout(90)
 def test_evaluate_many_cpu() -> None:
     """One worker, two rounds: a row per way (fast, general, single) with a
     CPU time per round, and the general / fast ratio."""
-    out = run_script("evaluate_many_cpu.py", "--workers", "1", "--rows", "2", "--search-us", "0",
-                     "--model-ms", "0", "--calls", "20", "--rounds", "2")
+    out = run_bench("evaluate_many_cpu.py", "--workers", "1", "--rows", "2", "--search-us", "0",
+                    "--model-ms", "0", "--calls", "20", "--rounds", "2", timeout=60)
     assert "1 workers, 2 rows per call, search 0 µs, model 0.0 ms per batch" in out, out
     for way in ("fast", "general", "single"):
         m = re.search(rf"^  {way} +({NUMBER}) +({NUMBER})$", out, re.M)
@@ -44,8 +39,8 @@ def test_search_cost() -> None:
     """One game, two simulations a move, two repeats: a line per repeat with
     its evaluations and CPU per evaluation with and without the stand-in
     net, and the median without it."""
-    out = run_script("search_cost.py", "--games", "1", "--simulations", "2", "--moves", "8",
-                     "--repeats", "2")
+    out = run_bench("search_cost.py", "--games", "1", "--simulations", "2", "--moves", "8",
+                    "--repeats", "2", timeout=60)
     assert "1 games, 2 simulations per move, 8 moves per round" in out, out
     rows = re.findall(rf"^ +({NUMBER}) evaluations: +({NUMBER}) us CPU per evaluation, +"
                       rf"({NUMBER}) without the stand-in net$", out, re.M)
@@ -59,8 +54,8 @@ def test_search_cost() -> None:
 def test_threads_roundtrip() -> None:
     """Two threads, two short windows: the median round trips/s and each
     window's figure, every one positive."""
-    out = run_script("threads_roundtrip.py", "--threads", "2", "--seconds", "0.2",
-                     "--warmup", "0.05", "--repeats", "2")
+    out = run_bench("threads_roundtrip.py", "--threads", "2", "--seconds", "0.2",
+                    "--warmup", "0.05", "--repeats", "2", timeout=60)
     m = re.search(rf"^2 threads of one process: ({NUMBER}) round trips/s "
                   rf"\(median of 2; ({NUMBER}), ({NUMBER})\)$", out, re.M)
     assert m, out
@@ -72,8 +67,8 @@ def test_pipelined_cpu() -> None:
     """One worker, one round: a line for the blocking client and one for
     K = 2, each with answers/s and the per-answer CPU of the workers and of
     the evaluator."""
-    out = run_script("pipelined_cpu.py", "--workers", "1", "--depth", "2", "--seconds", "0.2",
-                     "--rounds", "1")
+    out = run_bench("pipelined_cpu.py", "--workers", "1", "--depth", "2", "--seconds", "0.2",
+                    "--rounds", "1", timeout=60)
     lines = re.findall(rf"^1 workers, (blocking|K = 2) *: +({NUMBER}) answers/s; per answer: "
                        rf"worker user {NUMBER} µs, system {NUMBER} µs, {NUMBER} sleeps; "
                        rf"evaluator user -?{NUMBER} µs, system -?{NUMBER} µs$", out, re.M)
@@ -112,7 +107,7 @@ def test_readme_table(batch: bool) -> None:
     given the batch-workers run too, the side-by-side Connect Four table
     after them."""
     files = [RESULTS / "bench.json"] + ([RESULTS / "bench-batch.json"] if batch else [])
-    out = run_script("readme_table.py", *map(str, files))
+    out = run_bench("readme_table.py", *map(str, files), timeout=60)
     summary = json.loads(files[0].read_text())["summary"]
     states = list(dict.fromkeys(r["state"] for r in summary))
     found = tables(out)
