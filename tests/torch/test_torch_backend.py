@@ -141,7 +141,9 @@ def test_two_serving_threads(torch: Any, backend: Any) -> None:
 
 
 def test_cast_to_declared_dtype(torch: Any, backend: Any) -> None:
-    """float32 outputs served as declared float16 / float64."""
+    """float32 outputs served as declared float16 / float64: with a reshape
+    (the value head's (n, 1) declared a scalar), and alone (outputs of the
+    declared shapes)."""
     m = pv_net(10, "dict")
     tm = backend.TorchModel(m)
     spec = Spec.build(INPUT_SHAPE, F32, {"policy": ((7,), "float16"), "value": ((), "float64")},
@@ -152,6 +154,11 @@ def test_cast_to_declared_dtype(torch: Any, backend: Any) -> None:
     assert out["policy"].dtype == np.float16 and out["value"].dtype == np.float64
     np.testing.assert_allclose(out["value"], expect["value"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out["policy"], expect["policy"], rtol=1e-3, atol=1e-3)
+    one = backend.TorchModel(pv_net(10, "policy"))
+    one.prepare(Spec.build(INPUT_SHAPE, F32, {"policy": ((7,), "float16")}, 8, 1, 1), None)
+    policy = one(x)["policy"]
+    assert policy.dtype == np.float16
+    np.testing.assert_allclose(policy, expect["policy"], rtol=1e-3, atol=1e-3)
 
 
 def test_standalone_call_keeps_the_models_structure(torch: Any, backend: Any) -> None:

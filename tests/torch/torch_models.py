@@ -83,10 +83,11 @@ def pv_factory() -> Any:
 
 
 def misbehaving_net() -> Any:
-    """pv_net (dict outputs) that fails when the first value of a state is
-    TRIGGER * k: k=1 raises, 2 returns an output on another device, 3 adds
-    a tensor of another device, 4 returns a policy of 5 values, 5 a NaN
-    value, 6 raises CUDA's out-of-memory error, 7 a complex policy."""
+    """pv_net (dict outputs, the value as declared: shape (n,)) that fails
+    when the first value of a state is TRIGGER * k: k=1 raises, 2 returns
+    an output on another device, 3 adds a tensor of another device, 4
+    returns a policy of 5 values, 5 a NaN value, 6 raises CUDA's
+    out-of-memory error, 7 a complex policy."""
     import torch
 
     net = pv_net(0, "dict")
@@ -98,6 +99,7 @@ def misbehaving_net() -> Any:
 
         def forward(self, x: Any) -> Any:
             out = self.net(x)
+            out["value"] = out["value"][:, 0]
             kind = int(x[:, 0, 0, 0].max().item() // TRIGGER)
             if kind == 1:
                 raise RuntimeError("state out of range")

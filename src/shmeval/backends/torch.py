@@ -323,6 +323,8 @@ class TorchModel:
             self._forward = torch.compile(self.module, backend=self._counting(backend),
                                           dynamic=False)
         self._want: list[Any] = []       # the declared output dtypes, as torch dtypes
+        self._names: tuple[str, ...] = ()
+        self._declared: list[tuple[tuple[int, ...], Any]] = []  # (shape per row, dtype)
         self._input_dtype: Any = None
         # CUDA: lanes no thread has taken yet, and what a lane is built for.
         self._free_lanes: Optional[queue.SimpleQueue[_Lane]] = None
@@ -582,14 +584,52 @@ class TorchModel:
         """The model's outputs for ``x``, in declaration order, each reshaped
         to ``[rows, *declared shape]`` and cast to the declared dtype, on
         the model's device; ModelError when one does not fit."""
-        assert self.spec is not None
         rows = x.shape[0]
         forward, small = self._forward, self._small
         if small is not None and rows <= self.own_conv_rows:
             forward = small
-        with self._autocast():
+        if self.autocast is None:
             out = forward(x)
-        given = match_outputs(out, self.spec.output_names, getattr(out, "_fields", ()))
+        else:
+            with self._autocast():
+                out = forward(x)
+        fitted = self._as_declared(out, rows)
+        return fitted if fitted is not None else self._fit(out, rows)
+
+    def _as_declared(self, out: Any, rows: int) -> Optional[list[Any]]:
+        """``out`` in declaration order when it is already what the spec
+        declares: a dict with exactly the declared names, a plain tuple or
+        list, or one tensor, whose tensors are on the model's device with
+        the declared dtype and shape.  None for anything else, which
+        ``_fit`` then reshapes, casts or rejects.  The calls of a model
+        whose outputs fit take this path alone: a few attribute reads per
+        output."""
+        names = self._names
+        kind = type(out)
+        if kind is dict:
+            if len(out) != len(names):
+                return None
+            given = [out.get(k) for k in names]
+        elif kind is tuple or kind is list:
+            if len(out) != len(names):
+                return None
+            given = out
+        elif len(names) == 1:
+            given = (out,)
+        else:
+            return None
+        device, tensor = self.device, torch.Tensor
+        for t, (shape, want) in zip(given, self._declared):
+            if (type(t) is not tensor or t.dtype is not want or t.device != device
+                    or t.shape != (rows, *shape)):
+                return None
+        return list(given)
+
+    def _fit(self, out: Any, rows: int) -> list[Any]:
+        """``_fitted`` for outputs that need matching by name, a reshape or
+        a cast, or that do not fit at all (ModelError)."""
+        assert self.spec is not None
+        given = match_outputs(out, self._names, getattr(out, "_fields", ()))
         fitted = []
         for t, o, want in zip(given, self.spec.outputs, self._want):
             if not isinstance(t, torch.Tensor):
@@ -664,7 +704,7 @@ class TorchModel:
         out = self._fitted(torch.from_numpy(batch))
         if self._refold:
             self._count_loss(len(batch))
-        return {name: t.numpy() for name, t in zip(self.spec.output_names, out)}
+        return {name: t.numpy() for name, t in zip(self._names, out)}
 
     def _call_cuda(self, batch: np.ndarray) -> dict[str, np.ndarray]:
         assert self.spec is not None
@@ -685,7 +725,7 @@ class TorchModel:
         # Releases the GIL while it waits: another serving thread's batch is
         # gathered and copied meanwhile.
         lane.stream.synchronize()
-        return {name: a[:rows] for name, a in zip(self.spec.output_names, lane.host_out_np)}
+        return {name: a[:rows] for name, a in zip(self._names, lane.host_out_np)}
 
     def _take_lane(self) -> _Lane:
         """A lane for this thread, kept by it from now on."""
@@ -714,6 +754,8 @@ class TorchModel:
         self.spec = spec
         self._input_dtype = _torch_dtype(spec.input_dtype, "input dtype")
         self._want = [_torch_dtype(o.dtype, f"dtype of output {o.name!r}") for o in spec.outputs]
+        self._names = spec.output_names
+        self._declared = [(o.shape, w) for o, w in zip(spec.outputs, self._want)]
         if self.compile:
             # One graph per batch size (dynamic=False).  torch.compile keeps at
             # most recompile_limit graphs per code object (the forward method,
