@@ -606,6 +606,7 @@ class TorchModel:
         output."""
         names = self._names
         kind = type(out)
+        given: Sequence[Any]
         if kind is dict:
             if len(out) != len(names):
                 return None
