@@ -48,6 +48,12 @@ holds that comparison out: the best hand setting chosen on the first half
 of the rounds, against auto on the other half (held_out).  Where today and
 nospin are one setting (same_setting: the spin rule lets no one spin), the
 summary gives their ratio, the noise any comparison of the run carries.
+The summary's sign tests name the cells where auto is below 0.9x the best
+hand setting, or below today's, in more rounds than chance allows (one
+round of each setting after another, so a round's speed falls on both);
+the same test of today against nospin where they are one setting shows
+how often it errs.  --summarize prints the table and summary of a grid's
+JSON file again, running nothing.
 
 --timeline runs a second experiment instead, on the CPUs it has: the device
 model served with every knob "auto" while 16 workers become 64 and then
@@ -58,6 +64,7 @@ table how long each phase took to settle.
 
     python bench/autotune.py --json bench/results/autotune.json --plot docs/img/autotune.png
     python bench/autotune.py --quick                        # 2 CPUs, 1 and 16 workers, 3 settings
+    python bench/autotune.py --summarize bench/results/autotune.json   # read a grid again
     python bench/autotune.py --timeline --json bench/results/autotune-timeline.json \\
         --plot docs/img/autotune-timeline.png
 
@@ -70,6 +77,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -118,6 +126,8 @@ PARTLY_AUTO = ("auto-clients", "auto-evaluator")
 #: The grid run by default (the others on request: --settings).
 DEFAULT_SETTINGS = ("auto", "today", "threads2", "wait100", "nospin")
 QUICK_SETTINGS = ("auto", "today", "threads2")
+#: The significance level of the sign tests (:func:`sign_test`).
+ALPHA = 0.05
 START_DELAY_S = 0.3  # the workers are past their queue.get() when the warm-up begins
 #: The device model: fixed and per-row cost.
 DEVICE_FIXED_S, DEVICE_ROW_S = 200e-6, 5e-6
@@ -354,6 +364,32 @@ def paired(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
     return statistics.median(ratios) if ratios else None
 
 
+def sign_test(a: Sequence[float], b: Sequence[float], factor: float = 1.0
+              ) -> Optional[Tuple[int, int, float]]:
+    """Whether a is below ``factor`` times b in more rounds than chance
+    allows: (rounds a < factor * b, rounds, one-sided p), or None without
+    rounds.  p is the chance of at least that many such rounds if each
+    round went either way with even odds (the exact binomial tail), so it
+    asks nothing of how far apart the windows are, and a shared host's
+    swings between rounds cancel as in :func:`paired`.  With n rounds the
+    least p is 2**-n: 4 rounds can never reach ALPHA, 5 can only with
+    every round one way, 8 with 7 of them."""
+    pairs = [(x, y) for x, y in zip(a, b) if y > 0]
+    if not pairs:
+        return None
+    n = len(pairs)
+    below = sum(x < factor * y for x, y in pairs)
+    return below, n, sum(math.comb(n, k) for k in range(below, n + 1)) / 2 ** n
+
+
+def apart(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+    """The two-sided :func:`sign_test` p of a against b."""
+    lo, hi = sign_test(a, b), sign_test(b, a)
+    if lo is None or hi is None:
+        return None
+    return min(1.0, 2 * min(lo[2], hi[2]))
+
+
 def same_setting(model: str, cpus: int, workers: int) -> bool:
     """``today`` and ``nospin`` are one setting in this cell: a model
     without TensorFlow (the two differ in the net's style only for tfnet),
@@ -383,6 +419,10 @@ def noise(cells: Dict[Tuple[str, int, int], Dict[str, float]],
         pr = [max(x, 1 / x) for x in each if x]
         out["paired_median"] = statistics.median(pr) if pr else None
         out["paired_max"] = max(pr) if pr else None
+        # Two-sided: one setting, so either may come out ahead.
+        ps = [p for p in (apart(windows[k]["today"], windows[k]["nospin"]) for k in ones)
+              if p is not None]
+        out["cells_apart_by_sign_test"] = sum(p < ALPHA for p in ps)
     return out
 
 
@@ -406,6 +446,11 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ratios: Dict[str, List[float]] = {"best": [], "held_out": [], "today": [],
                                       "paired_best": [], "paired_today": []}
+    # Cells where auto is below the target in more rounds than chance
+    # allows (sign_test), against the best hand setting by median (the
+    # choice biased towards the hand settings) and against today's.
+    below: Dict[str, List[str]] = {"0.9_best": [], "today": []}
+    tested: Dict[str, int] = {"0.9_best": 0, "today": 0}
     for (model, cpus, n), got in sorted(cells.items(), key=lambda kv: (
             MODELS.index(kv[0][0]) if kv[0][0] in MODELS else 9, kv[0][1], kv[0][2])):
         rates = {s: r["rate"] for s, r in got.items()}
@@ -429,6 +474,15 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
                        ("paired_best", pb), ("paired_today", pt)):
             if x is not None:
                 ratios[key].append(x)
+        for key, versus, factor in (("0.9_best", best, 0.9), ("today", "today", 1.0)):
+            test = (sign_test(windows["auto"], windows[versus], factor)
+                    if auto and versus in windows else None)
+            if test is not None:
+                tested[key] += 1
+                if test[2] < ALPHA:
+                    below[key].append(f"{model}, {cpus} CPUs, {n} workers: {test[0]} of "
+                                      f"{test[1]} rounds below {versus}"
+                                      f"{' x 0.9' if factor != 1.0 else ''}, p {test[2]:.3f}")
 
         def fmt(x: Optional[float]) -> str:
             return f"{x:,.0f}" if x is not None else "-"
@@ -455,6 +509,9 @@ def table(rows: List[Dict[str, Any]], settings: Sequence[str]) -> Tuple[str, Dic
         **figures(ratios["today"], "today", "today", 1.0),
         **figures(ratios["paired_best"], "best_paired", "0.9_best_paired", 0.9),
         **figures(ratios["paired_today"], "today_paired", "today_paired", 1.0),
+        "sign_tests": {"alpha": ALPHA, "cells_tested": tested,
+                       "cells_significantly_below": {k: len(v) for k, v in below.items()},
+                       "significantly_below": below},
         "same_setting_today_nospin": noise({k: {s: r["rate"] for s, r in v.items()}
                                             for k, v in cells.items()},
                                            {k: {s: r["rates"] for s, r in v.items()}
@@ -665,6 +722,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    default=[16, 64], help="--timeline: the few and the many workers (16,64)")
     p.add_argument("--reports", action="store_true",
                    help="print auto's tuner report (phase, choice, why) after each of its windows")
+    p.add_argument("--summarize", metavar="PATH",
+                   help="run nothing: print the table and summary of a grid's JSON file "
+                        "(the current reading of its windows)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     p.add_argument("--net", help=argparse.SUPPRESS)          # the .keras file (children)
@@ -690,6 +750,18 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            grid = json.load(f)
+        if grid.get("experiment") != "grid":
+            print(f"{args.summarize} holds no grid (experiment "
+                  f"{grid.get('experiment')!r})", file=sys.stderr)
+            return 2
+        text, summary = table(grid["rows"], grid["args"]["settings"])
+        print(text)
+        print()
+        print(json.dumps(summary, indent=1))
+        return 0
     if args.ncpu is not None:  # a child: this CPU count's part of the grid
         write_json(args.rows_out, run_grid(args))
         return 0

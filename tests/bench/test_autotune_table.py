@@ -120,6 +120,62 @@ def test_the_noise_is_also_read_round_by_round(autotune: Any) -> None:
     assert autotune.noise(cells, windows)["paired_max"] == pytest.approx(1.25)
 
 
+def test_a_sign_test_counts_rounds_not_distances(autotune: Any) -> None:
+    # 7 of 8 rounds below: the chance of 7 or 8 heads in 8 tosses.
+    a, b = [99.0] * 7 + [101.0], [100.0] * 8
+    assert autotune.sign_test(a, b) == (7, 8, pytest.approx(9 / 256))
+    # Below 0.9 x b in none of them.
+    assert autotune.sign_test(a, b, 0.9) == (0, 8, pytest.approx(1.0))
+    # Four rounds cannot reach ALPHA, all four below or not.
+    assert autotune.sign_test([1.0] * 4, [2.0] * 4) == (4, 4, pytest.approx(1 / 16))
+    assert 1 / 16 > autotune.ALPHA
+    assert autotune.sign_test([], []) is None
+    assert autotune.apart(a, b) == pytest.approx(2 * 9 / 256)
+    assert autotune.apart(b, a) == pytest.approx(2 * 9 / 256)
+
+
+def test_the_summary_names_the_cells_below_by_more_than_chance(autotune: Any) -> None:
+    # Cell 4 workers: auto 1% behind today in every round, a consistent
+    # loss.  Cell 16: auto far behind in four rounds of eight and ahead in
+    # the others, a large but even spread.  Only the first is flagged,
+    # though the second's median ratio is lower.
+    eight = [100.0] * 8
+    rows = _rows({"auto": [99.0] * 8, "today": eight})
+    rows += [dict(r, workers=16) for r in _rows({"auto": [70.0] * 4 + [101.0] * 4,
+                                                  "today": eight})]
+    _, summary = autotune.table(rows, ["auto", "today"])
+    tests = summary["sign_tests"]
+    assert tests["cells_tested"] == {"0.9_best": 2, "today": 2}
+    assert tests["cells_significantly_below"] == {"0.9_best": 0, "today": 1}
+    assert tests["significantly_below"]["today"] == [
+        "null, 2 CPUs, 4 workers: 8 of 8 rounds below today, p 0.004"]
+    assert summary["cells_auto_at_least_today"] == 0
+    # The same-setting check: today and nospin apart in every round.
+    cells = {("null", 2, 4): {"today": 100.0, "nospin": 90.0}}
+    windows = {("null", 2, 4): {"today": eight, "nospin": [90.0] * 8}}
+    assert autotune.noise(cells, windows)["cells_apart_by_sign_test"] == 1
+    windows[("null", 2, 4)]["nospin"] = [90.0, 110.0] * 4
+    assert autotune.noise(cells, windows)["cells_apart_by_sign_test"] == 0
+
+
+def test_summarize_reads_a_committed_grid(autotune: Any, tmp_path: Path,
+                                          capsys: Any) -> None:
+    import json
+
+    windows = {"auto": [99.0] * 8, "today": [100.0] * 8}
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"experiment": "grid", "args": {"settings": ["auto", "today"]},
+                                "rows": _rows(windows)}))
+    assert autotune.main(["--summarize", str(grid)]) == 0
+    out = capsys.readouterr().out
+    assert "| null | 2 | 4 | **99** | 100 |" in out
+    assert json.loads(out[out.index("{"):])["sign_tests"]["cells_significantly_below"] == {
+        "0.9_best": 0, "today": 1}
+    timeline = tmp_path / "timeline.json"
+    timeline.write_text(json.dumps({"experiment": "timeline"}))
+    assert autotune.main(["--summarize", str(timeline)]) == 2
+
+
 def _busy_loops() -> list[int]:
     """Busy loops of the timeline still running."""
     return [pid for pid, cmd in command_lines() if cmd[1:3] == BUSY_LOOP]
