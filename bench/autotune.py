@@ -748,6 +748,12 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def print_grid(text: str, summary: Dict[str, Any]) -> None:
+    print(text)
+    print()
+    print(json.dumps(summary, indent=1))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
     if args.summarize:
@@ -757,10 +763,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{args.summarize} holds no grid (experiment "
                   f"{grid.get('experiment')!r})", file=sys.stderr)
             return 2
-        text, summary = table(grid["rows"], grid["args"]["settings"])
-        print(text)
-        print()
-        print(json.dumps(summary, indent=1))
+        print_grid(*table(grid["rows"], grid["args"]["settings"]))
         return 0
     if args.ncpu is not None:  # a child: this CPU count's part of the grid
         write_json(args.rows_out, run_grid(args))
@@ -803,9 +806,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 rows += json.load(f)
         text, summary = table(rows, args.settings)
         print()
-        print(text)
-        print()
-        print(json.dumps(summary, indent=1))
+        print_grid(text, summary)
         out = {"experiment": "grid", "machine": machine_info(),
                "args": {k: v for k, v in vars(args).items() if k not in ("net", "rows_out")},
                "rows": rows, "summary": summary, "table": text}
