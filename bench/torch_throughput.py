@@ -42,7 +42,8 @@ must match the net's, called in this process, within 1e-4.
 
 The servers (queue, torchrl, shmeval) and each local worker run PyTorch
 with one intra-op thread (--threads): the cores are shared with the
-workers.  shmeval runs with its defaults: TorchModel serves the net traced
+workers.  --threads 0 leaves each its default instead (PyTorch's, one
+per core; TorchModel's "auto").  shmeval runs with its defaults: TorchModel serves the net traced
 and frozen (freeze="auto") and the evaluator's tuner chooses its serving
 threads and batch wait (--serving-threads fixes the threads); the tuner's
 final choice is printed after the run.  --device runs the servers' and the
@@ -174,7 +175,8 @@ def torchmodel_factory(cfg: NetConfig, weights: Weights, device: str, threads: O
     import_torch(threads)
     from shmeval.backends.torch import TorchModel
 
-    return TorchModel(build_net(cfg, weights, device), device=device, freeze=freeze)
+    return TorchModel(build_net(cfg, weights, device), device=device, freeze=freeze,
+                      intra_op_threads=threads or "auto")
 
 
 def torchrl_policy(cfg: NetConfig, weights: Weights, device: str, threads: Optional[int]) -> Any:
@@ -771,7 +773,9 @@ def add_arguments(parser: argparse.ArgumentParser, workers: str, seconds: float,
                         help="batch limit of the servers (default 256)")
     parser.add_argument("--threads", type=int, default=1,
                         help="PyTorch intra-op threads of every process that runs the net "
-                             "(default 1; 0: PyTorch's default, one per core)")
+                             "(default 1; 0: each one's default: PyTorch's, one per core, "
+                             "and TorchModel's \"auto\", the CPUs split between its calls "
+                             "in flight)")
     parser.add_argument("--filters", type=int, default=32, help="conv filters (default 32)")
     parser.add_argument("--layers", type=int, default=3, help="3x3 conv layers (default 3)")
     parser.add_argument("--torchrl-transport", choices=TORCHRL_TRANSPORTS,

@@ -23,6 +23,7 @@ suite does not load it into the pytest process (other tests fork).
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from typing import Any
@@ -348,6 +349,37 @@ def _answers_match(tm: Any, net: Any, x: np.ndarray) -> None:
     expect = reference(net)(x)
     for k in OUTPUTS:
         np.testing.assert_allclose(tm(x)[k], expect[k], rtol=1e-5, atol=1e-6)
+
+
+def test_intra_op_threads(torch: Any, backend: Any) -> None:
+    """"auto" splits this process's CPUs between the calls that may be in
+    flight, at prepare (frozen: two; unfrozen: one, also where freezing
+    was tried and failed); an int sets them at construction; None leaves
+    PyTorch's setting; anything else is refused."""
+    cpus = len(os.sched_getaffinity(0))
+    spec = Spec.build(INPUT_SHAPE, F32, OUTPUTS, 8, 1, 1)
+    before = torch.get_num_threads()
+    try:
+        # The named tuple's frozen trace answers as a plain tuple: unfrozen.
+        for outputs, freeze, calls in (("dict", "auto", 2), ("named", "auto", 1),
+                                       ("dict", False, 1)):
+            want = max(1, cpus // calls)
+            torch.set_num_threads(want + 3)
+            tm = backend.TorchModel(pv_net(1, outputs), freeze=freeze)
+            assert torch.get_num_threads() == want + 3
+            tm.prepare(spec, None)
+            assert tm.max_concurrency == calls, tm.freeze_reason
+            assert torch.get_num_threads() == want
+        torch.set_num_threads(5)
+        backend.TorchModel(pv_net(1), intra_op_threads=None).prepare(spec, None)
+        assert torch.get_num_threads() == 5
+        backend.TorchModel(pv_net(1), intra_op_threads=3)
+        assert torch.get_num_threads() == 3
+        for bad in (0, "many", 1.5):
+            with pytest.raises(ValueError, match="intra_op_threads"):
+                backend.TorchModel(pv_net(1), intra_op_threads=bad)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_frozen_on_the_cpu(torch: Any, backend: Any) -> None:

@@ -246,8 +246,13 @@ class TorchModel:
     as many ``serving_threads``, so that one batch is copied to the GPU
     while the previous one computes (a thread beyond them builds a lane
     of its own at its first call, while serving, with a warning).
-    ``intra_op_threads``: ``torch.set_num_threads`` for the CPU (a
-    process-wide setting; None leaves PyTorch's default, one per core).
+    ``intra_op_threads``: ``torch.set_num_threads``, a process-wide
+    setting.  ``"auto"`` (the default; on the CPU only, at ``prepare``):
+    the CPUs this process may use split between the calls that may be in
+    flight (``max_concurrency``), as ``TFModel`` does: one thread each on
+    2 CPUs with two serving threads, where PyTorch's own default (one per
+    core for every call) puts two threads of each call on every core.  An
+    int sets that many at once; None leaves PyTorch's default.
 
     After ``prepare``: ``compile_count`` (graphs ``torch.compile``
     produced; constant while serving), ``graph_captures`` (CUDA graphs
@@ -266,7 +271,7 @@ class TorchModel:
     def __init__(self, module_or_path: Any, *, device: Union[None, str, Any] = None,
                  compile: Union[bool, str] = False, cuda_graphs: Optional[bool] = None,
                  dtype: Union[None, str, Any] = None, buckets: Optional[Sequence[int]] = None,
-                 lanes: int = 2, intra_op_threads: Optional[int] = None,
+                 lanes: int = 2, intra_op_threads: Union[int, str, None] = "auto",
                  freeze: Union[bool, str] = "auto") -> None:
         if freeze not in (True, False, "auto"):
             raise ValueError(f"TorchModel(freeze=...) must be True, False or 'auto', "
@@ -287,8 +292,13 @@ class TorchModel:
         if type(lanes) is not int or lanes < 1:
             raise ValueError(f"TorchModel lanes must be a positive int, got {lanes!r}")
         self.lanes = lanes
-        if intra_op_threads is not None:
-            torch.set_num_threads(int(intra_op_threads))
+        if intra_op_threads is not None and intra_op_threads != "auto" and (
+                type(intra_op_threads) is not int or intra_op_threads < 1):
+            raise ValueError(f"TorchModel intra_op_threads must be a positive int, 'auto' or "
+                             f"None, got {intra_op_threads!r}")
+        self.intra_op_threads = intra_op_threads
+        if type(intra_op_threads) is int:
+            torch.set_num_threads(intra_op_threads)
         self.buckets = own_buckets(buckets, "TorchModel")
         self.compile: Union[bool, str] = compile
         self.module = _load(module_or_path, self.device)
@@ -767,7 +777,14 @@ class TorchModel:
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, getattr(config, name) + len(sizes or ()))
-        self._try_freeze(sizes)
+        if self.intra_op_threads == "auto" and self.device.type == "cpu":
+            # Timed as it will serve: as if frozen (two calls in flight),
+            # then for what serves.
+            self._split_cpus(2 if self.freeze else 1)
+            self._try_freeze(sizes)
+            self._split_cpus(self.max_concurrency)
+        else:
+            self._try_freeze(sizes)
         warm = sizes or tuple(sorted({1, spec.max_batch}))
         if self.device.type == "cuda":
             self._thread.lane = None
@@ -784,6 +801,14 @@ class TorchModel:
             self._thread.lane = None
         self.warmup_s = time.perf_counter() - t0
         return None if buckets else sizes
+
+    @staticmethod
+    def _split_cpus(calls: int) -> None:
+        """intra_op_threads="auto": this process's CPUs split between
+        ``calls`` calls in flight."""
+        threads = max(1, len(os.sched_getaffinity(0)) // calls)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     def _warm_up(self, rows: int) -> None:
         """Runs a batch of zeros through ``__call__`` and checks the exact
