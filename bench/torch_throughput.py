@@ -43,8 +43,9 @@ must match the net's, called in this process, within 1e-4.
 The servers (queue, torchrl, shmeval) and each local worker run PyTorch
 with one intra-op thread (--threads): the cores are shared with the
 workers.  --threads 0 leaves each its default instead (PyTorch's, one
-per core; TorchModel's "auto").  shmeval runs with its defaults: TorchModel serves the net traced
-and frozen (freeze="auto") and the evaluator's tuner chooses its serving
+per core; TorchModel's "auto").  shmeval runs with its defaults:
+TorchModel serves the net traced and frozen (freeze="auto") and the
+evaluator's tuner chooses its serving
 threads and batch wait (--serving-threads fixes the threads); the tuner's
 final choice is printed after the run.  --device runs the servers' and the
 local workers' nets on another device (bench/gpu.py drives this on a GPU).

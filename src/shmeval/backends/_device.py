@@ -36,6 +36,12 @@ def cpu_bfloat16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def threads_per_call(calls: int) -> int:
+    """The CPUs this process may use split between ``calls`` model calls in
+    flight (at least one each): the backends' intra-op threads "auto"."""
+    return max(1, len(os.sched_getaffinity(0)) // calls)
+
+
 def gpu_visible(driver_gpus: str = "/proc/driver/nvidia/gpus") -> bool:
     """Whether TensorFlow would find an NVIDIA GPU here: the driver lists
     one (in ``driver_gpus``) and ``CUDA_VISIBLE_DEVICES`` does not hide them

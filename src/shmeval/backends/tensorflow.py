@@ -39,6 +39,7 @@ from ..spec import OutputSpec, Spec
 from ._contract import (PathLike, Refold, best_ns, castable, check_warm_outputs,
                         checked_weights, match_outputs, needs_reshape, npz_weights, own_buckets,
                         serving_sizes)
+from ._device import threads_per_call
 
 
 def configure(memory_growth: bool = True, memory_limit_mb: Optional[int] = None,
@@ -87,10 +88,9 @@ def _auto_threads(concurrency: int) -> None:
     and the CPUs this process may use split between those calls for each
     call's ops.  Applied only while TensorFlow has not initialised (a model
     built before TFModel was made did that: then its settings stay)."""
-    cpus = len(os.sched_getaffinity(0))
     for setter, n in ((tf.config.threading.set_inter_op_parallelism_threads, concurrency),
                       (tf.config.threading.set_intra_op_parallelism_threads,
-                       max(1, cpus // concurrency))):
+                       threads_per_call(concurrency))):
         try:
             setter(n)
         except (RuntimeError, ValueError):

@@ -55,6 +55,7 @@ from ..spec import Spec
 from ._contract import (PathLike, Refold, best_ns, castable, check_warm_outputs,
                         checked_weights, match_outputs, needs_reshape, npz_weights, own_buckets,
                         pow2_buckets, serving_sizes)
+from ._device import threads_per_call
 
 #: Autocast dtypes ``dtype=`` accepts.
 _AUTOCAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -777,14 +778,12 @@ class TorchModel:
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, getattr(config, name) + len(sizes or ()))
-        if self.intra_op_threads == "auto" and self.device.type == "cpu":
-            # Timed as it will serve: as if frozen (two calls in flight),
-            # then for what serves.
+        auto_threads = self.intra_op_threads == "auto" and self.device.type == "cpu"
+        if auto_threads:  # timed as it will serve: as if frozen (two calls in flight)
             self._split_cpus(2 if self.freeze else 1)
-            self._try_freeze(sizes)
+        self._try_freeze(sizes)
+        if auto_threads:  # then for what serves
             self._split_cpus(self.max_concurrency)
-        else:
-            self._try_freeze(sizes)
         warm = sizes or tuple(sorted({1, spec.max_batch}))
         if self.device.type == "cuda":
             self._thread.lane = None
@@ -806,7 +805,7 @@ class TorchModel:
     def _split_cpus(calls: int) -> None:
         """intra_op_threads="auto": this process's CPUs split between
         ``calls`` calls in flight."""
-        threads = max(1, len(os.sched_getaffinity(0)) // calls)
+        threads = threads_per_call(calls)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
