@@ -46,7 +46,7 @@ workers.  --threads 0 leaves each its default instead (PyTorch's, one
 per core; TorchModel's "auto").  shmeval runs with its defaults:
 TorchModel serves the net traced and frozen (freeze="auto") and the
 evaluator's tuner chooses its serving
-threads and batch wait (--serving-threads fixes the threads); the tuner's
+threads and batch wait (--serving-threads and --max-wait-us fix them); the tuner's
 final choice is printed after the run.  --device runs the servers' and the
 local workers' nets on another device (bench/gpu.py drives this on a GPU).
 
@@ -594,7 +594,8 @@ class ShmevalRun(MethodRun):
             input_shape=STATE_SHAPE, outputs={"policy": ((POLICY_SIZE,), "float32"),
                                               "value": ((), "float32")},
             max_batch=self.args.max_batch, max_clients=self.n_workers + 8,
-            serving_threads=self.args.serving_threads)
+            serving_threads=self.args.serving_threads,
+            max_wait_us=getattr(self.args, "max_wait_us", "auto"))
         self.server_pid = self.evaluator.pid
         return {"evaluator": self.evaluator}
 
@@ -812,6 +813,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--serving-threads", default="auto",
                         help="shmeval's serving threads: auto (the default: the tuner "
                              "decides) or a number")
+    parser.add_argument("--max-wait-us", default="auto",
+                        help="shmeval's wait for a fuller batch: auto (the default: the "
+                             "tuner decides) or microseconds (0: greedy)")
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     if args.serving_threads != "auto":
@@ -820,6 +824,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ValueError:
             parser.error(f"--serving-threads must be auto or a number, got "
                          f"{args.serving_threads!r}")
+    if args.max_wait_us != "auto":
+        try:
+            args.max_wait_us = float(args.max_wait_us)
+        except ValueError:
+            parser.error(f"--max-wait-us must be auto or a number, got {args.max_wait_us!r}")
     args.freeze = {"auto": "auto", "true": True, "false": False}[args.freeze]
     if args.quick:
         args.seconds, args.repeats, args.warmup = 1.5, 1, 20

@@ -33,3 +33,28 @@ def test_torch_throughput_script_runs(tmp_path: Path) -> None:
     assert set(result["targets"]) == {"shmeval/torchrl evals/s", "shmeval/queue evals/s",
                                       "shmeval/local evals/s", "worker RSS local/shmeval"}
     assert "targets at 2 workers (reported, not enforced):" in stdout
+
+
+@pytest.mark.timeout(200)
+def test_torch_throughput_fixes_the_wait_and_threads_on_request(tmp_path: Path) -> None:
+    out = tmp_path / "fixed.json"
+    run_bench("torch_throughput.py", "--methods", "shmeval", "--workers", "1", "--seconds",
+              "0.2", "--repeats", "1", "--warmup", "3", "--max-batch", "8",
+              "--serving-threads", "1", "--max-wait-us", "40", "--json", str(out), timeout=180)
+    tuner = json.loads(out.read_text())["runs"][0]["evaluator_stats"]["tuner"]
+    assert tuner["max_wait_us"] == pytest.approx(40.0), tuner
+    assert tuner["why_wait"] == "max_wait_us set by the caller", tuner
+    assert tuner["serving_threads"] == 1, tuner
+
+
+def test_torch_throughput_refuses_a_wait_that_is_not_a_number() -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "bench", "torch_throughput.py")
+    r = subprocess.run([sys.executable, script, "--max-wait-us", "soon"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--max-wait-us must be auto or a number, got 'soon'" in r.stderr
