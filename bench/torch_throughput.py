@@ -802,6 +802,19 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _auto_or(number: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: "auto", or a number that ``number`` reads."""
+    def parse(text: str) -> Any:
+        if text == "auto":
+            return text
+        try:
+            return number(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be auto or a number, got {text!r}") \
+                from None
+    return parse
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     add_arguments(parser, "16", 4.0, 3)
@@ -810,25 +823,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--freeze", choices=("auto", "true", "false"), default="auto",
                         help="TorchModel's freeze (default auto: the net serves traced and "
                              "frozen on the CPU)")
-    parser.add_argument("--serving-threads", default="auto",
+    parser.add_argument("--serving-threads", type=_auto_or(int), default="auto",
                         help="shmeval's serving threads: auto (the default: the tuner "
                              "decides) or a number")
-    parser.add_argument("--max-wait-us", default="auto",
+    parser.add_argument("--max-wait-us", type=_auto_or(float), default="auto",
                         help="shmeval's wait for a fuller batch: auto (the default: the "
                              "tuner decides) or microseconds (0: greedy)")
     args = parser.parse_args(argv)
     check_arguments(parser, args)
-    if args.serving_threads != "auto":
-        try:
-            args.serving_threads = int(args.serving_threads)
-        except ValueError:
-            parser.error(f"--serving-threads must be auto or a number, got "
-                         f"{args.serving_threads!r}")
-    if args.max_wait_us != "auto":
-        try:
-            args.max_wait_us = float(args.max_wait_us)
-        except ValueError:
-            parser.error(f"--max-wait-us must be auto or a number, got {args.max_wait_us!r}")
     args.freeze = {"auto": "auto", "true": True, "false": False}[args.freeze]
     if args.quick:
         args.seconds, args.repeats, args.warmup = 1.5, 1, 20
