@@ -21,7 +21,10 @@ calls it:
 
 Each figure is the median of --rounds rounds of --calls calls, the styles
 and batch sizes interleaved within a round, so that a disturbance of the
-machine falls on all of them alike.
+machine falls on all of them alike.  Then, at each batch size, calls of
+`served` alternate with calls of the frozen form it serves that size
+with (as many as the table's calls of one figure): the difference of
+their medians is what TorchModel itself adds to a call.
 
     python bench/torch_model_cost.py
     python bench/torch_model_cost.py --batches 1,2,4,8,16,32 --threads 1 --compile
@@ -104,7 +107,38 @@ def main() -> int:
             us = statistics.median(times[s, b])
             cells.append(f"{us:,.0f} ({us / b:,.0f})")
         print(f"| {s} | " + " | ".join(cells) + " |")
+    added = own_cost(torch, served, xs, args.rounds * args.calls)
+    print("TorchModel's own cost per call (served against the form it calls for that batch, "
+          "alternating call by call; median µs, the difference of the medians): "
+          + ", ".join(f"{b} row{'s' if b > 1 else ''} {a:,.0f} - {f:,.0f} = {a - f:+,.0f}"
+                      for b, (a, f) in added.items()))
     return 0
+
+
+def own_cost(torch: Any, served: Any, xs: Dict[int, Any],
+             calls: int) -> Dict[int, tuple[float, float]]:
+    """Per batch size, the median µs of a call of ``served`` (a prepared
+    TorchModel, given an ndarray) and of the frozen form it calls for that
+    size (given the tensor), timed in pairs, alternating: what TorchModel
+    itself adds (its checks, inference mode, the conversions to and from
+    arrays), without the block ordering of the table, whose styles run one
+    after another each with its own copy of the weights."""
+    out = {}
+    with torch.inference_mode():
+        for b, x in xs.items():
+            small = served._small is not None and b <= served.own_conv_rows
+            form = served._small if small else served._forward
+            batch = x.numpy()
+            pairs: Dict[str, List[int]] = {"served": [], "form": []}
+            for i in range(calls + 10):
+                for name, call in (("served", lambda: served(batch)), ("form", lambda: form(x))):
+                    t = time.perf_counter_ns()
+                    call()
+                    if i >= 10:  # the first calls warm both up
+                        pairs[name].append(time.perf_counter_ns() - t)
+            out[b] = (statistics.median(pairs["served"]) / 1e3,
+                      statistics.median(pairs["form"]) / 1e3)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """bench/torch_model_cost.py runs and prints one row per style with a
-figure for each batch size asked for.  No timed assertions."""
+figure for each batch size asked for, and TorchModel's own cost per call
+at each.  No timed assertions."""
 from __future__ import annotations
 
 import os
@@ -26,3 +27,8 @@ def test_prints_every_style_and_batch() -> None:
     for cells in rows.values():
         figures = cells.split(" | ")
         assert len(figures) == 2 and all(re.fullmatch(r"[\d,]+ \([\d,]+\)", f) for f in figures)
+    own = re.search(r"^TorchModel's own cost per call .*: (.*)$", r.stdout, re.M)
+    assert own is not None, r.stdout[-3000:]
+    sizes = [re.fullmatch(r"(\d+) rows? [\d,]+ - [\d,]+ = [+-][\d,]+", part)
+             for part in own.group(1).split(", ")]
+    assert [m.group(1) for m in sizes if m] == ["1", "3"], own.group(1)
