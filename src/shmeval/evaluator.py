@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from . import _ring, segment
+from ._util.main_script import unreachable_reason
 from .client import Client, check_spin_us
 from .errors import EvaluatorDied, ModelError, ShmevalError, exception_text
 from .spec import OutputsLike, ShapeLike, Spec
@@ -771,6 +772,9 @@ class Evaluator(Client):
         _check_not_bootstrapping("Evaluator.spawn()")
         if mp_context != "fork":
             _check_picklable(factory)
+            why = unreachable_reason(factory, mp_context)
+            if why:
+                raise TypeError(f"the evaluator process cannot find its factory: {why}")
         devs = _replica_devices(replicas, devices)
         spec, policy = _configure(input_shape, input_dtype, outputs, max_batch, max_wait_us,
                                   buckets, max_clients, slots_per_client, evaluator_spin_us,
