@@ -190,6 +190,17 @@ def test_a_model_that_fails_at_start_up(torch: Any, backend: Any) -> None:
     assert not own_segments()
 
 
+def test_an_exported_program_of_one_batch_size(torch: Any, backend: Any) -> None:
+    """Exported without a dynamic batch dimension, a program runs one batch
+    size only: the start-up error says how to export it."""
+    ep = torch.export.export(pv_net(6, "dict"), (torch.zeros(2, *INPUT_SHAPE),))
+    with pytest.raises(shmeval.ModelError, match=r"batch of 1 zero states: .*export it with a "
+                                                 r"dynamic batch dimension: .*dynamic_shapes"):
+        shmeval.Evaluator(backend.TorchModel(ep), input_shape=INPUT_SHAPE, outputs=OUTPUTS,
+                          max_batch=8)
+    assert not own_segments()
+
+
 def test_bad_arguments(torch: Any, backend: Any, tmp_path: Any) -> None:
     m = pv_net(0)
     with pytest.raises(ValueError, match="is not available here"):

@@ -819,8 +819,13 @@ class TorchModel:
         except ModelError:
             raise
         except Exception as e:
+            hint = ""
+            if isinstance(self.module, torch.fx.GraphModule):
+                hint = (" (an exported program runs only the shapes it was exported for; "
+                        "export it with a dynamic batch dimension: torch.export.export(net, "
+                        "(example,), dynamic_shapes=({0: torch.export.Dim('batch')},)))")
             raise ModelError(f"the model failed on a batch of {rows} zero states: "
-                             f"{type(e).__name__}: {e}") from e
+                             f"{type(e).__name__}: {e}{hint}") from e
         check_warm_outputs(out, self.spec, rows)
 
     def _lane(self) -> _Lane:
