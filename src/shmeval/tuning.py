@@ -858,6 +858,8 @@ class ServingTuner:
         self.paused = False
         self.turns = threading.Condition()
         self.stopped = False
+        if board is not None:  # stats() shows the tuner from the start, measuring
+            board.write(self.tuner.report())
 
     @property
     def decision(self) -> Decision:

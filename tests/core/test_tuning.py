@@ -998,6 +998,19 @@ def test_stats_show_the_tuner() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_the_tuner_shows_from_the_start() -> None:
+    """Before any request: the report is there, measuring."""
+    ev = shmeval.Evaluator.spawn(fake_factory, input_shape=INPUT_SHAPE, outputs=OUTPUTS)
+    try:
+        t = ev.stats()["tuner"]
+        assert t["phase"] == "measuring" and t["why_wait"].startswith("measuring"), t
+    finally:
+        ev.close()
+    with shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE, outputs=OUTPUTS) as ev:
+        assert ev.stats()["tuner"]["phase"] == "measuring"
+
+
+@pytest.mark.timeout(60)
 def test_every_reader_of_the_segment_sees_the_tuner() -> None:
     """The report is in the segment: a worker's handle and ``shmeval stats
     ADDRESS``, in other processes, have it as the owner does."""
