@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from . import _ring, segment
-from ._util.main_script import unreachable_reason
+from ._main_script import unreachable_reason
 from .client import Client, check_spin_us
 from .errors import EvaluatorDied, ModelError, ShmevalError, exception_text
 from .spec import OutputsLike, ShapeLike, Spec

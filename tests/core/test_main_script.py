@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shmeval._util.main_script import defined_only_under_main_guard, unreachable_reason
+from shmeval._main_script import defined_only_under_main_guard, unreachable_reason
 
 GUARDED = '''
 import os
