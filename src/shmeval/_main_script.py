@@ -69,13 +69,16 @@ def _walk_level(node: ast.AST) -> Iterator[ast.AST]:
 def defined_only_under_main_guard(source: str, name: str) -> bool:
     """Whether module ``source`` binds ``name`` at its top level only inside
     an ``if __name__ == "__main__":`` block.  False when it binds it outside
-    one as well, not at all, or the source does not parse."""
+    one as well (or may, through a star import), not at all, or the source
+    does not parse."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return False
-    where = {guarded for bound, guarded in _bound(tree.body) if bound == name}
-    return where == {True}
+    bound = list(_bound(tree.body))
+    if ("*", False) in bound:  # a star import may bind it anywhere
+        return False
+    return {guarded for n, guarded in bound if n == name} == {True}
 
 
 def unreachable_reason(obj: Any, start_method: str) -> Optional[str]:

@@ -40,6 +40,7 @@ def test_names_bound_only_under_the_guard(name: str) -> None:
     'if "__main__" == __name__:\n    pass\nelse:\n    def factory():\n        pass\n',
     "def main():\n    def factory():\n        pass\n",                  # not a top-level name
     'if __name__ != "__main__":\n    def factory():\n        pass\n',
+    GUARDED.replace("import os", "from os.path import *"),             # may bind it
     "def factory(:\n",                                                  # does not parse
     "",
 ])
