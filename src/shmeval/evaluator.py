@@ -772,7 +772,7 @@ class Evaluator(Client):
         _check_not_bootstrapping("Evaluator.spawn()")
         if mp_context != "fork":
             _check_picklable(factory)
-            why = unreachable_reason(factory, mp_context)
+            why = unreachable_reason(factory, mp.get_context(mp_context).get_start_method())
             if why:
                 raise TypeError(f"the evaluator process cannot find its factory: {why}")
         devs = _replica_devices(replicas, devices)

@@ -9,6 +9,7 @@ unpickling it with only multiprocessing's AttributeError on stderr."""
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -94,6 +95,9 @@ if __name__ == "__main__":
     ("guarded", "functools.partial(factory)", "", "defined inside the `if __name__"),
     ("top", "factory", "", "value 1.0"),
     ("guarded", "factory", ", mp_context='fork'", "value 1.0"),
+    # None: the platform's default start method, fork on Linux before 3.14
+    ("guarded", "factory", ", mp_context=None",
+     "value 1.0" if mp.get_context(None).get_start_method() == "fork" else "defined inside"),
 ])
 def test_a_factory_under_the_main_guard(tmp_path: Path, where: str, factory: str, context: str,
                                         says: str) -> None:
