@@ -58,7 +58,12 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """Runs Python with ``args``; asserts it left no segment of its own."""
     with subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, cwd=tmp_path) as p:
-        out, err = p.communicate(timeout=120)
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
     assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"shmeval-{p.pid}-")]
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
