@@ -15,6 +15,12 @@ on one GPU, under 8) and to write one JSON file.
    of the window the GPU was busy (NVML's utilisation, sampled every 50
    ms; nvidia-smi when the NVML module is missing).
 
+A method that fails (out of memory with 64 contexts, say) does not end
+the run: its error goes into its entry of "runs" and the next method
+starts.  The JSON file is written after the model-alone phase and after
+each method (with "partial": true), then whole at the end, so a run cut
+short on a borrowed GPU keeps what it measured.
+
     python bench/gpu.py --json bench/results/gpu-h200.json
     python bench/gpu.py --device cpu --workers 2 --seconds 0.5 --repeats 1 \\
         --batches 1,8,64 --json /tmp/gpu-cpu.json        # the same code on the CPU
@@ -279,11 +285,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     machine = machine_info(torch=("torch",), torchrl=("torchrl",), tensordict=("tensordict",))
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
     began = time.monotonic()
+
+    def save(**parts: Any) -> None:
+        """What is measured so far, in the JSON file (``partial``): the one
+        run on a borrowed GPU keeps what it got if a later phase fails."""
+        if args.json:
+            write_json(args.json, {"machine": machine, "net": vars(cfg), "config": vars(args),
+                                   "partial": True, **parts})
+
     try:
         sweep, model_info = model_alone(args, cfg, weights)
         print(f"device: {model_info['device_name']}, torch {model_info['torch']}, "
               f"CUDA graphs {model_info['cuda_graphs']}")
-        trials, runs = measure(args, cfg, weights, GpuProbe(args.device))
+        save(device=model_info, model_alone=sweep)
+        # One method failing (out of memory with 64 contexts, say) leaves
+        # the others' figures: it is recorded in its run entry.
+        trials, runs = measure(args, cfg, weights, GpuProbe(args.device), keep_going=True,
+                               after=lambda trials, runs: save(device=model_info,
+                                                                model_alone=sweep,
+                                                                trials=trials, runs=runs))
     except KeyboardInterrupt:
         return 130
     elapsed = time.monotonic() - began

@@ -631,9 +631,15 @@ def verify(method: str, check: Any, ref: dict[str, np.ndarray]) -> dict[str, Any
 
 
 def measure(args: argparse.Namespace, cfg: NetConfig, weights: Weights,
-            probe: Optional[Probe] = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+            probe: Optional[Probe] = None, keep_going: bool = False,
+            after: Optional[Callable[[list[dict[str, Any]], list[dict[str, Any]]], None]] = None
+            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every method at every worker count: (trials, runs), printing a line
-    per window.  Any error stops every process of the run in progress."""
+    per window.  Any error stops every process of the run in progress and
+    is raised; with ``keep_going`` an error of a method (not an interrupt)
+    is kept in its run's entry instead (``error``, ``traceback``; the
+    windows it finished stay in the trials) and the next method starts.
+    ``after(trials, runs)`` is called once each method is done."""
     probe = probe or Probe()
     ref = reference(cfg, weights)
     trials: list[dict[str, Any]] = []
@@ -657,6 +663,18 @@ def measure(args: argparse.Namespace, cfg: NetConfig, weights: Weights,
                           + (f"  mean batch {t['mean_batch']:.1f}" if t["mean_batch"] else "")
                           + f"  other load {t['cpu_s_other'] / t['seconds']:.2f} cores",
                           file=sys.stderr)
+            except Exception as e:
+                run.stop(abort=True)
+                if not keep_going:
+                    raise
+                print(f"error: {method} x{n_workers}: {type(e).__name__}: {e}; going on with "
+                      "the next method", file=sys.stderr)
+                runs.append({"method": method, "workers": n_workers,
+                             "error": f"{type(e).__name__}: {e}",
+                             "traceback": traceback.format_exc()[-4000:]})
+                if after is not None:
+                    after(trials, runs)
+                continue
             except BaseException:
                 run.stop(abort=True)
                 raise
@@ -673,6 +691,8 @@ def measure(args: argparse.Namespace, cfg: NetConfig, weights: Weights,
                       file=sys.stderr)
             runs.append(info)
             gc.collect()  # finalises the run's queues and pipes now
+            if after is not None:
+                after(trials, runs)
     return trials, runs
 
 

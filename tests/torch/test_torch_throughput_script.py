@@ -57,3 +57,46 @@ def test_torch_throughput_refuses_a_wait_that_is_not_a_number() -> None:
                        text=True, timeout=60)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "argument --max-wait-us: must be auto or a number, got 'soon'" in r.stderr
+
+
+class _FailingRun:
+    """A method whose start fails, as a server out of GPU memory would."""
+
+    def __init__(self, *args: object) -> None:
+        pass
+
+    def start(self) -> None:
+        raise RuntimeError("CUDA out of memory (made up)")
+
+    def stop(self, abort: bool = False) -> list[str]:
+        return []
+
+
+@pytest.mark.timeout(120)
+def test_measure_keeps_going_past_a_failing_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/gpu.py's one run on a borrowed GPU keeps the other methods'
+    figures when one method fails: measure(keep_going=True) records the
+    error in that run's entry and calls ``after`` as each method ends;
+    without keep_going the error is raised."""
+    import argparse
+    import sys
+
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import torch_throughput as tt
+    finally:
+        sys.path.remove(bench)
+    monkeypatch.setitem(tt.RUNS, "queue", _FailingRun)
+    args = argparse.Namespace(workers=[1], methods=["queue"], repeats=1, seconds=0.1)
+    cfg = tt.NetConfig(filters=4, layers=1)
+    weights = tt.make_weights(cfg)
+    seen: list[int] = []
+    trials, runs = tt.measure(args, cfg, weights, keep_going=True,
+                              after=lambda trials, runs: seen.append(len(runs)))
+    assert trials == [] and seen == [1]
+    assert runs[0]["method"] == "queue" and runs[0]["workers"] == 1
+    assert runs[0]["error"] == "RuntimeError: CUDA out of memory (made up)"
+    assert "Traceback" in runs[0]["traceback"]
+    with pytest.raises(RuntimeError, match="made up"):
+        tt.measure(args, cfg, weights)
