@@ -17,6 +17,7 @@ about 60-90 s on 2 cores.
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -239,6 +240,25 @@ def test_bad_arguments_fail_before_anything_is_placed(cluster: Any) -> None:
         ClusterEvaluator(cluster_parts.pid_net, name="bad-value",
                          **{**SPEC, "max_batch": 0})
     wait_for("the actors to go", lambda: not left_behind("bad-value"))
+
+
+def _driver_factory() -> Any:
+    return cluster_parts.pid_net()
+
+
+def test_a_factory_of_the_driver_script_is_refused(cluster: Any) -> None:
+    """Defined in the driver's script, a factory reaches each node's actor
+    but not the evaluator process it starts: refused, saying where to put
+    it, before anything is placed (Ray pickles a test module's function
+    by reference, so the test makes this one look like the script's)."""
+    factory = functools.partial(_driver_factory)
+    _driver_factory.__module__ = "__main__"
+    try:
+        with pytest.raises(TypeError, match="defined in the driver's script .*py_modules"):
+            ClusterEvaluator(factory, name="driver", **SPEC)
+    finally:
+        _driver_factory.__module__ = __name__
+    assert not left_behind("driver")
 
 
 def test_a_name_in_use_is_refused(cluster: Any) -> None:

@@ -12,6 +12,7 @@ through shared memory and never through Ray.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -112,6 +113,25 @@ class ClusterHandle:
                 _clients.pop(key).close()
 
 
+def _check_not_in_driver_script(factory: Callable[..., Any], mp_context: Optional[str]) -> None:
+    """A factory defined in the driver's script reaches each node's actor
+    (Ray pickles it by value), but the evaluator process the actor starts
+    (forkserver by default) finds it by name in an importable module, and
+    no process of a node imports the driver's script."""
+    if mp_context == "fork":
+        return
+    func = factory
+    while isinstance(func, functools.partial):
+        func = func.func
+    if getattr(func, "__module__", None) == "__main__":
+        name = getattr(func, "__qualname__", repr(func))
+        raise TypeError(
+            f"the factory {name!r} is defined in the driver's script (__main__), which the "
+            f"nodes' evaluator processes cannot import: define it in a module they can import "
+            f"(a .py file beside the script, imported here; on a cluster, shipped with "
+            f"ray.init(runtime_env={{'py_modules': [...]}}) or working_dir)")
+
+
 class ClusterEvaluator:
     """One shmeval evaluator per Ray node, each serving that node's workers
     through shared memory.  Create it in the driver after ``ray.init()``;
@@ -138,6 +158,7 @@ class ClusterEvaluator:
                  **evaluator_kwargs: Any) -> None:
         # Unknown or missing arguments fail here, before anything is placed.
         inspect.signature(Evaluator.spawn).bind(factory, **evaluator_kwargs)
+        _check_not_in_driver_script(factory, evaluator_kwargs.get("mp_context"))
         if not ray.is_initialized():
             raise ShmevalError("ClusterEvaluator needs a Ray cluster: call ray.init() first")
         self.handle = ClusterHandle(name or f"ev-{uuid.uuid4().hex[:12]}", namespace,
