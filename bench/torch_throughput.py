@@ -45,10 +45,10 @@ with one intra-op thread (--threads): the cores are shared with the
 workers.  --threads 0 leaves each its default instead (PyTorch's, one
 per core; TorchModel's "auto").  shmeval runs with its defaults:
 TorchModel serves the net traced and frozen (freeze="auto") and the
-evaluator's tuner chooses its serving
-threads and batch wait (--serving-threads and --max-wait-us fix them); the tuner's
-final choice is printed after the run.  --device runs the servers' and the
-local workers' nets on another device (bench/gpu.py drives this on a GPU).
+evaluator's tuner chooses its serving threads and batch wait
+(--serving-threads and --max-wait-us fix them); the tuner's final choice
+is printed after the run.  --device runs the servers' and the local
+workers' nets on another device (bench/gpu.py drives this on a GPU).
 
 Targets at the largest worker count (reported, not enforced): shmeval at
 least 10x torchrl, 2x queue and 3x local evals/s, with a worker's RSS at
