@@ -829,6 +829,14 @@ def read_report(seg: Any, replica: int) -> Optional[Dict[str, Any]]:
 CALLS_PER_PERIOD = 1024
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 class ServingTuner:
     """Feeds a :class:`Tuner` from a serving loop.
 
@@ -859,6 +867,7 @@ class ServingTuner:
         self.turns = threading.Condition()
         self.stopped = False
         if board is not None:  # stats() shows the tuner from the start, measuring
+            self.tuner.cpus = _usable_cpus()
             board.write(self.tuner.report())
 
     @property
@@ -873,10 +882,7 @@ class ServingTuner:
         self.next_tick = now_ns + self.period_ns
         calls = np.concatenate([s.take_calls() for s in self.servers]) if self.servers \
             else np.empty((0, 4), np.int64)
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - not Linux
-            cpus = os.cpu_count() or 1
+        cpus = _usable_cpus()
         before = self.tuner.decision.threads
         paused, self.paused = self.paused, False
         self.tuner.tick(Reading(now_ns, int(self.seg.stat("requests")),

@@ -19,6 +19,7 @@ a caller's settings switch the tuner off.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -1004,6 +1005,7 @@ def test_the_tuner_shows_from_the_start() -> None:
     try:
         t = ev.stats()["tuner"]
         assert t["phase"] == "measuring" and t["why_wait"].startswith("measuring"), t
+        assert t["cpus"] == len(os.sched_getaffinity(0)), t
     finally:
         ev.close()
     with shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE, outputs=OUTPUTS) as ev:
