@@ -20,7 +20,7 @@ from . import _ring, pipeline, segment
 from .errors import EvaluatorClosed, EvaluatorDied, ModelError, ShmevalError
 from .spec import Spec
 from .stats import summarize
-from .tuning import AUTO, SPIN_LONG_WAKES, check_auto, read_report, wake_cost_ns
+from .tuning import AUTO, SPIN_LONG_WAKES, check_auto, read_report, usable_cpus, wake_cost_ns
 
 Outputs = Dict[str, np.ndarray]
 
@@ -38,13 +38,6 @@ def check_spin_us(name: str, value: float) -> float:
     if not 0 <= us <= MAX_SPIN_US:
         raise ValueError(f"{name} must be from 0 to {MAX_SPIN_US:g}, got {value}")
     return us
-
-
-def _ncpu() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 class Client(_ring.ClientBase):
@@ -71,7 +64,7 @@ class Client(_ring.ClientBase):
         self._slot_freed = threading.Condition(self._lock)
         self._lock_pid = os.getpid()
         self._finalizer: Optional["weakref.finalize[Any, Any]"] = None
-        self._ncpu = _ncpu()
+        self._ncpu = usable_cpus()
 
     # ------------------------------------------------------------ identity
     @property

@@ -829,7 +829,7 @@ def read_report(seg: Any, replica: int) -> Optional[Dict[str, Any]]:
 CALLS_PER_PERIOD = 1024
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     """The CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
@@ -867,7 +867,7 @@ class ServingTuner:
         self.turns = threading.Condition()
         self.stopped = False
         if board is not None:  # stats() shows the tuner from the start, measuring
-            self.tuner.cpus = _usable_cpus()
+            self.tuner.cpus = usable_cpus()
             board.write(self.tuner.report())
 
     @property
@@ -882,7 +882,7 @@ class ServingTuner:
         self.next_tick = now_ns + self.period_ns
         calls = np.concatenate([s.take_calls() for s in self.servers]) if self.servers \
             else np.empty((0, 4), np.int64)
-        cpus = _usable_cpus()
+        cpus = usable_cpus()
         before = self.tuner.decision.threads
         paused, self.paused = self.paused, False
         self.tuner.tick(Reading(now_ns, int(self.seg.stat("requests")),
