@@ -286,24 +286,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
     began = time.monotonic()
 
-    def save(**parts: Any) -> None:
-        """What is measured so far, in the JSON file (``partial``): the one
-        run on a borrowed GPU keeps what it got if a later phase fails."""
+    def save(partial: bool, **parts: Any) -> None:
+        """The JSON file, with what is measured so far while ``partial``:
+        the one run on a borrowed GPU keeps what it got if a later phase
+        fails."""
         if args.json:
-            write_json(args.json, {"machine": machine, "net": vars(cfg), "config": vars(args),
-                                   "partial": True, **parts})
+            write_json(args.json, {"machine": machine, "device": model_info, "net": vars(cfg),
+                                   "config": vars(args), "model_alone": sweep,
+                                   **({"partial": True} if partial else {}), **parts})
 
     try:
         sweep, model_info = model_alone(args, cfg, weights)
         print(f"device: {model_info['device_name']}, torch {model_info['torch']}, "
               f"CUDA graphs {model_info['cuda_graphs']}")
-        save(device=model_info, model_alone=sweep)
+        save(True)
         # One method failing (out of memory with 64 contexts, say) leaves
         # the others' figures: it is recorded in its run entry.
         trials, runs = measure(args, cfg, weights, GpuProbe(args.device), keep_going=True,
-                               after=lambda trials, runs: save(device=model_info,
-                                                                model_alone=sweep,
-                                                                trials=trials, runs=runs))
+                               after=lambda trials, runs: save(True, trials=trials, runs=runs))
     except KeyboardInterrupt:
         return 130
     elapsed = time.monotonic() - began
@@ -323,13 +323,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"batch of {batch:.1f}; the model alone there: {alone:,.0f} rows/s")
     targets = report_targets(all_ratios[top], TARGETS, top)
     print(f"\nwall time {elapsed:.0f} s")
+    save(False, runs=runs, trials=trials, summary=summary,
+         ratios={str(k): v for k, v in all_ratios.items()}, targets=targets,
+         methods=list(METHODS), wall_s=elapsed)
     if args.json:
-        write_json(args.json, {"machine": machine, "device": model_info, "net": vars(cfg),
-                               "config": vars(args), "model_alone": sweep, "runs": runs,
-                               "trials": trials, "summary": summary,
-                               "ratios": {str(k): v for k, v in all_ratios.items()},
-                               "targets": targets, "methods": list(METHODS),
-                               "wall_s": elapsed})
         print(f"raw results: {args.json}")
     return 0
 

@@ -770,9 +770,10 @@ class Evaluator(Client):
         _ring.cache_log2_of(cache_entries)
         _check_metrics_port(metrics_port)
         _check_not_bootstrapping("Evaluator.spawn()")
-        if mp_context != "fork":
+        method = mp.get_context(mp_context).get_start_method()
+        if method != "fork":
             _check_picklable(factory)
-            why = unreachable_reason(factory, mp.get_context(mp_context).get_start_method())
+            why = unreachable_reason(factory, method)
             if why:
                 raise TypeError(f"the evaluator process cannot find its factory: {why}")
         devs = _replica_devices(replicas, devices)

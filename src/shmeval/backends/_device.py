@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from ..tuning import usable_cpus
+
 
 def _cpuinfo(key: str) -> Optional[str]:
     """The value of the first ``key`` line of /proc/cpuinfo (None if none)."""
@@ -39,7 +41,7 @@ def cpu_bfloat16() -> bool:
 def threads_per_call(calls: int) -> int:
     """The CPUs this process may use split between ``calls`` model calls in
     flight (at least one each): the backends' intra-op threads "auto"."""
-    return max(1, len(os.sched_getaffinity(0)) // calls)
+    return max(1, usable_cpus() // calls)
 
 
 def gpu_visible(driver_gpus: str = "/proc/driver/nvidia/gpus") -> bool:

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import multiprocessing as mp
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..client import Client, connect
 from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError
 from ..evaluator import Evaluator
-from .node_evaluator import NodeEvaluator, actor_name
+from .node_evaluator import MP_CONTEXT, NodeEvaluator, actor_name
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +117,9 @@ class ClusterHandle:
 def _check_not_in_driver_script(factory: Callable[..., Any], mp_context: Optional[str]) -> None:
     """A factory defined in the driver's script reaches each node's actor
     (Ray pickles it by value), but the evaluator process the actor starts
-    (forkserver by default) finds it by name in an importable module, and
+    (forkserver by default, unless it forks) finds it by name in an importable module, and
     no process of a node imports the driver's script."""
-    if mp_context == "fork":
+    if mp.get_context(mp_context).get_start_method() == "fork":
         return
     func = factory
     while isinstance(func, functools.partial):
@@ -158,7 +159,7 @@ class ClusterEvaluator:
                  **evaluator_kwargs: Any) -> None:
         # Unknown or missing arguments fail here, before anything is placed.
         inspect.signature(Evaluator.spawn).bind(factory, **evaluator_kwargs)
-        _check_not_in_driver_script(factory, evaluator_kwargs.get("mp_context"))
+        _check_not_in_driver_script(factory, evaluator_kwargs.get("mp_context", MP_CONTEXT))
         if not ray.is_initialized():
             raise ShmevalError("ClusterEvaluator needs a Ray cluster: call ray.init() first")
         self.handle = ClusterHandle(name or f"ev-{uuid.uuid4().hex[:12]}", namespace,

@@ -29,6 +29,10 @@ from ..errors import ShmevalError
 from ..evaluator import Evaluator
 
 
+#: The start method of each node's evaluator process (the module's docstring).
+MP_CONTEXT = "forkserver"
+
+
 def detached(factory: Callable[..., Any], *args: Any) -> Any:
     """Runs in each evaluator process: leaves the Ray worker's session and
     process group (``setsid``), then builds the model with ``factory``."""
@@ -57,7 +61,7 @@ class NodeEvaluator:
         self._ev: Optional[Evaluator] = None
         self._error: Optional[BaseException] = None
         try:
-            kwargs = {"mp_context": "forkserver", **evaluator_kwargs}
+            kwargs = {"mp_context": MP_CONTEXT, **evaluator_kwargs}
             self._ev = Evaluator.spawn(functools.partial(detached, factory), **kwargs)
             if weights is not None:
                 # Before the address is handed out: this node's workers never
