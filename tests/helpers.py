@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -115,8 +117,6 @@ def run_python(code: str, timeout: float = 50.0) -> "subprocess.CompletedProcess
     """Runs ``python -c code`` in a fresh interpreter (this one's
     executable), with the tests directory importable; returns the finished
     process, output captured as text."""
-    import subprocess
-    import sys
 
     paths = [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
@@ -138,9 +138,6 @@ def run_bench(script: str, *args: str, timeout: float, **env: str) -> str:
     output (and the environment variables ``env`` set); asserts that it
     exited 0 (showing the ends of its output when not) and returns its
     stdout."""
-    import subprocess
-    import sys
-
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
     r = subprocess.run([sys.executable, os.path.join(bench, script), *args],
                        capture_output=True, text=True, timeout=timeout,

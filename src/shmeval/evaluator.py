@@ -266,7 +266,7 @@ class _ServingLoop:
             self.seg.request_close()  # wakes a thread asleep in collect
 
     def serve(self, server: "_ring.Server") -> None:
-        seg, pol, group, tuner = self.seg, self.policy, self.group, self.tuner
+        pol, group, tuner = self.policy, self.group, self.tuner
         model, max_batch = self.model, pol.max_batch
         spin_ns = wait_ns = 0
         if tuner is None:

@@ -8,7 +8,6 @@ import functools
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -16,10 +15,9 @@ import numpy as np
 import pytest
 
 import shmeval
-from shmeval import segment
 from conservation import KW, run_workers
-from helpers import (INPUT_SHAPE, OUTPUTS, check_answer, fake_model, make_state,
-                     own_segments, running, slow_fake_factory, wait_for_requests)
+from helpers import (check_answer, fake_model, make_state, own_segments, running,
+                     slow_fake_factory, wait_for_requests)
 
 JOIN_S = 120
 
