@@ -287,6 +287,10 @@ def run_grid(args: argparse.Namespace) -> List[Dict[str, Any]]:
                     startup[setting] = time.monotonic() - t_start
                 for k, n in enumerate(workers):
                     rates: Dict[str, List[float]] = {s: [] for s in settings}
+                    # Each setting's stats as its own last window ended: read
+                    # after the cell, auto's tuner would report the load of
+                    # the settings served after it (their workers spinning).
+                    ended: Dict[str, Dict[str, Any]] = {}
                     for r in range(args.repeats):
                         shift = (k + r) % len(settings)
                         for setting in settings[shift:] + settings[:shift]:
@@ -300,10 +304,11 @@ def run_grid(args: argparse.Namespace) -> List[Dict[str, Any]]:
                                     for w in range(n)]
                             rates[setting].append(sum(pool.run(evs[setting], plan)) /
                                                   args.seconds)
+                            ended[setting] = evs[setting].stats()
                             if args.reports and setting == "auto":
                                 print_report(n, r, rates[setting][-1], evs[setting])
                     for setting in settings:
-                        st = evs[setting].stats()
+                        st = ended[setting]
                         row = {"cpus": args.ncpu, "model": kind, "setting": setting,
                                "workers": n, "rate": statistics.median(rates[setting]),
                                "rates": rates[setting], "mean_batch": st["mean_batch"],

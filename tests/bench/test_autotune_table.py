@@ -207,3 +207,50 @@ def test_the_timeline_runs_every_phase(tmp_path: Path) -> None:
     assert plot.stat().st_size > 0
     assert "| phase |" in r.stdout and "crowding" in r.stdout
     assert _busy_loops() == []
+
+
+def test_each_row_reports_its_setting_as_its_own_windows_ended(autotune: Any,
+                                                               monkeypatch: Any) -> None:
+    """The grid's rows carry each evaluator's stats (auto's tuner report)
+    as read when that setting's last window ended: read after the cell,
+    auto's tuner would report the load of the settings served after it
+    (their workers, spinning, in its count of runnable tasks).  Made-up
+    evaluators whose stats name the setting served last anywhere."""
+    import argparse
+
+    served: list[str] = []
+
+    class Ev:
+        def __init__(self, setting: str) -> None:
+            self.setting = setting
+
+        def stats(self) -> dict[str, Any]:
+            return {"mean_batch": 1.0, "tuner": {"served_last": served[-1] if served else None}}
+
+        def close(self) -> None:
+            pass
+
+    class Pool:
+        def __init__(self, n: int) -> None:
+            pass
+
+        def run(self, ev: Ev, plan: Any) -> list[int]:
+            served.append(ev.setting)
+            return [100 for _ in plan]
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(autotune, "Pool", Pool)
+    monkeypatch.setattr(autotune, "spawn", lambda kind, setting, net: Ev(setting))
+    monkeypatch.setattr(autotune, "START_DELAY_S", 0.0)
+    settings = ["auto", "today", "threads2"]
+    args = argparse.Namespace(workers=[1, 2], models=["null"], settings=settings, repeats=3,
+                              warmup=0.0, hand_warmup=0.0, seconds=1.0, reports=False, ncpu=2,
+                              net="")
+    rows = autotune.run_grid(args)
+    assert len(rows) == 6
+    # Every order of a round ends with some other setting than auto at
+    # least once, so a read after the cell would name it.
+    assert all(r["tuner"]["served_last"] == r["setting"] for r in rows), rows
+    assert all(r["rates"] == [100.0] * 3 for r in rows if r["workers"] == 1)
