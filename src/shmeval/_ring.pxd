@@ -63,6 +63,8 @@ cdef class SpinArms:
     """A client's spin budget with spin_us "auto": a short and a long arm."""
     cdef readonly uint64_t short_ns
     cdef readonly uint64_t long_ns     # 0: one fixed budget (short_ns)
+    cdef readonly uint64_t long_floor_ns  # the long arm as given (16 wake-ups)
+    cdef uint64_t short_waits[64]      # this short block's waits (SPIN_BLOCK)
     cdef double mean_ns[2]             # a wait's ns under each arm, by blocks
     cdef double block_ns               # the judged waits of this block, summed
     cdef uint32_t waits                # ... and counted
@@ -75,6 +77,7 @@ cdef class SpinArms:
     cdef uint64_t blocks[2]            # blocks served under each arm
     cdef uint64_t pick(self) noexcept
     cdef void saw(self, uint64_t ns) noexcept
+    cdef void _cover(self) noexcept
 
 
 cdef class ClientPort:

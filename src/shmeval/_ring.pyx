@@ -1058,6 +1058,12 @@ DEF SPIN_TRIM = 8  # the size of SpinArms.top
 DEF SPIN_EXPLORE = 32
 DEF SPIN_EXPLORE_MAX = 512
 DEF SPIN_SMOOTH = 2.0
+# The long arm stretches to cover the answers the short arm waits for (their
+# SPIN_COVER_Q-th of SPIN_BLOCK, plus a quarter) when that is at most
+# SPIN_COVER_MAX times the long arm as given, and moves when the new budget
+# differs from it by a quarter or more.
+DEF SPIN_COVER_Q = 48
+DEF SPIN_COVER_MAX = 4
 
 
 cdef class SpinArms:
@@ -1089,11 +1095,27 @@ cdef class SpinArms:
     blocks of the better one as SPIN_EXPLORE times the ratio of their
     means, so that trying an arm five times as slow costs no more time
     than trying one a little slower.  ``long_ns`` 0: one fixed budget
-    (``spin_us`` set by the caller)."""
+    (``spin_us`` set by the caller).
+
+    The long arm as given (``long_floor_ns``, SPIN_LONG_WAKES wake-ups)
+    can be shorter than the answers: a model call of 200 µs outlasts 16
+    wake-ups of 7 µs, and then both arms sleep, though the CPU the client
+    would spin on is free (the spin policy lets it spin only then, or
+    yielding) and a spin through the call served 10-15% more than a sleep
+    (docs/performance.md, *The tuner*).  So the long arm stretches to
+    cover most answers: the upper quartile of a short block's waits, plus
+    a quarter.  The short arm's waits are the measure because they do not
+    depend on the long arm (a long spin that slows the answers it waits
+    for would otherwise lengthen itself); the stretch stops at
+    SPIN_COVER_MAX times the long arm as given, beyond which a sleep costs
+    too small a share of the wait to be worth a CPU spinning through it,
+    and then the long arm is the one given.  A changed long arm is
+    measured afresh."""
 
     def __cinit__(self, uint64_t short_ns, uint64_t long_ns=0):
         self.short_ns = short_ns
         self.long_ns = long_ns if long_ns > short_ns else 0
+        self.long_floor_ns = self.long_ns
         self.explore_in = SPIN_EXPLORE
         self.best = -1
 
@@ -1119,6 +1141,8 @@ cdef class SpinArms:
         cdef uint32_t i
         if self.long_ns == 0:
             return
+        if self.arm == 0:
+            self.short_waits[self.waits] = ns
         if ns > (self.long_ns if self.arm else self.short_ns):
             ns += self.short_ns  # it slept, and its waker paid a wake-up
         ns = min(ns, 2 * self.long_ns)
@@ -1143,6 +1167,8 @@ cdef class SpinArms:
             m[0] = block  # a check measures the arm afresh
         else:
             m[0] += (block - m[0]) / SPIN_SMOOTH
+        if self.arm == 0:
+            self._cover()
         if self.mean_ns[0] == 0 or self.mean_ns[1] == 0:  # an arm not measured yet
             self.arm = 1 if self.mean_ns[1] == 0 else 0
             return
@@ -1169,6 +1195,26 @@ cdef class SpinArms:
         self.explore_in = <uint32_t>min(<double>SPIN_EXPLORE_MAX,
                                         SPIN_EXPLORE * self.mean_ns[1 - best] / self.mean_ns[best])
 
+    cdef void _cover(self) noexcept:
+        """After a short block: the long arm that covers its answers
+        (the class's docstring)."""
+        cdef uint64_t *w = self.short_waits
+        cdef uint64_t x, want
+        cdef int i, j
+        for i in range(1, SPIN_BLOCK):  # insertion sort: 64 waits per block
+            x = w[i]
+            j = i - 1
+            while j >= 0 and w[j] > x:
+                w[j + 1] = w[j]
+                j -= 1
+            w[j + 1] = x
+        want = w[SPIN_COVER_Q] + w[SPIN_COVER_Q] // 4
+        if want <= self.long_floor_ns or want > SPIN_COVER_MAX * self.long_floor_ns:
+            want = self.long_floor_ns
+        if 4 * want >= 5 * self.long_ns or 5 * want <= 4 * self.long_ns:
+            self.long_ns = want
+            self.mean_ns[1] = 0  # not measured at this budget yet
+
     def next_budget(self):
         """pick(), for tests."""
         return self.pick()
@@ -1180,6 +1226,7 @@ cdef class SpinArms:
     def report(self):
         """The arms and each one's mean wait in µs (None: not measured yet)."""
         return {"short_us": self.short_ns / 1e3, "long_us": self.long_ns / 1e3,
+                "long_given_us": self.long_floor_ns / 1e3,
                 "short_wait_us": self.mean_ns[0] / 1e3 if self.mean_ns[0] else None,
                 "long_wait_us": self.mean_ns[1] / 1e3 if self.mean_ns[1] else None,
                 "arm": ("fixed" if self.long_ns == 0 else

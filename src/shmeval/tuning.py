@@ -136,8 +136,11 @@ CHANGE_RATIO = 1.25
 HORIZON_NS = 1_000_000_000
 #: The long spin tried against the short one (one wake-up's cost), in
 #: wake-ups, by the clients (``_ring.SpinArms``) and the evaluator (a
-#: trial): a wait of this many wake-ups would lose about a sixteenth to a
-#: sleep, so a longer spin has little left to win.
+#: trial): by the measured cost of a wake-up, a wait of this many would
+#: lose about a sixteenth to a sleep.  The true cost of a sleep is more
+#: (the waker's system call, the latency of waking a halted CPU), so a
+#: client's long arm stretches beyond this to cover the answers it waits
+#: for, up to four times as long (``SpinArms``).
 SPIN_LONG_WAKES = 16
 #: The share of the time the model computes (per call in flight) from which
 #: the clients are taken to be a closed loop held up by it: its calls then

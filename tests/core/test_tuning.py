@@ -755,12 +755,14 @@ def test_spin_arms_serve_with_the_shorter_waits(short_wait: int, long_wait: int,
 
     arms = SpinArms(5_000, 150_000)
     picks = drive_arms(arms, short_wait, long_wait, n=64 * 2000)
-    worse = 5_000 if serving == "long" else 150_000
-    wait = {5_000: short_wait, 150_000: long_wait}
+    # (Short waits of 200 µs stretch the long arm to cover them: 250 µs.)
+    short = [p == 5_000 for p in picks]
+    wait = [short_wait if s else long_wait for s in short]
+    worse = [s == (serving == "long") for s in short]
     # The worse arm is still tried, for about 1/33 of the time (SPIN_EXPLORE
     # 32 blocks of the better one, times the ratio of their waits, per block
     # of it) whether it is 1.5 or 10 times as slow.
-    time_worse = sum(wait[p] for p in picks if p == worse) / sum(wait[p] for p in picks)
+    time_worse = sum(w for w, x in zip(wait, worse) if x) / sum(wait)
     assert 1 / 45 <= time_worse <= 1 / 25
     rep = arms.report()
     assert rep["arm"] == serving
@@ -863,6 +865,52 @@ def test_spin_arms_check_a_verdict_one_slow_block_changed() -> None:
     after = drive_blocks(arms, lambda long, i: 20_000 if long else 30_000, 40)
     assert after.count(False) <= 2
     assert arms.report()["arm"] == "long"
+
+
+def answers_after(answer_ns: int) -> Callable[["shmeval._ring.SpinArms", int], int]:
+    """A wait for an answer that comes ``answer_ns`` after the post: a
+    spin of that budget or more sees it 5 µs sooner than a sleep does."""
+    return lambda arms, budget: answer_ns - 5_000 if budget >= answer_ns else answer_ns
+
+
+def drive_budgets(arms: "shmeval._ring.SpinArms",
+                  wait: Callable[["shmeval._ring.SpinArms", int], int], n: int) -> None:
+    for _ in range(n):
+        arms.record(wait(arms, arms.next_budget()))
+
+
+def test_the_long_arm_stretches_to_cover_the_answers() -> None:
+    """Answers after 200 µs outlast a long arm of 80 µs (16 wake-ups of
+    5 µs): both arms would sleep.  The long arm stretches to the short
+    arm's upper quartile of waits plus a quarter (250 µs), spins through
+    the call and serves; when the answers come sooner again it returns to
+    the arm given."""
+    from shmeval._ring import SpinArms
+
+    arms = SpinArms(5_000, 80_000)
+    drive_budgets(arms, answers_after(200_000), 64 * 400)
+    rep = arms.report()
+    assert rep["long_us"] == pytest.approx(250.0) and rep["long_given_us"] == 80.0
+    assert rep["arm"] == "long" and rep["long_wait_us"] == pytest.approx(195.0)
+    drive_budgets(arms, answers_after(30_000), 64 * 400)
+    assert arms.report()["long_us"] == 80.0
+
+
+def test_the_long_arm_does_not_stretch_past_its_bound_or_for_its_own_waits() -> None:
+    """Answers of 1 ms would need a spin of 1.25 ms, over four times the
+    arm given: it stays as given.  And where the long spin itself slows
+    the answers it waits for (it takes the CPU of the process it waits
+    for), only the short arm's waits measure the answers, so the slower
+    waits do not lengthen it."""
+    from shmeval._ring import SpinArms
+
+    arms = SpinArms(5_000, 80_000)
+    drive_budgets(arms, answers_after(1_000_000), 64 * 200)
+    assert arms.report()["long_us"] == 80.0
+    arms = SpinArms(5_000, 80_000)
+    drive_budgets(arms, lambda a, budget: 30_000 if budget == 5_000 else 200_000, 64 * 200)
+    rep = arms.report()
+    assert rep["long_us"] == 80.0 and rep["arm"] == "short"
 
 
 def test_a_fixed_spin_has_one_arm() -> None:
