@@ -24,7 +24,9 @@ setting serves the same workers:
             unfrozen with TensorFlow's default thread pools
   threads2, wait100, nospin
             hand settings: two serving threads, max_wait_us 100, or no
-            spinning (and, on request, wait500 and threads2-wait100); the
+            spinning (and, on request, wait500, threads2-wait100 and
+            client300: today's with a 300 µs client spin, longer than the
+            device model's call); the
             TensorFlow net then frozen with one intra-op and two inter-op
             threads (the README's hand-tuned factory before the tuner)
   client-spin, evaluator-spin, auto-clients, auto-evaluator
@@ -113,6 +115,7 @@ SETTINGS: Dict[str, Tuple[Dict[str, Any], str]] = {
     "threads2": (dict(TODAY, serving_threads=2), "hand"),
     "wait100": (dict(TODAY, max_wait_us=100), "hand"),
     "wait500": (dict(TODAY, max_wait_us=500), "hand"),
+    "client300": (dict(TODAY, spin_us=300), "hand"),
     "threads2-wait100": (dict(TODAY, serving_threads=2, max_wait_us=100), "hand"),
     "nospin": (dict(TODAY, spin_us=0, evaluator_spin_us=0), "hand"),
     "client-spin": (dict(TODAY, evaluator_spin_us=0), "hand"),

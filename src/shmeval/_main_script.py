@@ -81,6 +81,15 @@ def defined_only_under_main_guard(source: str, name: str) -> bool:
     return {guarded for n, guarded in bound if n == name} == {True}
 
 
+def from_main(obj: Any) -> Optional[Any]:
+    """The function or class under ``obj``'s functools.partial layers when
+    the main script defines it (its ``__module__`` is ``"__main__"``), else
+    None."""
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    return obj if getattr(obj, "__module__", None) == "__main__" else None
+
+
 def unreachable_reason(obj: Any, start_method: str) -> Optional[str]:
     """Why a process started with ``start_method`` cannot find ``obj`` (a
     function or class, or a functools.partial of one) by name, or None when
@@ -88,9 +97,8 @@ def unreachable_reason(obj: Any, start_method: str) -> Optional[str]:
     looked at; "fork" children inherit everything."""
     if start_method == "fork":
         return None
-    while isinstance(obj, functools.partial):
-        obj = obj.func
-    if getattr(obj, "__module__", None) != "__main__":
+    obj = from_main(obj)
+    if obj is None:
         return None
     name = getattr(obj, "__qualname__", "")
     if not name or "." in name:  # nested: pickling it fails anyway, and says so

@@ -1101,7 +1101,7 @@ cdef class SpinArms:
     can be shorter than the answers: a model call of 200 µs outlasts 16
     wake-ups of 7 µs, and then both arms sleep, though the CPU the client
     would spin on is free (the spin policy lets it spin only then, or
-    yielding) and a spin through the call served 6-12% more than a sleep
+    yielding) and a spin through the call served 9-11% more than a sleep
     (docs/performance.md, *The tuner*).  So the long arm stretches to
     cover most answers: the upper quartile of a short block's waits, plus
     a quarter.  The short arm's waits are the measure because they do not

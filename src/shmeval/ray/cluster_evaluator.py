@@ -12,7 +12,6 @@ through shared memory and never through Ray.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import multiprocessing as mp
@@ -25,6 +24,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .._main_script import from_main
 from ..client import Client, connect
 from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError
 from ..evaluator import Evaluator
@@ -121,10 +121,8 @@ def _check_not_in_driver_script(factory: Callable[..., Any], mp_context: Optiona
     no process of a node imports the driver's script."""
     if mp.get_context(mp_context).get_start_method() == "fork":
         return
-    func = factory
-    while isinstance(func, functools.partial):
-        func = func.func
-    if getattr(func, "__module__", None) == "__main__":
+    func = from_main(factory)
+    if func is not None:
         name = getattr(func, "__qualname__", repr(func))
         raise TypeError(
             f"the factory {name!r} is defined in the driver's script (__main__), which the "
