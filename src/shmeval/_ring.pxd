@@ -36,6 +36,8 @@ cdef class Segment:
     cdef uint64_t ck2[SHM_MAX_SLOTS_PER_CLIENT]  # (ck1 0: not to be cached)
 
     cdef uint32_t _begin(self, uint32_t c, uint32_t k) except? 0xffffffff
+    cdef int _begin_all(self, uint32_t c, const uint32_t *ks, Py_ssize_t m,
+                        uint32_t *gens) except -1
     cdef int _map(self, int fd, uint64_t size) except -1
     cdef int _alloc_cache_buffer(self) except -1
     cdef void _free_outputs(self)
@@ -181,7 +183,7 @@ cdef class Server:
     """The evaluator's side: collect a batch, then complete or fail it."""
     cdef Segment seg
     cdef readonly ServeGroup group
-    cdef shm_taken *taken
+    cdef shm_taken *taken         # its batch table, in this process's memory
     cdef char *batch
     cdef object _keep
     cdef uint32_t n
