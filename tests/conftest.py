@@ -40,8 +40,7 @@ SUBJECTS = ("core", "stress", "c", "tensorflow", "torch", "jax", "selfplay", "be
 SLOW_SUBJECTS = {"stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench", "monitor", "ray"}
 #: Test files that make no shmeval segment, in any process: they may run
 #: beside the tests that do.
-SEGMENT_FREE = {"c/test_c_core.py", "c/test_mutations.py", "core/test_typing.py",
-                "core/test_guide_index.py"}
+SEGMENT_FREE = {"c/test_c_core.py", "c/test_mutations.py", "core/test_typing.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

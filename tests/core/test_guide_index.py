@@ -72,3 +72,25 @@ def test_options_table_lists_every_keyword_argument() -> None:
     assert documented - expected == set(), (
         f"the guide's options table lists what no signature takes: "
         f"{sorted(documented - expected)}")
+
+
+def test_statistics_tables_list_every_key() -> None:
+    """Every key of ``stats()`` (a thread evaluator with a cache, after a
+    request, so that ``cache``, ``client_spin`` and ``tuner`` are there)
+    is in the guide's statistics table, and every key of its ``tuner``
+    entry in the tuner's."""
+    import numpy as np
+
+    def model(batch: np.ndarray) -> np.ndarray:
+        return batch.reshape(len(batch), -1).sum(axis=1)
+
+    with shmeval.Evaluator(model, input_shape=(3,), outputs={"v": ((), "float32")},
+                           cache_entries=16) as ev:
+        ev.evaluate(np.zeros(3, np.float32))
+        st = ev.stats()
+    guide = sections(GUIDE.read_text())
+    missing = set(st) - option_names(guide["Statistics"])
+    assert not missing, f"stats() keys missing from the guide's statistics table: {sorted(missing)}"
+    tuner = option_names(guide["The tuner: no knobs"].split("`ev.stats()[\"tuner\"]`", 1)[1])
+    missing = set(st["tuner"]) - tuner
+    assert not missing, f"stats()['tuner'] keys missing from the guide's tuner table: {sorted(missing)}"
