@@ -704,7 +704,8 @@ class Evaluator(Client):
         safe to call from several threads; weight updates still happen with
         no call in flight.
     reject_nonfinite:
-        fail batches whose float outputs hold NaN or inf (ModelError).
+        fail the requests whose float outputs hold NaN or inf (ModelError),
+        and only those: the rest of the batch is answered.
     cache_entries:
         an evaluation cache of this many entries (a power of two; 0: none)
         in shared memory: every client looks a state up there before it

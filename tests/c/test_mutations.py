@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import pytest
 
+from external import require_sanitizers
+
 ROOT = Path(__file__).resolve().parents[2]
 RING_H = ROOT / "src" / "shmeval" / "_core" / "ring.h"
 SCRIPT = ROOT / "tests" / "c" / "run_c_tests.sh"
@@ -230,7 +232,12 @@ def mutate(dest: Path, m: Mutation) -> None:
     (dest / "ring.h").write_text(text)
 
 
+#: The sanitizer each build of run_c_tests.sh links with.
+BUILD_SANITIZERS = {"plain": (), "tsan": ("thread",), "asan": ("address,undefined",)}
+
+
 def run_c_test(ring_dir: Path, test: str, build: str) -> subprocess.CompletedProcess[str]:
+    require_sanitizers(*BUILD_SANITIZERS[build])
     env = dict(os.environ, RING_H_DIR=str(ring_dir), RING_TEST_ARGS=test,
                RING_TEST_BUILDS=build, RUN_TIMEOUT="60", RING_TEST_PLAIN_OPT="-O1",
                # a short concurrency run is enough for TSan to see a race
