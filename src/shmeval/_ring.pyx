@@ -287,6 +287,21 @@ cdef class Segment:
                 raise
         return 0
 
+    cdef inline void _cache_as(self, uint32_t c, uint32_t k, uint64_t k1, uint64_t k2,
+                               bint hashed) noexcept:
+        """After the input was copied into slot k (still WRITING, so private
+        to this process): its answer is to be cached under (k1, k2), the
+        keys of its lookup; k1 == 0, not cached.  Keys that are hashes of
+        the state's bytes (hashed) are computed again from the slot, so that
+        an answer is cached under the bytes it was computed from, even if
+        the caller's array changed between the lookup and the copy (another
+        thread, or NumPy releasing the GIL during a large copy).  A caller's
+        key is the caller's claim and is kept as it is."""
+        if k1 and hashed:
+            shm_hash_state(shm_slot_in(&self.seg, c, k), self.seg.p.in_bytes, &k1, &k2)
+        self.ck1[k] = k1
+        self.ck2[k] = k2
+
     cdef int _map(self, int fd, uint64_t size) except -1:
         cdef void *a
         if size == 0:
@@ -621,13 +636,15 @@ cdef class Segment:
         return 0
 
     def post(self, uint32_t c, list slots, cnp.ndarray rows, object at, object k1=None,
-             object k2=None):
+             object k2=None, bint hashed=True):
         """Copies rows into slots[i] -- rows[at + i] when at is an int, rows[at[i]]
         when a list -- publishes them all, then rings the evaluator's
         doorbell once; returns the slots' generations.  rows must be
         C-contiguous with rows of in_bytes each (the client layer guarantees
         it).  k1, k2: uint64 arrays of every row's cache keys (cache_lookup),
-        to cache the answers; None: not cached."""
+        to cache the answers; None: not cached; hashed: they are hashes of
+        the rows' bytes (not the caller's keys), hashed again from the
+        slots (_cache_as)."""
         cdef uint64_t inb = self.seg.p.in_bytes
         cdef Py_ssize_t i, n = len(slots), r
         cdef Py_ssize_t nrows = cnp.PyArray_NBYTES(rows) // inb
@@ -653,11 +670,9 @@ cdef class Segment:
         self._begin_all(c, ks, n, gs)
         for i in range(n):
             gens.append(gs[i])
-            if cached:
-                self.ck1[ks[i]] = k1[idx[i]]
-                self.ck2[ks[i]] = k2[idx[i]]
-        for i in range(n):
             shm_copy(shm_slot_in(&self.seg, c, ks[i]), src + idx[i] * inb, inb)
+            if cached:
+                self._cache_as(c, ks[i], k1[idx[i]], k2[idx[i]], hashed)
         # Copy everything first, then publish in a tight loop: an evaluator
         # scanning meanwhile then rarely splits the rows over two batches.
         # (A slot reclaimed meanwhile is not published; its wait says so.)
@@ -891,6 +906,16 @@ cdef class Segment:
             shm_hash_state(src + i * inb, inb, &a[i], &b[i])
         return k1, k2
 
+    def set_key_scheme(self, bytes scheme):
+        """The caller's cache keys of this process (key=, keys=) are of the
+        scheme these bytes name: a hit needs the same scheme as the store
+        (it is hashed into the entry's second key word).  b"": the default
+        scheme, shared by every process that names none."""
+        cdef uint64_t k1 = 0, k2 = 0
+        if scheme:
+            shm_hash_state(scheme, len(scheme), &k1, &k2)
+        self.key_tag = k1
+
     def cache_lookup(self, uint32_t c, cnp.ndarray rows, object keys, list dst,
                      object versions):
         """Looks every row of rows up in the cache for client c (by keys[i],
@@ -1002,7 +1027,9 @@ cdef class Segment:
             k1[0] = PyLong_AsUnsignedLongLongMask(key)
             if k1[0] == 0:
                 k1[0] = 0x9E3779B97F4A7C15  # 0 marks an empty entry
-            k2[0] = 0  # never equal to a hash's key2: the key spaces stay apart
+            # The key scheme's word (0 by default), never a hash's key2 but by
+            # chance (hashes' are never 0): the key spaces stay apart.
+            k2[0] = self.key_tag
         floor = shm_cache_version(&self.seg)
         if floor < self.seen_version:
             floor = self.seen_version
@@ -1377,11 +1404,9 @@ cdef class ClientPort:
             except BaseException:
                 self.free.append(k)
                 raise
-            if k1:
-                self.seg.ck1[k] = k1
-                self.seg.ck2[k] = k2
             shm_copy(shm_slot_in(&self.seg.seg, self.c, k),
                      <const char *>cnp.PyArray_DATA(a), self.seg.seg.p.in_bytes)
+            self.seg._cache_as(self.c, k, k1, k2, key is None)
             spin = self.seg._spin(self.arms.pick(), self.ncpu)
             t = self.seg._ticker_for(self.c, self.timeout_ns)
             # The clock only where the arms judge the wait: "auto", spinning allowed.
@@ -1459,7 +1484,7 @@ cdef class ClientPort:
             dims[0] = n
             versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
         m = self._lookup(a, n, keys, outs, versions, rows, k1s, k2s)
-        if m < 0 or (m and not self._post(a, m, rows, k1s, k2s, ks, gens)):
+        if m < 0 or (m and not self._post(a, m, rows, k1s, k2s, keys is None, ks, gens)):
             return None
         i = 0
         try:
@@ -1611,7 +1636,7 @@ cdef class ClientPort:
         return m
 
     cdef bint _post(self, cnp.ndarray a, Py_ssize_t m, Py_ssize_t *rows, uint64_t *k1s,
-                    uint64_t *k2s, uint32_t *ks, uint32_t *gens) except -1:
+                    uint64_t *k2s, bint hashed, uint32_t *ks, uint32_t *gens) except -1:
         """Sends rows[0:m] of a: takes m free slots (ks), begins them (gens),
         copies the states in, publishes them and rings the evaluator once.
         False, with nothing taken, when the free slots are too few now or the
@@ -1634,12 +1659,10 @@ cdef class ClientPort:
             for i in range(m):
                 self.free.append(ks[i])
             raise
-        if cache:
-            for i in range(m):
-                self.seg.ck1[ks[i]] = k1s[i]
-                self.seg.ck2[ks[i]] = k2s[i]
         for i in range(m):
             shm_copy(shm_slot_in(&self.seg.seg, self.c, ks[i]), src + rows[i] * inb, inb)
+            if cache:
+                self.seg._cache_as(self.c, ks[i], k1s[i], k2s[i], hashed)
         # Publish in a tight loop after all the copies, then one doorbell.
         # (A slot reclaimed meanwhile is not published; its wait says so.)
         for i in range(m):
@@ -1682,8 +1705,8 @@ cdef class ClientPort:
         p = Pending.__new__(Pending)
         p._setup(self.lane, self, n, versioned)
         m = self._lookup(<cnp.ndarray>states, n, keys, p._outs, p._versions, rows, k1s, k2s)
-        if m < 0 or (m and not self._post(<cnp.ndarray>states, m, rows, k1s, k2s, p.ks,
-                                          p.gens)):
+        if m < 0 or (m and not self._post(<cnp.ndarray>states, m, rows, k1s, k2s, keys is None,
+                                          p.ks, p.gens)):
             return None
         for i in range(m):
             p.rows[i] = <int32_t>rows[i]

@@ -199,11 +199,12 @@ MUTATIONS = [
             continue;"""),)),
     Mutation("the cache's check word leaves out the data", "cache_torn", "plain", ((
         """    uint64_t i = 0;
-    for (; i + 2 <= nw; i += 2)
-        h = shm_mum(h ^ data[i] ^ 0xA0761D6478BD642Full,""",
+    for (; i + 2 <= nw; i += 2) h = shm_check_step(h, data[i], data[i + 1]);""",
         """    uint64_t i = nw;
-    for (; i + 2 <= nw; i += 2)
-        h = shm_mum(h ^ data[i] ^ 0xA0761D6478BD642Full,"""),)),
+    for (; i + 2 <= nw; i += 2) h = shm_check_step(h, data[i], data[i + 1]);"""),)),
+    Mutation("one word can zero the cache check's history", "cache_check", "plain", ((
+        """    return shm_mum(h ^ x ^ 0xA0761D6478BD642Full, h ^ y ^ 0xE7037ED1A0B428DBull) ^ h;""",
+        """    return shm_mum(h ^ x ^ 0xA0761D6478BD642Full, y ^ 0xE7037ED1A0B428DBull);"""),)),
     Mutation("the cache accepts answers of older weights", "cache", "plain", ((
         """        if (v < min_version) {
             old = 1;""",

@@ -1408,8 +1408,9 @@ static inline uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k) {
  * chosen by its 64-bit key (a hash of its bytes, or the caller's own key,
  * e.g. a Zobrist hash).  No locks: every word of an entry is a relaxed
  * 8-byte atomic, and `check` is a hash over the key, a second independent
- * key (key2: a second hash of the bytes; 0 for a caller's key), the model
- * version and the data.  A reader copies the entry out and accepts it only
+ * key (key2: a second hash of the bytes; for a caller's key, the word of
+ * its scheme, which each process names: 0 by default), the model version
+ * and the data.  A reader copies the entry out and accepts it only
  * if the hash of what it copied equals the check it copied: an entry torn
  * by two writers, half written by a writer that was killed, of another
  * state with the same key, or scribbled on, fails the check (but with
@@ -1456,7 +1457,8 @@ static inline uint64_t shm_load64(const char *p) {
 
 /* Two independent 64-bit hashes of n bytes (two lanes that read the same
  * words with different constants and roles), for the cache's key and key2.
- * Neither is 0: 0 marks an empty entry (key) and a caller's key (key2). */
+ * Neither is 0: 0 marks an empty entry (key) and a caller's key of the
+ * default scheme (key2). */
 static inline void shm_hash_state(const char *p, uint64_t n, uint64_t *k1,
                                   uint64_t *k2) {
     uint64_t a = 0x9E3779B97F4A7C15ull ^ n, b = 0xC2B2AE3D27D4EB4Full ^ (n << 1);
@@ -1479,18 +1481,24 @@ static inline void shm_hash_state(const char *p, uint64_t n, uint64_t *k1,
     *k2 = b ? b : 1;
 }
 
+/* One step of the check word: h mixed with the words x and y.  h goes
+ * into both factors and back into the result, so that no input word can
+ * zero a factor by itself (a word equal to a constant of the step) and so
+ * erase what came before: a factor is 0 only for x (or y) equal to a
+ * function of everything hashed so far, and then the step keeps h. */
+static inline uint64_t shm_check_step(uint64_t h, uint64_t x, uint64_t y) {
+    return shm_mum(h ^ x ^ 0xA0761D6478BD642Full, h ^ y ^ 0xE7037ED1A0B428DBull) ^ h;
+}
+
 /* The check word of an entry holding `data` (nw words). */
 static inline uint64_t shm_cache_check(uint64_t key, uint64_t key2,
                                        uint64_t version, const uint64_t *data,
                                        uint64_t nw) {
-    uint64_t h = shm_mum(key ^ 0x2D358DCCAA6C78A5ull, key2 ^ 0x8BB84B93962EACC9ull);
-    h = shm_mum(h ^ version ^ 0x4B33A62ED433D4A3ull, nw ^ 0x4D5A2DA51DE1AA47ull);
+    uint64_t h = shm_check_step(0x2D358DCCAA6C78A5ull, key, key2);
+    h = shm_check_step(h, version, nw);
     uint64_t i = 0;
-    for (; i + 2 <= nw; i += 2)
-        h = shm_mum(h ^ data[i] ^ 0xA0761D6478BD642Full,
-                    data[i + 1] ^ 0xE7037ED1A0B428DBull);
-    if (i < nw)
-        h = shm_mum(h ^ data[i] ^ 0x8EBC6AF09C88C6E3ull, 0x589965CC75374CC3ull);
+    for (; i + 2 <= nw; i += 2) h = shm_check_step(h, data[i], data[i + 1]);
+    if (i < nw) h = shm_check_step(h, data[i], 0x8EBC6AF09C88C6E3ull);
     return h;
 }
 

@@ -4227,6 +4227,31 @@ static void test_replicas(void) {
     rep_run(3, 1);
 }
 
+/* The check word depends on every word it covers whatever their values:
+ * a word equal to a constant of the mixing step (say one that makes a
+ * factor 0) must not erase the words before it, or two entries that
+ * differ only there would both pass. */
+static void test_cache_check(void) {
+    start_test("cache_check", 60);
+    static const uint64_t consts[] = {
+        0, 0x2D358DCCAA6C78A5ull, 0xA0761D6478BD642Full, 0xE7037ED1A0B428DBull,
+        0x8EBC6AF09C88C6E3ull, 0x4B33A62ED433D4A3ull, 0x589965CC75374CC3ull};
+    const size_t nc = sizeof consts / sizeof consts[0];
+    for (size_t i = 0; i < nc; i++)
+        for (size_t j = 0; j < nc; j++) {
+            uint64_t d[4] = {11, consts[i], consts[j], 13};
+            uint64_t e[4] = {12, consts[i], consts[j], 13};
+            uint64_t base = shm_cache_check(consts[i], consts[j], 1, d, 4);
+            CHECK(base != shm_cache_check(consts[i], consts[j], 1, e, 4));
+            CHECK(base != shm_cache_check(consts[i] + 1, consts[j], 1, d, 4));
+            CHECK(base != shm_cache_check(consts[i], consts[j] + 1, 1, d, 4));
+            CHECK(base != shm_cache_check(consts[i], consts[j], 2, d, 4));
+            uint64_t f[2] = {consts[i], consts[j]};
+            CHECK(shm_cache_check(1, 2, 1, f, 2) != shm_cache_check(3, 2, 1, f, 2));
+            CHECK(shm_cache_check(1, 2, 1, f, 2) != shm_cache_check(1, 4, 1, f, 2));
+        }
+}
+
 /* ------------------------------------------------------------------ */
 /* Takes, put-backs and floors of several replicas, under chosen       */
 /* schedules                                                           */
@@ -4618,6 +4643,7 @@ static const test_case k_tests[] = {
     {"version_floor", test_version_floor}, {"fair_share", test_fair_share},
     {"lock_wake", test_lock_wake}, {"begin_owner", test_begin_owner},
     {"abort", test_abort}, {"scribbled_tables", test_scribbled_tables},
+    {"cache_check", test_cache_check},
 };
 
 int main(int argc, char **argv) {
