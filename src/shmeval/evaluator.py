@@ -210,6 +210,9 @@ class _ServingLoop:
         self.stop_reason = _ring.STOP_CLOSED  # why serving stops, unless it raises
         self.warned_extra = False  # about outputs the spec does not declare
         self.errors: list[BaseException] = []
+        # Client entries seen with no start time: (entry, pid) -> when first
+        # seen, in clock ticks since boot (reclaim_dead_clients).
+        self.unstamped: dict[tuple[int, int], int] = {}
         # The "auto" settings' tuner; it reads the calls the servers record.
         self.tuner = (ServingTuner(seg, model, self.servers, policy.max_batch, policy.threads,
                                    policy.overrides(), Board(seg, replica), HOUSEKEEPING_NS,
@@ -579,10 +582,27 @@ class _ServingLoop:
         never judged by its pid, which means another process here: it is
         freed when it detaches (attach refuses such processes, so only one
         that bypassed it can have one)."""
+        unstamped = {}
         for c, pid, starttime, pid_ns, detached in self.seg.clients():
             foreign = bool(pid_ns and self.pid_ns and pid_ns != self.pid_ns)
+            if not foreign and not detached and starttime == 0 and pid > 0:
+                # A claimer killed between its claim and the store of its
+                # start time leaves 0, "whichever process has this pid":
+                # once the pid is reused, by a process started after the
+                # entry was first seen so, it is not the claimer's.
+                first = self.unstamped.get((c, pid)) or _boot_ticks()
+                unstamped[(c, pid)] = first
+                if (segment.process_starttime(pid) or 0) > first:
+                    detached = True
             if detached or (not foreign and not segment.is_alive(pid, starttime)):
                 self.seg.reclaim(c)
+                unstamped.pop((c, pid), None)
+        self.unstamped = unstamped
+
+
+def _boot_ticks() -> int:
+    """Now, in the clock ticks since boot that /proc gives start times in."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
 
 def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, max_batch: int,

@@ -148,9 +148,9 @@ MUTATIONS = [
                         (cur & SLOT_WAITER),""",
         """                    shm_slot_word(SLOT_READY, taken[i].gen),"""),)),
     Mutation("the put-back ignores the generation", "requeue_words", "plain", ((
-        """        while ((cur & ~SLOT_WAITER) == want) {""",
-        """        (void)want;
-        while (shm_word_state(cur) == SLOT_TAKEN) {"""),)),
+        """             (cur & ~SLOT_WAITER) == want && tries < SHM_CAS_TRIES; tries++) {""",
+        """             shm_word_state(cur) == SLOT_TAKEN && want + 1 && tries < SHM_CAS_TRIES;
+             tries++) {"""),)),
     Mutation("the put-back trusts the table's indexes", "requeue_words", "asan", ((
         """        if (taken[i].client >= s->p.max_clients ||
             taken[i].slot >= s->p.slots_per_client)
@@ -202,6 +202,8 @@ MUTATIONS = [
     for (; i + 2 <= nw; i += 2) h = shm_check_step(h, data[i], data[i + 1]);""",
         """    uint64_t i = nw;
     for (; i + 2 <= nw; i += 2) h = shm_check_step(h, data[i], data[i + 1]);"""),)),
+    Mutation("a reclaim wakes nobody", "reclaim_wakes", "plain", ((
+        """    shm_ring_word(&h->done_seq[c / 32u], 1u << (c % 32u));\n""", ""),)),
     Mutation("one word can zero the cache check's history", "cache_check", "plain", ((
         """    return shm_mum(h ^ x ^ 0xA0761D6478BD642Full, h ^ y ^ 0xE7037ED1A0B428DBull) ^ h;""",
         """    return shm_mum(h ^ x ^ 0xA0761D6478BD642Full, y ^ 0xE7037ED1A0B428DBull);"""),)),

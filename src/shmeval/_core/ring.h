@@ -94,6 +94,8 @@
 #define SHM_REPORT_WORDS 510u    /* 8-byte words of a replica's report */
 #define SHM_MAX_ROW_BYTES (1ull << 30)
 #define SHM_OWNER_RECLAIMING (-1) /* owner_pid while its entry is reclaimed */
+#define SHM_CAS_TRIES 4096u       /* CAS retries on a word a client keeps
+                                     changing, before another way is taken */
 #define SHM_CACHE_MAX_LOG2 32u   /* at most 2^32 cache entries */
 #define SHM_CACHE_MAX_BYTES (1ull << 46) /* and 64 TiB of them */
 #define SHM_CACHE_WAYS 4u        /* entries per bucket */
@@ -886,6 +888,10 @@ static inline int shm_client_reclaim(shm_seg *s, uint32_t c) {
     shm_stat_add(&h->st[ST_CACHE_REPLACED],
                  atomic_exchange_explicit(&e->cache_replaced, 0,
                                           memory_order_relaxed));
+    /* A thread of a detached owner may still wait on a slot reclaimed
+     * here: its doorbell rings, so that it sees the new generation now,
+     * not at its next tick. */
+    shm_ring_word(&h->done_seq[c / 32u], 1u << (c % 32u));
     /* MO: relaxed; a hint (clients fetch_add it too, hence atomic RMW). */
     atomic_fetch_sub_explicit(&h->n_attached, 1, memory_order_relaxed);
     shm_stat_add(&h->st[ST_RECLAIMED_CLIENTS], 1);
@@ -1939,6 +1945,11 @@ static inline int shm_collect_lock(shm_seg *s, uint32_t v,
         return SHM_OK;
     uint64_t start = shm_now_ns();
     for (;;) {
+        /* Checked on every round, not only before a sleep: a word that
+         * keeps changing (scribbled on) must not hold us past the
+         * timeout. */
+        uint64_t now = shm_now_ns();
+        if (now - start >= timeout_ns) return SHM_TIMEOUT;
         if (cur == 0) {
             /* Free after a wait: take it with the waiters bit, since
              * others may still sleep on it (an extra wake at worst). */
@@ -1956,8 +1967,6 @@ static inline int shm_collect_lock(shm_seg *s, uint32_t v,
                 continue;
             cur |= SHM_LOCK_WAITERS;
         }
-        uint64_t now = shm_now_ns();
-        if (now - start >= timeout_ns) return SHM_TIMEOUT;
         shm_futex_wait(lock, cur, timeout_ns - (now - start));
         /* MO: relaxed; the CAS that takes the lock acquires. */
         cur = atomic_load_explicit(lock, memory_order_relaxed);
@@ -2037,9 +2046,13 @@ static inline uint32_t shm_requeue(shm_seg *s, uint32_t v) {
         _Atomic uint32_t *w = shm_slot_word_at(s, taken[i].client,
                                                taken[i].slot);
         uint32_t want = shm_slot_word(SLOT_TAKEN, taken[i].gen);
-        /* MO: relaxed; the CAS below decides. */
+        /* MO: relaxed; the CAS below decides (a bounded number of times:
+         * only the client's WAITER bit can change a TAKEN word, and one
+         * toggling it in a loop must not hold us here; its request then
+         * stays in the batch table, for the next put-back). */
         uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
-        while ((cur & ~SLOT_WAITER) == want) {
+        for (uint32_t tries = 0;
+             (cur & ~SLOT_WAITER) == want && tries < SHM_CAS_TRIES; tries++) {
             /* MO: relaxed.  The input stays published: every write of the
              * word since the client's release store of READY is a
              * read-modify-write (the take's fetch_add, the client's
@@ -2180,9 +2193,21 @@ static inline uint32_t shm_finish(shm_seg *s, shm_taken *taken, uint32_t n,
         taken[i].wake = 0;
         /* MO: relaxed; the CAS below re-checks. */
         uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
-        for (;;) {
+        for (uint32_t tries = 0;; tries++) {
             if ((cur & ~SLOT_WAITER) != want) {
                 shm_stat_add(&h->st[ST_STALE_COMPLETIONS], 1);
+                break;
+            }
+            if (tries == SHM_CAS_TRIES) {
+                /* The word keeps changing, and only its client's WAITER bit
+                 * can (a TAKEN slot is ours alone to move): a client
+                 * toggling it in a loop must not hold the evaluator here.
+                 * The state moves by an add that leaves that bit as it is.
+                 * MO: release, as the CAS. */
+                cur = atomic_fetch_add_explicit(w, final_state - SLOT_TAKEN,
+                                                memory_order_release);
+                taken[i].wake = 1;
+                done++;
                 break;
             }
             /* MO: release; pairs with the acquire loads in shm_slot_wait:

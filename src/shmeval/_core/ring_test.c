@@ -4227,6 +4227,50 @@ static void test_replicas(void) {
     rep_run(3, 1);
 }
 
+typedef struct {
+    shm_seg *s;
+    uint32_t gen;
+    int rc;
+    uint64_t ns;
+} slot_waiter_arg;
+
+static void *slot_waiter(void *arg) {
+    slot_waiter_arg *a = arg;
+    uint64_t t0 = shm_now_ns();
+    a->rc = shm_slot_wait(a->s, 0, 0, a->gen, 0, 10000 * MS);
+    a->ns = shm_now_ns() - t0;
+    return NULL;
+}
+
+/* A thread of a detached owner that still waits on a slot when the entry
+ * is reclaimed learns it at once (its doorbell rings), not at its next
+ * timeout or tick. */
+static void test_reclaim_wakes(void) {
+    start_test("reclaim_wakes", 60);
+    const shm_params P = mkparams(64, 32, 1, 1, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    CHECK_EQ(shm_client_register(s, 501, 1, 0), 0);
+    slot_waiter_arg a = {.s = s};
+    CHECK_EQ(shm_slot_begin(s, 0, 0, 501, &a.gen), SHM_OK);
+    CHECK_EQ(shm_slot_publish(s, 0, 0, a.gen), SHM_OK);
+    pthread_t tw;
+    CHECK_EQ(pthread_create(&tw, NULL, slot_waiter, &a), 0);
+    uint64_t t0 = shm_now_ns();
+    while (!(word_of(s, 0, 0) & SLOT_WAITER)) { /* until it sleeps */
+        CHECK(shm_now_ns() - t0 < 5000 * MS);
+        sleep_ns(100 * US);
+    }
+    sleep_ns(20 * MS);
+    shm_client_detach(s, 0);
+    CHECK_EQ(shm_client_reclaim(s, 0), 0);
+    CHECK_EQ(pthread_join(tw, NULL), 0);
+    CHECK_EQ(a.rc, SHM_STALE);
+    CHECK_MSG(a.ns < PROMPT_NS, "the waiter learnt of the reclaim after %.3f s",
+              secs(a.ns));
+    seg_free(&t);
+}
+
 /* The check word depends on every word it covers whatever their values:
  * a word equal to a constant of the mixing step (say one that makes a
  * factor 0) must not erase the words before it, or two entries that
@@ -4643,7 +4687,7 @@ static const test_case k_tests[] = {
     {"version_floor", test_version_floor}, {"fair_share", test_fair_share},
     {"lock_wake", test_lock_wake}, {"begin_owner", test_begin_owner},
     {"abort", test_abort}, {"scribbled_tables", test_scribbled_tables},
-    {"cache_check", test_cache_check},
+    {"cache_check", test_cache_check}, {"reclaim_wakes", test_reclaim_wakes},
 };
 
 int main(int argc, char **argv) {
