@@ -152,12 +152,14 @@ if [[ " $builds " == *" arm64 "* ]]; then
             done
         fi
         [[ -n $qemu ]] && command -v "$qemu" >/dev/null 2>&1 ||
-            die "no aarch64 emulator (qemu-aarch64-static or qemu-aarch64) to run the arm64 build: install qemu-user-static (or qemu-user)"
+            die "aarch64 emulator ${qemu:-qemu-aarch64-static or qemu-aarch64} not" \
+                "found (Debian: apt-get install -y qemu-user-static, or qemu-user)"
         "$qemu" "$tmp/probe_arm64" >"$tmp/probe_arm64_run.log" 2>&1 || {
             cat "$tmp/probe_arm64_run.log" >&2
             die "$qemu cannot run an aarch64 program (see above)"
         }
-        echo "run_c_tests: arm64: run under $("$qemu" --version | head -n1) with SHM_TEST_SLOW=${SHM_TEST_SLOW:-1}"
+        echo "run_c_tests: arm64: run under $("$qemu" --version | head -n1)" \
+            "with SHM_TEST_SLOW=${SHM_TEST_SLOW:-1}"
         arm64_prefix=(env "SHM_TEST_SLOW=${SHM_TEST_SLOW:-1}" "$qemu")
     fi
 fi
