@@ -3,7 +3,8 @@ missing.
 
 A few tests run programs that pip does not install: a real Prometheus
 server (tests/monitor), gcc's sanitizer runtimes (tests/c), util-linux's
-``unshare`` and root (tests/stress, tests/core).  Each asks here first.
+``unshare`` and root (tests/stress, tests/core), a cross gcc and QEMU for
+the C core's aarch64 build (tests/c).  Each asks here first.
 Where one is missing, the test is skipped, with the command that installs
 it as the reason (``pytest -ra`` lists the reasons at the end), so that the
 README's test command passes on a fresh machine and says what it did not
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -74,6 +76,29 @@ def require_sanitizers(*sanitizers: str) -> None:
     for s in sanitizers:
         require(_links(cc, f"-fsanitize={s}"), f"gcc's {s} sanitizer runtime",
                 f"apt-get install -y {SANITIZER_PACKAGES[s]}")
+
+
+ARM64_INSTALL = ("apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu "
+                 "libc6-dev-arm64-cross qemu-user-static")
+
+
+def require_arm64_tools() -> None:
+    """The arm64 build of tests/c/run_c_tests.sh can run here: its compiler
+    (``ARM64_CC``; ``aarch64-linux-gnu-gcc``, or ``CC`` on an aarch64 host)
+    links a static program and, on a host that is not aarch64, an aarch64
+    emulator (``QEMU_AARCH64``, ``qemu-aarch64-static`` or ``qemu-aarch64``)
+    is on PATH (see :func:`require`)."""
+    native = platform.machine() == "aarch64"
+    cc = os.environ.get("ARM64_CC") or (
+        os.environ.get("CC", "gcc") if native else "aarch64-linux-gnu-gcc")
+    require_binary(cc, ARM64_INSTALL)
+    require(_links(cc, "-static"), f"the aarch64 C library ({cc} cannot link a static "
+            f"program)", ARM64_INSTALL)
+    if not native:
+        emulators = ([os.environ["QEMU_AARCH64"]] if os.environ.get("QEMU_AARCH64")
+                     else ["qemu-aarch64-static", "qemu-aarch64"])
+        require(any(shutil.which(e) for e in emulators),
+                f"the aarch64 emulator ({' or '.join(emulators)})", ARM64_INSTALL)
 
 
 def require_root(why: str) -> None:

@@ -580,11 +580,21 @@ static inline uint64_t shm_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* The pause between two looks of a spin.  A spin reads the clock once
+ * every SHM_SPIN_LOOKS looks, so the pause also sets how often that is.
+ * x86: `pause`, a hint that also stalls the core for a while.  AArch64:
+ * `isb`, not `yield`: `yield` is a NOP on cores without SMT (the Neoverse
+ * cores of Graviton and Grace among them), so a spin would read the clock
+ * and call sched_yield() every fraction of a µs instead of every few µs;
+ * `isb` waits for the pipeline to drain, a stall of some tens of ns like
+ * `pause` (Rust's spin_loop hint made the same switch).
+ * Elsewhere nothing: the looks are atomic loads, which the compiler
+ * cannot merge, so the spin stays correct, only busier. */
 static inline void shm_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
+    __asm__ __volatile__("isb");
 #endif
 }
 
@@ -596,8 +606,9 @@ static inline void shm_cpu_relax(void) {
  * line every load of the gather spans two lines.  Loading line by line and
  * storing unaligned instead was about a third faster for Go rows on the
  * development machine (bench/c/row_copy.c; docs/performance.md).  Small
- * copies, copies whose ends share their offset in the line, and CPUs
- * without AVX2 use memcpy. */
+ * copies, copies whose ends share their offset in the line, x86 CPUs
+ * without AVX2 and every other architecture (AArch64: the line-load path
+ * was measured on x86 only) use memcpy. */
 #define SHM_COPY_MIN 2048u
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

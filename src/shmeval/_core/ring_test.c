@@ -5,7 +5,8 @@
  * share it exactly as processes share a mapping, and the futex words work the
  * same way within one process.  Built and run by tests/c/run_c_tests.sh in
  * three ways: plain (-O2 -Werror -DSHM_DEBUG), ThreadSanitizer, and
- * AddressSanitizer + UndefinedBehaviorSanitizer.
+ * AddressSanitizer + UndefinedBehaviorSanitizer; and, on request, plain for
+ * aarch64, run under QEMU's user-mode emulation (the arm64 build).
  *
  *   gcc -std=c11 -D_GNU_SOURCE -pthread -I src/shmeval/_core \
  *       src/shmeval/_core/ring_test.c -o ring_test
@@ -18,14 +19,19 @@
  *
  * Environment knobs (all optional):
  *   SHM_TEST_CLIENTS=N        client threads in the concurrency test (8)
- *   SHM_TEST_REQUESTS=N       requests per client thread (50000 plain,
- *                             30000 under a sanitizer)
+ *   SHM_TEST_REQUESTS=N       requests per client thread (50000, or
+ *                             30000 in a slow run: see SHM_TEST_SLOW)
  *   SHM_TEST_SEED=N           base seed of the pseudo-random choices
  *                             (default: a new one every run, printed)
  *   SHM_TEST_RACE_TRIALS=N    trials of the random close/wait race probe
- *                             (300 plain, 100 under a sanitizer)
+ *                             (300, or 100 in a slow run)
  *   SHM_TEST_STRICT_CLOSE_RACE=0  warn (instead of fail) when a waiter
  *                             sleeps through shm_close_and_wake
+ *   SHM_TEST_SLOW=1           a slow run although the build has no
+ *                             sanitizer (an emulated CPU: the arm64 build
+ *                             under QEMU): the sanitizer builds' longer
+ *                             watchdogs and wake-up deadlines and their
+ *                             smaller default counts
  *   SHM_TEST_SLEEP_MS=N       the sleep timeout of the lost wake-up tests'
  *                             sleepers (lost_wakeup, reread, wait_any_reread;
  *                             10000): a lost wake-up costs a test this long.
@@ -171,6 +177,20 @@ static void test_hook(const char *point) {
 #define BUILD_SLOW 0
 #endif
 
+#if defined(__x86_64__)
+#define BUILD_ARCH "x86_64"
+#elif defined(__aarch64__)
+#define BUILD_ARCH "aarch64"
+#else
+#define BUILD_ARCH "another architecture"
+#endif
+
+/* A slow run: a sanitizer build, or SHM_TEST_SLOW=1 (an emulated CPU,
+ * tests/c/run_c_tests.sh's arm64 build under QEMU).  It gets longer
+ * watchdogs and wake-up deadlines and fewer default trials and requests;
+ * no check is dropped. */
+static int g_slow = BUILD_SLOW;
+
 #define MS 1000000ull
 #define US 1000ull
 
@@ -229,7 +249,7 @@ static void on_alarm(int sig) {
     _exit(2);
 }
 
-static unsigned watchdog_scale(void) { return BUILD_SLOW ? 3u : 1u; }
+static unsigned watchdog_scale(void) { return g_slow ? 3u : 1u; }
 
 static void start_test(const char *name, unsigned watchdog_s) {
     g_test = name;
@@ -333,7 +353,7 @@ static shm_seg *serving_seg(test_seg *t, const shm_params *p) {
 }
 
 /* How soon a woken waiter must return: generous, far below its timeout. */
-#define PROMPT_NS ((BUILD_SLOW ? 2000 : 1000) * MS)
+#define PROMPT_NS ((g_slow ? 2000u : 1000u) * MS)
 
 static void seg_free(test_seg *t) {
     free(t->mem);
@@ -876,7 +896,7 @@ static void test_attach(void) {
     /* ---- random trials: never crash, never read out of bounds, always a
      * status code (checked against the oracle) ---- */
     uint64_t rng = g_seed ^ 0xA77AC4ull;
-    const unsigned trials = BUILD_SLOW ? 1500 : 4000;
+    const unsigned trials = g_slow ? 1500 : 4000;
     const uint64_t MAXBUF = 2 * T + 2 * sizeof(shm_header) + 8192;
     char *fz = malloc(MAXBUF);
     CHECK(fz != NULL);
@@ -1802,7 +1822,7 @@ static void test_concurrency(void) {
     memset(&x, 0, sizeof x);
     x.s = s;
     x.nclients = (uint32_t)env_u64("SHM_TEST_CLIENTS", 8);
-    x.nreq = (uint32_t)env_u64("SHM_TEST_REQUESTS", BUILD_SLOW ? 30000 : 50000);
+    x.nreq = (uint32_t)env_u64("SHM_TEST_REQUESTS", g_slow ? 30000 : 50000);
     CHECK(x.nclients >= 1 && x.nclients <= 1000 && x.nreq >= 1 &&
           x.nreq < (1u << 20));
     x.wait_timeout_ns = 100 * MS;
@@ -2255,7 +2275,7 @@ static void test_close(void) {
      * shm_slot_wait does not re-read ev_state after setting WAITER. */
     {
         const unsigned trials = (unsigned)env_u64(
-            "SHM_TEST_RACE_TRIALS", BUILD_SLOW ? 100 : 300);
+            "SHM_TEST_RACE_TRIALS", g_slow ? 100 : 300);
         const shm_params P = mkparams(64, 16, 1, 1, 1);
         shm_layout l;
         CHECK_EQ(shm_layout_compute(&P, &l), SHM_OK);
@@ -2964,7 +2984,14 @@ static void test_copy(void) {
             }
     free(src);
     free(dst);
-    printf("  copy: %u cases of offsets and lengths\n", cases);
+#ifdef SHM_HAVE_LINE_COPY
+    const char *path = __builtin_cpu_supports("avx2")
+                           ? "AVX2 line loads from 2048 bytes, memcpy below"
+                           : "memcpy (no AVX2 on this CPU)";
+#else
+    const char *path = "memcpy (no line-load path on this architecture)";
+#endif
+    printf("  copy: %u cases of offsets and lengths, by %s\n", cases, path);
 }
 
 /* ------------------------------------------------------------------ */
@@ -3680,7 +3707,7 @@ static void test_cache_threads(void) {
         a[i] = (cache_thread_arg){.s = s, .c = i, .seed = g_seed + i, .stop = &stop};
         CHECK_EQ(pthread_create(&th[i], NULL, cache_hammer, &a[i]), 0);
     }
-    uint64_t ms = env_u64("SHM_TEST_CACHE_MS", BUILD_SLOW ? 1500 : 500);
+    uint64_t ms = env_u64("SHM_TEST_CACHE_MS", g_slow ? 1500 : 500);
     for (uint64_t v = 1; v <= 10; v++) {
         sleep_ns(ms * MS / 10);
         shm_cache_set_version(s, v);
@@ -4137,7 +4164,7 @@ static void rep_run(int die_after, int die_locked) {
     memset(&x, 0, sizeof x);
     x.s = s;
     x.nclients = 4;
-    x.nreq = BUILD_SLOW ? 300 : 2000;
+    x.nreq = g_slow ? 300 : 2000;
     x.counts = calloc((size_t)x.nclients * x.nreq, sizeof *x.counts);
     CHECK(x.counts != NULL);
     for (uint32_t r = 0; r < 2; r++) {
@@ -4697,7 +4724,9 @@ int main(int argc, char **argv) {
      * SHM_TEST_SEED; thread interleavings differ from run to run anyway) */
     g_seed = env_u64("SHM_TEST_SEED", mix64(shm_now_ns() ^ (uint64_t)getpid()));
     g_sleep_ns = env_u64("SHM_TEST_SLEEP_MS", 10000) * MS;
-    printf("ring_test (%s build), seed %" PRIu64 "\n", BUILD_KIND, g_seed);
+    g_slow = BUILD_SLOW || env_u64("SHM_TEST_SLOW", 0) != 0;
+    printf("ring_test (%s build, %s%s), seed %" PRIu64 "\n", BUILD_KIND,
+           BUILD_ARCH, g_slow ? ", slow" : "", g_seed);
     const size_t nt = sizeof k_tests / sizeof k_tests[0];
     for (int i = 1; i < argc; i++) {
         size_t j = 0;
