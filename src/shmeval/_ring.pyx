@@ -317,9 +317,10 @@ cdef class Segment:
     @staticmethod
     def create(int fd, uint64_t size, in_bytes, out_bytes, max_clients, slots_per_client,
                max_batch, replicas, servers, bytes spec, int owner_pid, uint64_t pid_ns,
-               uint64_t time_ns, name, cache_entries=0):
+               uint64_t time_ns, name, cache_entries=0, uint64_t owner_starttime=0):
         """Maps a new zero-filled segment (fd) and formats it for the owner
-        process in the given pid and time namespaces."""
+        process (its /proc start time: owner_starttime, 0 unknown) in the
+        given pid and time namespaces."""
         cdef Segment self = Segment.__new__(Segment)
         cdef shm_params p
         self.name = name
@@ -328,8 +329,8 @@ cdef class Segment:
         if len(spec) > SHM_SPEC_MAX:
             raise ValueError("spec is %d bytes, the header holds %d" % (len(spec), SHM_SPEC_MAX))
         self._map(fd, size)
-        _check(shm_init(&self.seg, self.addr, size, &p, spec, len(spec), owner_pid, pid_ns,
-                        time_ns), "create %s" % name)
+        _check(shm_init(&self.seg, self.addr, size, &p, spec, len(spec), owner_pid,
+                        owner_starttime, pid_ns, time_ns), "create %s" % name)
         self._alloc_cache_buffer()
         return self
 
@@ -428,6 +429,11 @@ cdef class Segment:
     @property
     def owner_pid(self):
         return shm_owner_pid(&self.seg)
+
+    @property
+    def owner_starttime(self):
+        """The creator's /proc start time (clock ticks since boot; 0 unknown)."""
+        return shm_owner_starttime(&self.seg)
 
     @property
     def pid_ns(self):

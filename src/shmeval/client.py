@@ -473,7 +473,7 @@ class Client(_ring.ClientBase):
             return
         if not serving and all(r["state"] == "empty" for r in replicas):
             # Not serving yet: its creator must at least be alive.
-            if segment.is_alive(seg.owner_pid):
+            if segment.is_alive(seg.owner_pid, seg.owner_starttime):
                 return
             pids = [seg.owner_pid]
         else:

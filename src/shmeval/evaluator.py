@@ -205,7 +205,7 @@ class _ServingLoop:
         self.version = 0
         self.housekeeping_at = 0
         self.control_until = 0  # a control message is announced but not here yet
-        self.owner = seg.owner_pid
+        self.owner, self.owner_starttime = seg.owner_pid, seg.owner_starttime
         self.pid_ns = segment.namespaces().pid
         self.stop_reason = _ring.STOP_CLOSED  # why serving stops, unless it raises
         self.warned_extra = False  # about outputs the spec does not declare
@@ -364,7 +364,7 @@ class _ServingLoop:
     def owner_gone(self, me: int) -> bool:
         """True (and the group stopping) when the process that created the
         evaluator died: nobody else will close or unlink it."""
-        if self.owner == me or segment.is_alive(self.owner):
+        if self.owner == me or segment.is_alive(self.owner, self.owner_starttime):
             return False
         self.stop_reason = _ring.STOP_OWNER_DIED
         segment.unlink(self.seg.name)

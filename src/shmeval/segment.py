@@ -123,7 +123,8 @@ def create(spec: Spec, name: Optional[str] = None, replicas: int = 1,
         seg = _ring.Segment.create(shm.fd, size, spec.in_bytes, spec.out_bytes,
                                    spec.max_clients, spec.slots_per_client, spec.max_batch,
                                    replicas, servers, spec.to_json(), os.getpid(), ns.pid,
-                                   ns.time, name, cache_entries)
+                                   ns.time, name, cache_entries,
+                                   process_starttime(os.getpid()) or 0)
     except BaseException:
         shm.close_fd()
         unlink(name)
@@ -250,13 +251,14 @@ def is_alive(pid: int, starttime: int = 0) -> bool:
 _MAGIC = 0x314C4156454D4853   # ring.h SHM_MAGIC, "SHMEVAL1"
 # ring.h shm_header, read without mapping the segment (ring.h asserts the
 # offsets): magic u64 @0, layout_version u32 @8, owner_pid i32 @72, pid_ns
-# u64 @80, time_ns u64 @88.
-_HEADER = struct.Struct("<QI60xi4xQQ")
+# u64 @80, time_ns u64 @88, owner_starttime u64 @96.
+_HEADER = struct.Struct("<QI60xi4xQQQ")
 
 
 class _Header(NamedTuple):
     owner_pid: int
     ns: Optional[Namespaces]  # None: a layout that does not record them
+    owner_starttime: int = 0  # 0: unknown (or a layout without it)
 
 
 def _name_pid(entry: str) -> int:
@@ -289,8 +291,8 @@ def _read_header(path: str) -> Optional[_Header]:
         old = 64
         pid = struct.unpack_from("<i", head, old)[0] if len(head) >= old + 4 else 0
         return _Header(max(0, int(pid)), None)
-    _, _, pid, pid_ns, time_ns = _HEADER.unpack(head)
-    return _Header(max(0, pid), Namespaces(pid_ns, time_ns))
+    _, _, pid, pid_ns, time_ns, starttime = _HEADER.unpack(head)
+    return _Header(max(0, pid), Namespaces(pid_ns, time_ns), starttime)
 
 
 def _inspect(entry: str) -> Optional[dict[str, object]]:
@@ -309,7 +311,11 @@ def _inspect(entry: str) -> Optional[dict[str, object]]:
         _foreign(head.ns, namespaces()) is not None
     return {"address": "/" + entry, "owner_pid": pid,
             # An owner we cannot identify counts as alive: never removed.
-            "owner_alive": pid == 0 or foreign or is_alive(pid),
+            # With its start time the owner is told from a later process
+            # of the same pid (also in a namespace whose inode number was
+            # reused, which the namespace check cannot see).
+            "owner_alive": pid == 0 or foreign or
+            is_alive(pid, head.owner_starttime if head else 0),
             "foreign_namespace": foreign, "uid": st.st_uid, "bytes": st.st_size}
 
 

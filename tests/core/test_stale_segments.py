@@ -532,3 +532,23 @@ def test_cleanup_own_stale_is_cheap() -> None:
     finally:
         for a in created:
             segment.unlink(a)
+
+
+@pytest.mark.timeout(60)
+def test_an_owner_is_its_pid_and_its_start_time() -> None:
+    """The header records the creator's start time: a segment whose pid now
+    belongs to another process (pid reuse; a namespace whose inode number
+    was reused) reads as stale, not as a live owner's."""
+    with make_ev() as ev:
+        path = "/dev/shm" + ev.address
+        listed = {str(s["address"]): s for s in segment.list_segments()}
+        assert listed[ev.address]["owner_alive"] is True
+        assert ev._seg.owner_starttime == segment.process_starttime(os.getpid())
+        fd = os.open(path, os.O_RDWR)
+        try:
+            # the start time of some other process of this pid
+            os.pwrite(fd, (ev._seg.owner_starttime + 1).to_bytes(8, "little"), 96)
+        finally:
+            os.close(fd)
+        listed = {str(s["address"]): s for s in segment.list_segments()}
+        assert listed[ev.address]["owner_alive"] is False

@@ -247,6 +247,10 @@ typedef struct {
      * cleanup never judges a segment of another. */
     uint64_t pid_ns;
     uint64_t time_ns;
+    /* The creator's /proc start time (clock ticks since boot; 0 =
+     * unknown): with its pid, who it is, even after the pid is reused or
+     * a namespace's inode number is (cleanup, the serving loop). */
+    uint64_t owner_starttime;
     char spec[SHM_SPEC_MAX];
 
     /* --- evaluator lifecycle (the replicas' own words: shm_replica) --- */
@@ -309,6 +313,8 @@ typedef struct {
 _Static_assert(offsetof(shm_header, owner_pid) == 72, "owner_pid offset");
 _Static_assert(offsetof(shm_header, pid_ns) == 80, "pid_ns offset");
 _Static_assert(offsetof(shm_header, time_ns) == 88, "time_ns offset");
+_Static_assert(offsetof(shm_header, owner_starttime) == 96,
+               "owner_starttime offset");
 
 /* A replica's state (shm_replica.state). */
 enum shm_replica_state {
@@ -503,11 +509,13 @@ static inline char *shm_slot_out(const shm_seg *s, uint32_t c, uint32_t k) {
 }
 
 /* Formats a freshly created, zero-filled segment of `size` bytes for the
- * process owner_pid living in the given pid and time namespaces. */
+ * process owner_pid (started at owner_starttime) living in the given pid
+ * and time namespaces. */
 static inline int shm_init(shm_seg *s, char *base, uint64_t size,
                            const shm_params *p, const char *spec,
                            uint32_t spec_len, int32_t owner_pid,
-                           uint64_t pid_ns, uint64_t time_ns) {
+                           uint64_t owner_starttime, uint64_t pid_ns,
+                           uint64_t time_ns) {
     int rc = shm_layout_compute(p, &s->l);
     if (rc != SHM_OK) return rc;
     if (spec_len > SHM_SPEC_MAX) return SHM_E_SPEC;
@@ -525,6 +533,7 @@ static inline int shm_init(shm_seg *s, char *base, uint64_t size,
     h->total_bytes = s->l.total;
     h->params = *p;
     h->owner_pid = owner_pid;
+    h->owner_starttime = owner_starttime;
     h->pid_ns = pid_ns;
     h->time_ns = time_ns;
     /* MO: release; pairs with the acquire load of magic in shm_attach, so
@@ -2554,6 +2563,9 @@ static inline int32_t shm_owner_pid(shm_seg *s) {
 }
 /* The creator's pid and time namespaces (0 = unknown). */
 static inline uint64_t shm_pid_ns(shm_seg *s) { return shm_hdr(s)->pid_ns; }
+static inline uint64_t shm_owner_starttime(shm_seg *s) {
+    return shm_hdr(s)->owner_starttime;
+}
 static inline uint64_t shm_time_ns(shm_seg *s) { return shm_hdr(s)->time_ns; }
 static inline shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k) {
     return shm_slot_meta_at(s, c, k);

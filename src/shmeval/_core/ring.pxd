@@ -113,7 +113,7 @@ cdef extern from "ring.h" nogil:
     int shm_layout_compute(const shm_params *p, shm_layout *l)
     int shm_init(shm_seg *s, char *base, uint64_t size, const shm_params *p,
                  const char *spec, uint32_t spec_len, int32_t owner_pid,
-                 uint64_t pid_ns, uint64_t time_ns)
+                 uint64_t owner_starttime, uint64_t pid_ns, uint64_t time_ns)
     int shm_attach(shm_seg *s, char *base, uint64_t size)
     uint64_t shm_now_ns()
 
@@ -199,6 +199,7 @@ cdef extern from "ring.h" nogil:
     const char *shm_spec(shm_seg *s, uint32_t *len)
     int32_t shm_owner_pid(shm_seg *s)
     uint64_t shm_pid_ns(shm_seg *s)
+    uint64_t shm_owner_starttime(shm_seg *s)
     uint64_t shm_time_ns(shm_seg *s)
     void shm_request_close(shm_seg *s)
     uint32_t shm_request_control(shm_seg *s)

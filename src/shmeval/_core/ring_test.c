@@ -335,7 +335,7 @@ static void seg_make(test_seg *t, const shm_params *p) {
     t->size = l.total;
     t->mem = seg_alloc(l.total);
     CHECK_EQ(shm_init(&t->s, t->mem, t->size, p, k_spec,
-                      (uint32_t)strlen(k_spec), (int32_t)getpid(), 0, 0),
+                      (uint32_t)strlen(k_spec), (int32_t)getpid(), 0, 0, 0),
              SHM_OK);
 }
 
@@ -624,7 +624,7 @@ static void test_layout(void) {
         /* shm_init refuses them too, before touching the buffer */
         shm_seg s;
         memset(scratch, 0xA5, scratch_n);
-        rc = shm_init(&s, scratch, scratch_n, &bad[i].p, "", 0, 1, 0, 0);
+        rc = shm_init(&s, scratch, scratch_n, &bad[i].p, "", 0, 1, 0, 0, 0);
         CHECK_MSG(rc == SHM_E_PARAMS, "init(%s) returned %d", bad[i].what, rc);
         for (uint64_t j = 0; j < scratch_n; j++)
             CHECK_MSG((unsigned char)scratch[j] == 0xA5,
@@ -757,14 +757,14 @@ static void test_attach(void) {
     {
         shm_seg s2;
         char *b2 = seg_alloc(T);
-        CHECK_EQ(shm_init(&s2, b2, T - 1, &P, k_spec, 10, 1, 0, 0), SHM_E_TOO_SMALL);
-        CHECK_EQ(shm_init(&s2, b2, 0, &P, k_spec, 10, 1, 0, 0), SHM_E_TOO_SMALL);
+        CHECK_EQ(shm_init(&s2, b2, T - 1, &P, k_spec, 10, 1, 0, 0, 0), SHM_E_TOO_SMALL);
+        CHECK_EQ(shm_init(&s2, b2, 0, &P, k_spec, 10, 1, 0, 0, 0), SHM_E_TOO_SMALL);
         char *big = malloc(SHM_SPEC_MAX + 1);
         CHECK(big != NULL);
         memset(big, 'x', SHM_SPEC_MAX + 1);
-        CHECK_EQ(shm_init(&s2, b2, T, &P, big, SHM_SPEC_MAX + 1, 1, 0, 0), SHM_E_SPEC);
+        CHECK_EQ(shm_init(&s2, b2, T, &P, big, SHM_SPEC_MAX + 1, 1, 0, 0, 0), SHM_E_SPEC);
         /* exactly SHM_SPEC_MAX bytes of spec is fine, and attaches */
-        CHECK_EQ(shm_init(&s2, b2, T, &P, big, SHM_SPEC_MAX, 1, 0, 0), SHM_OK);
+        CHECK_EQ(shm_init(&s2, b2, T, &P, big, SHM_SPEC_MAX, 1, 0, 0, 0), SHM_OK);
         CHECK_EQ(attach_copy(b2, T, T, NULL), SHM_OK);
         uint32_t len = 0;
         const char *sp = shm_spec(&s2, &len);
@@ -2058,7 +2058,7 @@ static void *racer(void *arg) {
 static void one_ready_request(shm_seg *seg, char *mem, const shm_layout *l,
                               const shm_params *P) {
     memset(mem, 0, l->total);
-    CHECK_EQ(shm_init(seg, mem, l->total, P, "", 0, 1, 0, 0), SHM_OK);
+    CHECK_EQ(shm_init(seg, mem, l->total, P, "", 0, 1, 0, 0, 0), SHM_OK);
     CHECK_EQ(t_set_serving(seg, 1, 1), EV_SERVING);
     CHECK_EQ(t_register(seg, 1, 1), 0);
     CHECK_EQ(t_begin(seg, 0, 0), SHM_OK);
@@ -2239,7 +2239,7 @@ static void test_close(void) {
             for (int at = 1; at <= 5; at++) {
                 shm_seg seg;
                 memset(mem, 0, l.total);
-                CHECK_EQ(shm_init(&seg, mem, l.total, &P, "", 0, 1, 0, 0), SHM_OK);
+                CHECK_EQ(shm_init(&seg, mem, l.total, &P, "", 0, 1, 0, 0, 0), SHM_OK);
                 CHECK_EQ(t_set_serving(&seg, 1, 1), EV_SERVING);
                 CHECK_EQ(t_register(&seg, 1, 1), 0);
                 park_arg pa;
