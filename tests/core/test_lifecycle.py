@@ -42,7 +42,7 @@ CHILD_TIMEOUT = 60.0   # a spawn child needs ~1 s to start on a loaded 2-core bo
 # Byte offsets in the segment header (ring.h: shm_header).
 OFF_MAGIC, OFF_VERSION, OFF_SPEC_LEN, OFF_SPEC_HASH, OFF_TOTAL = 0, 8, 12, 16, 24
 OFF_IN_BYTES, OFF_OUT_BYTES, OFF_MAX_CLIENTS, OFF_SLOTS, OFF_MAX_BATCH = 32, 40, 48, 52, 56
-OFF_OWNER_PID, OFF_PID_NS, OFF_TIME_NS, OFF_SPEC = 72, 80, 88, 96
+OFF_OWNER_PID, OFF_PID_NS, OFF_TIME_NS, OFF_OWNER_START, OFF_SPEC = 72, 80, 88, 96, 104
 
 
 # ---------------------------------------------------------------- helpers
@@ -973,10 +973,11 @@ def test_random_header_corruption_never_crashes() -> None:
     accepted, wrong = msgs[0]
     assert not wrong, wrong[:5]
     # Only bytes the header does not validate may be changed undetected:
-    # the parameters' padding, the owner pid and its padding, and what lies
-    # past the spec text.
+    # the parameters' padding, the owner pid and its padding, the owner's
+    # start time, and what lies past the spec text.
     spec_end = OFF_SPEC + len(Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 32, 4, 4).to_json())
-    harmless = set(range(68, 80)) | {spec_end + 10, 5000, 6000}
+    harmless = (set(range(68, 80)) | set(range(OFF_OWNER_START, OFF_SPEC))
+                | {spec_end + 10, 5000, 6000})
     assert set(accepted) <= harmless, sorted(set(accepted) - harmless)
 
 
