@@ -15,6 +15,15 @@ and to write one JSON file.
    GPU memory of every process that holds a context on it, and the share
    of the window the GPU was busy (NVML's utilisation, sampled every 50
    ms; nvidia-smi when the NVML module is missing).
+3. A model whose cost is per call, not per row (the net on the GPU at
+   small batches is one graph replay whatever its rows; on the CPU a
+   stand-in that sleeps --call-us per call, the GIL released), served to
+   --call-cost-workers workers, one state per request, greedy batching:
+   one model; one replica with two serving threads (on a GPU two lanes,
+   each its own CUDA stream); two replica processes on the one device;
+   and, with several GPUs, one replica per GPU.  Beside each: the closed
+   loop's best, every model always busy with its even share of the
+   workers' requests.
 
 A phase that fails does not end the run: its error and traceback go into
 its entry of "phases" and the next phase starts; a method that fails (out
@@ -33,7 +42,7 @@ writing hang), while the budget stops starting new work at 8::
 
     timeout -s TERM -k 20 540 python bench/gpu.py --json bench/results/gpu-h200.json
     python bench/gpu.py --device cpu --workers 2 --seconds 0.5 --repeats 1 \\
-        --batches 1,8,64 --json /tmp/gpu-cpu.json        # the same code on the CPU
+        --batches 1,8,64 --call-cost-workers 4 --json /tmp/gpu-cpu.json   # the same code on the CPU
 
 Targets on the GPU (reported, not enforced): at 64 workers shmeval reaches
 70% of the model alone's rows/s at the batch size it forms, 5x the
@@ -68,6 +77,7 @@ is missing, then builds the extensions in place.)
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import multiprocessing as mp
 import shutil
@@ -85,9 +95,9 @@ import numpy as np
 from torch_throughput import (METHODS, STATE_SHAPE, NetConfig, Probe, _await, _int_list,
                               _on_sigterm, add_arguments, build_net, check_arguments,
                               import_torch, make_weights, measure, print_table, report_targets,
-                              summarise)
+                              summarise, torchmodel_factory)
 
-from shmeval._util.children import child_setup
+from shmeval._util.children import child_setup, start_process
 from shmeval._util.jsonout import write_json
 from shmeval._util.machine import machine_info
 
@@ -99,6 +109,9 @@ SWEEP_S = 0.3
 #: one running when it passes and the writes, the run ends well inside the
 #: 540 s of the ``timeout`` wrapper and the device's 600 s per command.
 BUDGET_S = 480.0
+#: The stand-in's cost per call on the CPU (--call-us): the 4 ms of the
+#: issue's call-cost measurements.
+CALL_US = 4000.0
 #: The longest the model-alone phase may take (start-up included).
 MODEL_ALONE_TIMEOUT_S = 180.0
 TARGETS = {"shmeval / model alone rows/s at its batch": 0.7, "shmeval/local evals/s": 5.0,
@@ -228,6 +241,92 @@ def cuda_versions() -> dict[str, Any]:
     return found
 
 
+# --- 3. a model whose cost is per call ----------------------------------------------
+
+class CallCostModel:
+    """The CPU's stand-in for a GPU call: ``call_s`` per call whatever its
+    rows (a sleep: the GIL released, no CPU used), zeros out.  Up to four
+    calls may overlap, as a GPU's streams may."""
+
+    max_concurrency = 4
+
+    def __init__(self, call_s: float) -> None:
+        self.call_s = call_s
+
+    def __call__(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        time.sleep(self.call_s)
+        n = len(batch)
+        return {"policy": np.zeros((n, 7), np.float32), "value": np.zeros(n, np.float32)}
+
+
+def call_cost_factory(cfg: NetConfig, weights: Any, threads: Optional[int], call_s: float,
+                      device: str) -> Any:
+    """A replica's model: the net on a GPU, the stand-in elsewhere."""
+    if device.startswith("cuda"):
+        return torchmodel_factory(cfg, weights, device, threads)
+    return CallCostModel(call_s)
+
+
+def call_cost_worker(ev: Any, seconds: float, ready: Any, go: Any, counts: Any) -> None:
+    """Evaluates one state at a time: once to attach, then for ``seconds``
+    after ``go``; puts how many it answered."""
+    child_setup()
+    state = np.zeros(STATE_SHAPE, np.float32)
+    ev.evaluate(state)
+    ready.put(1)
+    go.wait()
+    n, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        ev.evaluate(state)
+        n += 1
+    counts.put(n)
+
+
+def call_cost_cells(device: str, gpus: int) -> list[tuple[str, list[str], int]]:
+    """(name, one device per replica, serving threads per replica)."""
+    cells = [("one model", [device], 1), ("two serving threads (streams)", [device], 2),
+             ("two replicas, one device", [device, device], 1)]
+    if gpus > 1:
+        cells.append((f"one replica per GPU ({gpus})", [f"cuda:{i}" for i in range(gpus)], 1))
+    return cells
+
+
+def call_cost_cell(args: argparse.Namespace, cfg: NetConfig, weights: Any,
+                   devices: list[str], threads: int, timeout: float) -> dict[str, Any]:
+    """One cell: evals/s over one window, and each replica's mean batch."""
+    import shmeval
+
+    ev = shmeval.Evaluator.spawn(
+        functools.partial(call_cost_factory, cfg, weights, args.threads,
+                          args.call_us * 1e-6),
+        devices=devices, input_shape=STATE_SHAPE, outputs=OUTPUTS, max_batch=args.max_batch,
+        max_clients=args.call_cost_workers + 8, serving_threads=threads, max_wait_us=0,
+        start_timeout=timeout)
+    ctx = mp.get_context("spawn")
+    ready, counts, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    workers = []
+    try:
+        for i in range(args.call_cost_workers):
+            workers.append(start_process(ctx, call_cost_worker, f"bench-call-cost-{i}",
+                                         (ev, args.seconds, ready, go, counts)))
+        for _ in workers:
+            ready.get(timeout=timeout)
+        before = ev.stats()["replicas"]
+        go.set()
+        total = sum(counts.get(timeout=args.seconds + 60) for _ in workers)
+        after = ev.stats()["replicas"]
+        for w in workers:
+            w.join(5.0)
+    finally:
+        for w in workers:  # those left after an error: nothing to wait for
+            if w.is_alive():
+                w.kill()
+        ev.close()
+    batches = [(a["requests"] - b["requests"]) / max(1, a["batches"] - b["batches"])
+               for a, b in zip(after, before)]
+    return {"evals_per_s": total / args.seconds, "mean_batch_per_replica": batches}
+
+
 # --- the GPU beside each window -----------------------------------------------------
 
 class GpuProbe(Probe):
@@ -325,7 +424,8 @@ class Run:
         print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
         self.results: dict[str, Any] = {
             "machine": machine, "versions": None, "device": None, "net": vars(cfg),
-            "config": vars(args), "phases": {}, "model_alone": None, "runs": [], "trials": []}
+            "config": vars(args), "phases": {}, "model_alone": None, "runs": [], "trials": [],
+            "call_cost": None}
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -385,6 +485,43 @@ class Run:
                 self.results["runs"] += runs
                 self.save(partial=True)
 
+    def call_cost(self) -> None:
+        args = self.args
+        gpus = 0
+        if args.device.startswith("cuda"):
+            import torch
+
+            gpus = torch.cuda.device_count()
+        sweep = self.results["model_alone"]
+        cells = self.results["call_cost"] = []
+        print(f"\ncall cost: {args.call_cost_workers} workers, one state per request, greedy"
+              + ("" if gpus else f"; the stand-in sleeps {args.call_us:g} us per call"))
+        for name, devices, threads in call_cost_cells(args.device, gpus):
+            models = len(devices) * threads
+            share = args.call_cost_workers / models
+            # Every model always busy with its even share of the requests.
+            if gpus:
+                best = models * rows_per_s_at(sweep, share) if sweep else None
+            else:
+                best = args.call_cost_workers / (args.call_us * 1e-6)
+            cell: dict[str, Any] = {"cell": name, "devices": devices, "serving_threads": threads,
+                                    "closed_loop_best": best}
+            cells.append(cell)
+            if self.left_s() < args.seconds:
+                cell["skipped"] = f"out of time ({self.left_s():.0f} s of --budget-s left)"
+                continue
+            try:
+                cell.update(call_cost_cell(args, self.cfg, self.weights, devices, threads,
+                                           max(self.left_s(), 10.0)))
+            except Exception as e:  # the next cell may fit (two replicas out of memory)
+                cell["error"] = f"{type(e).__name__}: {e}"
+                print(f"error: call cost, {name}: {cell['error']}", file=sys.stderr)
+                continue
+            batches = ", ".join(f"{b:.1f}" for b in cell["mean_batch_per_replica"])
+            print(f"  {name:<34} {cell['evals_per_s']:>9,.0f} evals/s (best "
+                  + (f"{best:,.0f}" if best else "?") + f"), rows per call {batches}")
+            self.save(partial=True)
+
     def report(self) -> None:
         args, r = self.args, self.results
         keys = ("gpu_busy_share", "gpu_contexts", "gpu_memory_mb_total")
@@ -425,6 +562,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--serving-threads", type=int,
                         help="shmeval's serving threads (default 2 on a GPU: one batch is "
                              "copied while the previous one computes; 1 on the CPU)")
+    parser.add_argument("--call-cost-workers", type=int, default=16,
+                        help="workers of the call-cost phase (default 16; 0: skip it)")
+    parser.add_argument("--call-us", type=float, default=CALL_US,
+                        help="the CPU stand-in's cost per call in the call-cost phase "
+                             f"(default {CALL_US:g})")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
                         help="no phase or method starts after this many seconds "
                              f"(default {BUDGET_S:g}); the one running finishes")
@@ -441,6 +583,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run.phase("versions", run.versions)
         run.phase("model_alone", run.model_alone)
         run.phase("methods", run.methods)
+        if args.call_cost_workers:
+            run.phase("call_cost", run.call_cost)
         run.phase("report", run.report)
     except KeyboardInterrupt as e:
         # SIGTERM (the timeout wrapper) or Ctrl-C: write what there is, and

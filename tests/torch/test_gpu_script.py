@@ -41,7 +41,7 @@ def test_gpu_script_runs_on_the_cpu(tmp_path: Path) -> None:
     stdout = run_bench("gpu.py", "--device", "cpu", "--workers", "2", "--seconds", "0.2",
                        "--repeats", "1", "--warmup", "5", "--batches", "1,4,16",
                        "--sweep-seconds", "0.05", "--max-batch", "16", "--json", str(out),
-                       timeout=400)
+                       "--call-cost-workers", "2", "--call-us", "2000", timeout=400)
     result = json.loads(out.read_text())
     assert "partial" not in result  # the last write is the whole run's
     assert all(phase["ok"] for phase in result["phases"].values()), result["phases"]
@@ -62,6 +62,26 @@ def test_gpu_script_runs_on_the_cpu(tmp_path: Path) -> None:
     assert runs["shmeval"]["evaluator_stats"]["failed_requests"] == 0
     assert "shmeval / model alone rows/s at its batch" in result["ratios"]["2"]
     assert "2 workers: median of windows" in stdout
+    # The call-cost phase, with the CPU's sleeping stand-in.
+    cells = {c["cell"]: c for c in result["call_cost"]}
+    assert sorted(cells) == ["one model", "two replicas, one device",
+                             "two serving threads (streams)"]
+    for c in cells.values():
+        assert c["evals_per_s"] > 0 and c["closed_loop_best"] == 2 / 0.002, c
+    assert len(cells["two replicas, one device"]["mean_batch_per_replica"]) == 2
+    assert cells["two serving threads (streams)"]["serving_threads"] == 2
+
+
+def test_call_cost_cells(gpu_module: Any) -> None:
+    """Several replicas on one device (as processes, and as streams of one
+    process) everywhere; one per GPU where there are several."""
+    assert gpu_module.call_cost_cells("cpu", 0) == [
+        ("one model", ["cpu"], 1), ("two serving threads (streams)", ["cpu"], 2),
+        ("two replicas, one device", ["cpu", "cpu"], 1)]
+    on_gpus = gpu_module.call_cost_cells("cuda:0", 4)
+    assert on_gpus[2] == ("two replicas, one device", ["cuda:0", "cuda:0"], 1)
+    assert on_gpus[3] == ("one replica per GPU (4)", ["cuda:0", "cuda:1", "cuda:2", "cuda:3"], 1)
+    assert len(gpu_module.call_cost_cells("cuda:0", 1)) == 3
 
 
 @pytest.mark.timeout(120)
@@ -83,7 +103,7 @@ def test_a_failing_phase_is_recorded_and_the_rest_runs(gpu_module: Any, tmp_path
     monkeypatch.setattr(gpu_module, "measure", fake_measure)
     out = tmp_path / "gpu.json"
     rc = gpu_module.main(["--device", "cpu", "--workers", "1,2", "--methods", "queue,shmeval",
-                          "--json", str(out)])
+                          "--call-cost-workers", "0", "--json", str(out)])
     assert rc == 1  # a phase failed
     assert measured == [([1], ["queue"]), ([1], ["shmeval"]), ([2], ["queue"]),
                         ([2], ["shmeval"])]
