@@ -770,9 +770,21 @@ class TorchModel:
         size the evaluator will use and runs each once (each bucket, or 1
         and max_batch without buckets).  Returns the buckets this model
         wants when the evaluator has none: its own, or with ``compile`` or
-        ``cuda_graphs`` powers of two up to max_batch."""
-        t0 = time.perf_counter()
+        ``cuda_graphs`` powers of two up to max_batch.  On a GPU the
+        model's device is the calling thread's current device meanwhile,
+        and the caller's own again afterwards."""
+        if self.device.type != "cuda":
+            return self._prepare(spec, buckets)
+        previous = torch.cuda.current_device()
         self._use_device()
+        try:
+            return self._prepare(spec, buckets)
+        finally:
+            torch.cuda.set_device(previous)
+
+    def _prepare(self, spec: Spec, buckets: Optional[Sequence[int]]
+                 ) -> Optional[tuple[int, ...]]:
+        t0 = time.perf_counter()
         sizes = serving_sizes(spec, buckets, self.buckets,
                               bool(self.compile) or self.cuda_graphs, "TorchModel")
         self.spec = spec
