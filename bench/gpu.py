@@ -88,7 +88,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -419,7 +419,7 @@ class Run:
     def __init__(self, args: argparse.Namespace, cfg: NetConfig, weights: Any) -> None:
         self.args, self.cfg, self.weights = args, cfg, weights
         self.began = time.monotonic()
-        self.deadline = self.began + args.budget_s
+        self.deadline: float = self.began + args.budget_s
         machine = machine_info(torch=("torch",), torchrl=("torchrl",), tensordict=("tensordict",))
         print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
         self.results: dict[str, Any] = {
@@ -435,7 +435,7 @@ class Run:
             write_json(self.args.json, {**self.results, **flags,
                                         "wall_s": time.monotonic() - self.began})
 
-    def phase(self, name: str, body: Any) -> None:
+    def phase(self, name: str, body: Callable[[], None]) -> None:
         entry: dict[str, Any] = {"ok": None}  # None while it runs
         self.results["phases"][name] = entry
         t0 = time.monotonic()
