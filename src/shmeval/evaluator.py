@@ -26,6 +26,7 @@ import numpy as np
 
 from . import _ring, segment
 from ._main_script import unreachable_reason
+from .backends._device import share_gpus
 from .client import Client, check_spin_us
 from .errors import EvaluatorDied, ModelError, ShmevalError, exception_text
 from .spec import OutputsLike, ShapeLike, Spec
@@ -1095,6 +1096,9 @@ def _serve_in_process(address: str, spec_json: bytes, factory: Callable[..., Mod
     # Ctrl-C reaches the whole process group: the parent decides when to
     # close, so the evaluator ignores SIGINT rather than dying mid-batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Before the factory imports a framework: JAX and TensorFlow would
+    # otherwise take every GPU for this one replica (_device.GPU_SHARING_ENV).
+    share_gpus()
     seg, spec = segment.attach(address, Spec.from_json(spec_json))
     t0 = time.perf_counter_ns()
     try:

@@ -219,3 +219,26 @@ def test_backends_package_does_not_import_jax() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr
+
+
+def test_cuda_names_map_to_jax_gpus(jax: Any, backend: Any,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """"cuda:N" (what Evaluator.spawn(devices=...) hands a replica's factory)
+    is the N-th of jax.devices("gpu"); shown with two made-up GPUs."""
+    gpus = ["gpu0", "gpu1"]
+    real = jax.devices
+
+    def devices(platform: Any = None) -> Any:
+        return list(gpus) if platform == "gpu" else real(platform)
+
+    monkeypatch.setattr(jax, "devices", devices)
+    assert backend._device("cuda:1") == "gpu1"
+    assert backend._device("cuda") == "gpu0"
+    assert backend._device("gpu") == "gpu0"
+    assert backend._device("cpu") == real("cpu")[0]
+    with pytest.raises(ValueError, match=r"no 'cuda:2' device here \(2 GPU\(s\)\)"):
+        backend._device("cuda:2")
+    monkeypatch.setattr(jax, "devices", real)
+    if not any(d.platform == "gpu" for d in real()):
+        with pytest.raises(ValueError, match="no 'cuda:0' device here"):
+            backend._device("cuda:0")

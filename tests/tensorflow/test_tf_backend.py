@@ -631,3 +631,13 @@ def test_bad_sources_raise(backend: Any, tmp_path: Any) -> None:
         backend.TFModel(str(tmp_path / "missing.onnx"))
     with pytest.raises(TypeError, match="got int"):
         backend.TFModel(3)
+
+
+def test_cuda_names_map_to_tf_gpus(backend: Any) -> None:
+    """"cuda:N" (what Evaluator.spawn(devices=...) hands a replica's factory)
+    is TensorFlow's "/GPU:N"; its own names pass through."""
+    assert backend.tf_device("cuda:1") == "/GPU:1"
+    assert backend.tf_device("cuda") == "/GPU:0"
+    assert backend.tf_device("/GPU:2") == "/GPU:2"
+    assert backend.tf_device("/CPU:0") == "/CPU:0"
+    assert backend.tf_device(None) is None

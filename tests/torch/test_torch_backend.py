@@ -595,3 +595,44 @@ def test_backends_package_does_not_import_torch() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_replicas_gpu_is_made_current(torch: Any, backend: Any,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TorchModel on cuda:N makes GPU N the current device of the thread
+    that prepares it while it prepares (before any CUDA work:
+    torch.cuda.graph synchronises the current device; the caller's device
+    is restored afterwards) and of each serving thread as it takes its
+    lane; on the CPU it sets nothing.  Run without a GPU: torch.cuda.set_device
+    is recorded, and the CUDA work after it fails."""
+    import threading
+
+    made_current: list[tuple[str, Any]] = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: made_current.append((threading.current_thread().name, d)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    spec = Spec.build(INPUT_SHAPE, F32, OUTPUTS, 8, 1, 1)
+    on_cpu = backend.TorchModel(pv_net(), device="cpu")
+    on_cpu.prepare(spec, None)
+    assert made_current == []
+    on_gpu1 = backend.TorchModel(pv_net(), device="cpu", cuda_graphs=False)
+    on_gpu1.device = torch.device("cuda", 1)  # as if there were two GPUs
+    try:
+        on_gpu1.prepare(spec, None)
+    except Exception:  # without a GPU 1: at its first CUDA work (pinned memory here)
+        pass
+    # GPU 1 while preparing, the caller's GPU 0 again afterwards.
+    assert made_current == [("MainThread", torch.device("cuda", 1)), ("MainThread", 0)]
+    made_current.clear()
+    import queue
+
+    lane = object()
+    on_gpu1._free_lanes = queue.SimpleQueue()
+    on_gpu1._free_lanes.put(lane)
+    taken: list[Any] = []
+    server = threading.Thread(target=lambda: taken.append(on_gpu1._take_lane()),
+                              name="serving-thread")
+    server.start()
+    server.join(30)
+    assert taken == [lane]
+    assert made_current == [("serving-thread", torch.device("cuda", 1))]

@@ -1,8 +1,10 @@
 """JSON output of benchmark and demo results."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,25 @@ def json_default(obj: Any) -> Any:
 
 def write_json(path: str, results: Any) -> None:
     """Writes ``results`` to ``path`` (its folder created if missing), one
-    space of indent, NumPy values converted by :func:`json_default`."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1, default=json_default)
+    space of indent, NumPy values converted by :func:`json_default`.
+
+    The text goes to a temporary file in the same folder, which is then
+    renamed over ``path`` (rename(2) replaces atomically within a file
+    system): the file on disk is always a whole one, the previous version
+    or the new, never part of one, even when the process is killed
+    mid-write (bench/gpu.py rewrites its file after every phase of its one
+    run on a borrowed GPU)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.",
+                                     suffix=".part")
+    try:
+        # mkstemp makes it 0600; a result file is for everyone to read.
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
+            json.dump(results, f, indent=1, default=json_default)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

@@ -55,3 +55,31 @@ def gpu_visible(driver_gpus: str = "/proc/driver/nvidia/gpus") -> bool:
         return bool(os.listdir(driver_gpus))
     except OSError:
         return False
+
+
+#: Set in every evaluator process before its factory runs, unless the user
+#: set them: JAX preallocates 75% of every visible GPU in each process that
+#: initialises it (even for a model on the CPU), and TensorFlow without
+#: memory growth takes nearly all of every GPU; either way a second replica
+#: on the same GPUs, or the learner beside them, could not start.
+GPU_SHARING_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                   "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
+
+
+def share_gpus() -> None:
+    """Applies :data:`GPU_SHARING_ENV` to this process's environment where
+    a variable is unset (a value the user gave stays).  It acts only on a
+    framework not yet initialised here: call it before importing one."""
+    for name, value in GPU_SHARING_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def cuda_index(device: str) -> Optional[int]:
+    """The GPU a PyTorch-style name means ("cuda": 0, "cuda:N": N); None
+    for any other name, which each framework reads as its own."""
+    name = device.strip().lower()
+    if name == "cuda":
+        return 0
+    if name.startswith("cuda:") and name[5:].isdigit():
+        return int(name[5:])
+    return None

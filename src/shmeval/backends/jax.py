@@ -38,18 +38,25 @@ from ..errors import ModelError
 from ..spec import OutputSpec, Spec
 from ._contract import (PathLike, castable, check_warm_outputs, checked_weights,
                         match_outputs, needs_reshape, npz_weights, own_buckets, serving_sizes)
+from ._device import cuda_index
 
 
 def _device(device: Any) -> Any:
     """A JAX device: the given one, the first of a platform ("cpu", "gpu"),
-    or (None) JAX's default device."""
+    GPU N for PyTorch's name "cuda:N" (what ``Evaluator.spawn(devices=...)``
+    hands each replica's factory), or (None) JAX's default device."""
     if device is None:
         return jax.devices()[0]
     if isinstance(device, str):
+        index = cuda_index(device)
+        platform = device if index is None else "gpu"
         try:
-            return jax.devices(device)[0]
+            found = jax.devices(platform)
         except RuntimeError as e:
             raise ValueError(f"JaxModel: no {device!r} device here ({e})") from None
+        if index is not None and index >= len(found):
+            raise ValueError(f"JaxModel: no {device!r} device here ({len(found)} GPU(s))")
+        return found[index or 0]
     return device
 
 
@@ -78,8 +85,9 @@ class JaxModel:
     (a named tuple's fields name its entries) or a dict of arrays.
 
     ``params``: a pytree of arrays (put on ``device``).  ``device``: a JAX
-    device or a platform name (``"cpu"``, ``"gpu"``); default JAX's first
-    device (a GPU when the installed jaxlib has one).  ``buckets``: batch
+    device, a platform name (``"cpu"``, ``"gpu"``) or ``"cuda:N"`` (the
+    N-th of ``jax.devices("gpu")``); default JAX's first device (a GPU
+    when the installed jaxlib has one).  ``buckets``: batch
     sizes to compile for and pad to, used when the evaluator has none
     (default: powers of two up to ``max_batch``).
 

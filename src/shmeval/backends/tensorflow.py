@@ -39,7 +39,7 @@ from ..spec import OutputSpec, Spec
 from ._contract import (PathLike, Refold, best_ns, castable, check_warm_outputs,
                         checked_weights, match_outputs, needs_reshape, npz_weights, own_buckets,
                         serving_sizes)
-from ._device import threads_per_call
+from ._device import cuda_index, threads_per_call
 
 
 def configure(memory_growth: bool = True, memory_limit_mb: Optional[int] = None,
@@ -80,6 +80,14 @@ def configure(memory_growth: bool = True, memory_limit_mb: Optional[int] = None,
     if inter_op_threads is not None:
         apply("inter-op thread count", tf.config.threading.set_inter_op_parallelism_threads,
               int(inter_op_threads))
+
+
+def tf_device(device: Optional[str]) -> Optional[str]:
+    """TensorFlow's name for ``device``: ``/GPU:N`` for PyTorch's
+    ``cuda:N`` (what ``Evaluator.spawn(devices=...)`` hands each replica's
+    factory), any other name as it is."""
+    index = None if device is None else cuda_index(device)
+    return device if index is None else f"/GPU:{index}"
 
 
 def _auto_threads(concurrency: int) -> None:
@@ -304,7 +312,8 @@ class TFModel:
     powers of two up to ``max_batch``.  ``memory_growth``,
     ``memory_limit_mb``, ``intra_op_threads``, ``inter_op_threads``: passed
     to :func:`configure` before the model is loaded.  ``device``: where the
-    model runs (default ``/GPU:0`` if there is a GPU, else ``/CPU:0``).
+    model runs, a TensorFlow device name or ``cuda:N`` (read as ``/GPU:N``;
+    default ``/GPU:0`` if there is a GPU, else ``/CPU:0``).
     ``freeze``: serve the traced functions with the weights folded in as
     constants, run in the calling thread by a session (:class:`FrozenGraph`;
     with ``jit_compile``, :func:`frozen_function`): cheaper calls, but every
@@ -370,8 +379,8 @@ class TFModel:
         # Served by FrozenGraph objects (ndarrays in and out), not concrete
         # functions (tensors).
         self._sessions = self.freeze and not self.jit_compile
-        self.device = device or ("/GPU:0" if tf.config.list_physical_devices("GPU")
-                                 else "/CPU:0")
+        self.device = tf_device(device) or ("/GPU:0" if tf.config.list_physical_devices("GPU")
+                                            else "/CPU:0")
         if self.bfloat16 and "GPU" in self.device.upper():
             raise ValueError(f"TFModel(bfloat16=True) rewrites the graph for the CPU; this "
                              f"model runs on {self.device} (pass device='/CPU:0' or drop "

@@ -739,9 +739,20 @@ class TorchModel:
         lane.stream.synchronize()
         return {name: a[:rows] for name, a in zip(self._names, lane.host_out_np)}
 
+    def _use_device(self) -> None:
+        """Makes the model's GPU the calling thread's current device (CUDA's
+        current device is per thread, and 0 in a new one; ``.to("cuda:1")``
+        does not change it): ``torch.cuda.graph`` synchronises the current
+        device, and work that names no device (a lane's stream, the
+        allocator's) lands there.  Without it a replica on GPU 1 makes a
+        context on GPU 0 too and waits on the wrong GPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def _take_lane(self) -> _Lane:
         """A lane for this thread, kept by it from now on."""
         assert self._free_lanes is not None
+        self._use_device()  # the thread's first call: set once, kept
         try:
             lane = self._free_lanes.get_nowait()
         except queue.Empty:
@@ -759,7 +770,20 @@ class TorchModel:
         size the evaluator will use and runs each once (each bucket, or 1
         and max_batch without buckets).  Returns the buckets this model
         wants when the evaluator has none: its own, or with ``compile`` or
-        ``cuda_graphs`` powers of two up to max_batch."""
+        ``cuda_graphs`` powers of two up to max_batch.  On a GPU the
+        model's device is the calling thread's current device meanwhile,
+        and the caller's own again afterwards."""
+        if self.device.type != "cuda":
+            return self._prepare(spec, buckets)
+        previous = torch.cuda.current_device()
+        self._use_device()
+        try:
+            return self._prepare(spec, buckets)
+        finally:
+            torch.cuda.set_device(previous)
+
+    def _prepare(self, spec: Spec, buckets: Optional[Sequence[int]]
+                 ) -> Optional[tuple[int, ...]]:
         t0 = time.perf_counter()
         sizes = serving_sizes(spec, buckets, self.buckets,
                               bool(self.compile) or self.cuda_graphs, "TorchModel")
