@@ -101,6 +101,7 @@ STAT_NAMES = (
     "model_ns", "busy_ns", "serve_start_ns", "model_version",
     "reclaimed_clients", "reclaimed_writing", "stale_completions", "warmup_ns",
     "weight_updates", "cache_hits", "cache_misses", "cache_stale", "cache_replaced",
+    "isolated_rows", "isolation_calls",
 )
 STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
 

@@ -53,6 +53,17 @@ THREAD_JOIN_S = 10.0
 #: or two model calls in flight (a second overlaps one batch's gathering
 #: and answering with another's computation).
 AUTO_SERVING_THREADS = 2
+#: A batch whose model call raises is split to find the rows that raise
+#: (_ServingLoop.isolate): at most this many extra model calls per batch
+#: (enough to find one bad row in 65536, or a few in a full batch); rows
+#: still undecided then fail with the error of the part that held them.
+ISOLATE_CALLS = 32
+#: After this many failed batches in a row where no row could be answered
+#: (a model that raises on everything), batches that raise fail whole,
+#: without extra calls, for ISOLATE_PAUSE_NS; the next failure after that
+#: is isolated again.
+ISOLATE_GIVE_UP = 3
+ISOLATE_PAUSE_NS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -195,10 +206,16 @@ class _ServingLoop:
         self.replica = replica
         self.device = device
         self.group = _ring.ServeGroup()
-        self.servers = [
-            _ring.Server(seg, np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype),
-                         self.group, replica * policy.threads + i, replica)
-            for i in range(policy.threads)]
+        # Each server's batch buffer; isolate() reads a failed batch there.
+        self.batches = [np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype)
+                        for _ in range(policy.threads)]
+        self.servers = [_ring.Server(seg, batch, self.group, replica * policy.threads + i,
+                                     replica)
+                        for i, batch in enumerate(self.batches)]
+        # Row isolation (isolate()): failed batches in a row where no row
+        # could be answered, and until when isolating is paused.
+        self.hopeless = 0
+        self.isolate_paused_until = 0
         self.version = 0
         self.housekeeping_at = 0
         self.control_until = 0  # a control message is announced but not here yet
@@ -440,40 +457,133 @@ class _ServingLoop:
     def finish_slow(self, server: "_ring.Server", out: Any, n: int, rows: int,
                     model_ns: int) -> None:
         """Outputs that finish_fast could not take as they are: convert them,
-        or fail the batch with a message saying what is wrong."""
+        or fail the batch with a message saying what is wrong (outputs that
+        do not fit the spec are the model's fault, not a row's: the whole
+        batch fails)."""
         try:
             arrays = self.check_outputs(out, n, rows)
-            bad, name = self.nonfinite_rows(arrays, n)
         except Exception as e:
-            self.finish_failed(server, e, n, rows, model_ns)
+            server.record(n, rows, model_ns, True)
+            server.fail(self.error_text(e))
             return
         # Statistics first: a client that sees its answer also sees them.
         server.record(n, rows, model_ns, False)
+        self.answer(server, arrays, n, {})
+
+    def finish_failed(self, server: "_ring.Server", e: Exception, n: int, rows: int,
+                      model_ns: int) -> None:
+        """The model raised for the batch: the rows that raise on their own
+        get ModelError with the model's message, every other row is answered
+        (isolate()).  A call of one row (no padding) fails at once, and so
+        does every batch while isolating is paused: after ISOLATE_GIVE_UP
+        failed batches in a row where no row could be answered, for
+        ISOLATE_PAUSE_NS."""
+        now = _ring.now_ns()
+        if rows == 1 or now < self.isolate_paused_until:
+            server.record(n, rows, model_ns, True)
+            server.fail(self.error_text(e))
+            return
+        server.record(n, rows, model_ns, False)
+        arrays, failed = self.isolate(server, e, n, rows)
+        if len(failed) == n:
+            self.seg.stat_inc("failed_batches", 1)
+            self.hopeless += 1
+            if self.hopeless >= ISOLATE_GIVE_UP:
+                self.isolate_paused_until = now + ISOLATE_PAUSE_NS
+        else:
+            self.hopeless = 0
+        self.answer(server, arrays, n, failed)
+
+    def isolate(self, server: "_ring.Server", error: Exception, n: int,
+                rows: int) -> tuple[list[np.ndarray], dict[int, str]]:
+        """Finds the rows of a batch that make the model raise: each part of
+        the batch that raised is split in two and the model called on each
+        half, down to single rows, with at most ISOLATE_CALLS calls; a part
+        left undecided then fails with the error of the call that held it.
+        Runs in the serving thread that holds the batch (other threads keep
+        serving meanwhile); the normal path never comes here.  Returns the
+        outputs (n rows, zeros where a row failed) and {row: error text}
+        of the rows that fail."""
+        batch = self.batches[self.servers.index(server)]
+        part = np.empty_like(batch)
+        arrays = [np.zeros((n,) + o.shape, o.dtype) for o in self.spec.outputs]
+        failed: dict[int, str] = {}
+        # Parts [lo, hi) of the batch, with the error of the call that
+        # raised for them (or for the part that held them), and whether
+        # they raised on their own: a padded batch's call also held stale
+        # rows of earlier batches, so it is tried again first.
+        todo: list[tuple[int, int, Exception, bool]] = [(0, n, error, rows == n)]
+        calls = isolated = 0
+        while todo:
+            lo, hi, err, tested = todo.pop()
+            if not tested and calls < ISOLATE_CALLS:
+                calls += 1
+                try:
+                    got = self.call_part(batch[lo:hi], part)
+                except Exception as e:
+                    todo.append((lo, hi, e, True))
+                    continue
+                for dst, src in zip(arrays, got):
+                    dst[lo:hi] = src
+            elif not tested or hi - lo == 1:  # out of calls, or a row that raises
+                isolated += tested
+                failed.update(dict.fromkeys(range(lo, hi), self.error_text(err)))
+            else:
+                mid = (lo + hi) // 2
+                todo += [(mid, hi, err, False), (lo, mid, err, False)]
+        self.seg.stat_inc("isolation_calls", calls)
+        self.seg.stat_inc("isolated_rows", isolated)
+        return arrays, failed
+
+    def call_part(self, x: np.ndarray, part: np.ndarray) -> list[np.ndarray]:
+        """The model's checked outputs for the rows x (isolate()): called
+        on them in ``part``, padded to a bucket size with copies of x's
+        first row, so that no other request's state (nor a stale one) is
+        in the call."""
+        m = len(x)
+        b = next(s for s in self.policy.buckets if s >= m) if self.policy.buckets else m
+        part[:m] = x
+        part[m:b] = x[0]
+        return [a[:m] for a in self.check_outputs(self.model(part[:b]), m, b)]
+
+    def answer(self, server: "_ring.Server", arrays: list[np.ndarray], n: int,
+               failed: dict[int, str]) -> None:
+        """Answers the outstanding batch's n requests with the rows of
+        ``arrays``, except the rows in ``failed`` ({row: error text}) and,
+        with reject_nonfinite, those whose outputs hold NaN or inf: these
+        get ModelError with their text (a NaN in one client's state must
+        not fail the others batched with it)."""
+        bad, name = self.nonfinite_rows(arrays, n)
         if bad.size:
-            # Only the requests whose rows hold NaN/inf fail (e.g. a NaN in
-            # one client's state must not fail the others batched with it).
-            self.seg.stat_inc("failed_requests", int(bad.size))
-            server.fail_rows(bad.tolist(), ModelError(
-                f"model output {name!r} holds NaN or infinite values for this request "
-                "(pass reject_nonfinite=False to allow them)").message)
-            if bad.size == n:
+            text = ModelError(f"model output {name!r} holds NaN or infinite values for this "
+                              "request (pass reject_nonfinite=False to allow them)").message
+            for r in bad.tolist():
+                failed.setdefault(r, text)
+        if failed:
+            self.seg.stat_inc("failed_requests", len(failed))
+            by_text: dict[str, list[int]] = {}
+            for r in sorted(failed):
+                by_text.setdefault(failed[r], []).append(r)
+            left = np.arange(n)  # the batch rows still outstanding
+            for text, failing in by_text.items():
+                at = np.searchsorted(left, failing)
+                server.fail_rows(at.tolist(), text)
+                left = np.delete(left, at)
+            if not left.size:
                 return
-            keep = np.setdiff1d(np.arange(n), bad)
-            arrays = [a[keep] for a in arrays]
+            arrays = [a[left] for a in arrays]
         try:
             server.complete(arrays, self.version)
         except ValueError as e:  # a shape check_outputs let through: fail, keep serving
             server.fail(f"ModelError: {e}")
 
-    def finish_failed(self, server: "_ring.Server", e: Exception, n: int, rows: int,
-                      model_ns: int) -> None:
-        """Fails the batch's requests with the exception's text, its type and
-        message first, fitted to what a slot carries (exception_text)."""
+    def error_text(self, e: Exception) -> str:
+        """A failed request's text for e: its type and message first, fitted
+        to what a slot carries (exception_text)."""
         limit = self.seg.error_bytes
         text = e.message if isinstance(e, ModelError) else exception_text(e, limit)
-        server.record(n, rows, model_ns, True)
-        server.fail(text if len(text.encode("utf-8", "replace")) <= limit
-                    else exception_text(e, limit))
+        return (text if len(text.encode("utf-8", "replace")) <= limit
+                else exception_text(e, limit))
 
     def check_outputs(self, out: Any, n: int, rows: int) -> list[np.ndarray]:
         """The model's outputs as C-contiguous arrays of the declared dtypes,

@@ -82,6 +82,8 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
         "padded_rows": int(raw["padded_rows"]),
         "failed_requests": int(raw["failed_requests"]),
         "failed_batches": int(raw["failed_batches"]),
+        "isolated_rows": int(raw["isolated_rows"]),
+        "isolation_calls": int(raw["isolation_calls"]),
         "queue_wait_us": {k: v / 1e3 for k, v in wait.items()},
         "model_ms": {k: v / 1e6 for k, v in model.items()},
         "model_time_share": raw["model_ns"] / uptime_ns if uptime_ns else 0.0,
