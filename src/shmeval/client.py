@@ -324,7 +324,7 @@ class Client(_ring.ClientBase):
             st["client_spin"] = port.spin
         return st
 
-    def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
+    def set_weights(self, weights: Any, *, version: Optional[int] = None,
                     timeout: float = 60.0) -> int:
         """Weights are pushed from the process that created the evaluator,
         through its :class:`~shmeval.Evaluator` object; this handle (a

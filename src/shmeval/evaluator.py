@@ -20,7 +20,7 @@ import typing
 import warnings
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from .client import Client, check_spin_us
 from .errors import EvaluatorDied, ModelError, ShmevalError, exception_text
 from .spec import OutputsLike, ShapeLike, Spec
 from .tuning import AUTO, Board, Overrides, ServingTuner, check_auto, model_concurrency
+from .weights import plain_weights
 
 Model = Callable[[np.ndarray], Any]
 Buckets = Union[None, str, Sequence[int]]
@@ -969,12 +970,17 @@ class Evaluator(Client):
         """The version of the weights serving now (0: as started)."""
         return self._version
 
-    def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
-                    timeout: float = 60.0) -> int:
-        """Replaces the model's weights between two batches, e.g. with a
-        learner's ``keras_model.get_weights()``; requests in flight are not
-        failed or dropped.  The model must have ``set_weights(list of
-        arrays)`` (:class:`shmeval.backends.tensorflow.TFModel` has).
+    def set_weights(self, weights: Union[Sequence[Any], Mapping[str, Any]], *,
+                    version: Optional[int] = None, timeout: float = 60.0) -> int:
+        """Replaces the model's weights between two batches, with what the
+        model's framework hands out: a Keras ``get_weights()`` list, a
+        PyTorch ``state_dict()`` (tensors or arrays, matched by name), a
+        JAX params pytree.  Requests in flight are not failed or dropped.
+        Tensors are copied to NumPy arrays here (shmeval.weights); the
+        model's ``set_weights`` gets the same structure (TFModel,
+        TorchModel and JaxModel match it, and say what is missing or
+        extra).  TypeError here for anything but a mapping, a list or a
+        tuple.
 
         Returns the new model version: ``version`` if given (it must be
         larger than the current one), else the current one plus 1.  Every
@@ -982,8 +988,7 @@ class Evaluator(Client):
         return_version=True)``).  Returns once the evaluator applied them;
         raises :class:`ModelError` (weights unchanged) if the model refused
         them.  Only the process that created the evaluator can call this."""
-        arrays = [np.asarray(w) for w in weights]
-        return self._request("set_weights", arrays, version, timeout)
+        return self._request("set_weights", plain_weights(weights), version, timeout)
 
     def load_weights(self, path: Union[str, "os.PathLike[str]"], *,
                      version: Optional[int] = None, timeout: float = 60.0) -> int:

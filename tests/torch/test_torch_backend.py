@@ -580,6 +580,35 @@ def test_hot_swap_through_evaluator(torch: Any, backend: Any, tmp_path: Any) -> 
         assert tm.compile_count == compiled
 
 
+def test_a_state_dict_pushed_through_the_evaluator(torch: Any, backend: Any) -> None:
+    """ev.set_weights(net.state_dict()) reaches the model, tensors or arrays
+    matched by name: the answers follow; names missing or extra are listed
+    in the refusal, and a wrong type is named."""
+    tm = backend.TorchModel(pv_net(1))
+    with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
+                           max_clients=4, slots_per_client=32) as ev:
+        names = tuple(OUTPUTS)
+        assert ev.set_weights(pv_net(2).state_dict()) == 1
+        serve_and_compare(ev, reference(pv_net(2)), names, sizes=(3, 40))
+        # Arrays, in another order: matched by name.
+        arrays = {k: v.numpy() for k, v in reversed(pv_net(3).state_dict().items())}
+        assert ev.set_weights(arrays) == 2
+        serve_and_compare(ev, reference(pv_net(3)), names, sizes=(3, 40))
+        bad = dict(pv_net(4).state_dict())
+        first = next(iter(bad))
+        del bad[first]
+        bad["head.extra"] = torch.zeros(2)
+        with pytest.raises(shmeval.ModelError, match=rf"lacks \['{first}'\].*"
+                                                     r"unexpected \['head.extra'\]"):
+            ev.set_weights(bad)
+        with pytest.raises(TypeError, match=r"state dict.*; got a .*PVNet"):
+            ev.set_weights(pv_net(4))
+        with pytest.raises(TypeError, match=r"got a numpy.ndarray of shape \(3,\)"):
+            ev.set_weights(np.zeros(3, np.float32))
+        assert ev.model_version == 2
+        serve_and_compare(ev, reference(pv_net(3)), names, sizes=(3, 40))
+
+
 @pytest.mark.timeout(240)
 def test_torch_hot_swap_under_load(torch: Any) -> None:
     """A spawned evaluator (pv_factory) under load from spawn workers that

@@ -18,9 +18,8 @@ import multiprocessing as mp
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -28,6 +27,7 @@ from .._main_script import from_main
 from ..client import Client, connect
 from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError
 from ..evaluator import Evaluator
+from ..weights import plain_weights
 from .node_evaluator import MP_CONTEXT, NodeEvaluator, actor_name
 
 log = logging.getLogger(__name__)
@@ -287,8 +287,8 @@ class ClusterEvaluator:
         """The version of the latest weights sent (0: as started)."""
         return self._version
 
-    def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
-                    timeout: float = 60.0) -> int:
+    def set_weights(self, weights: Union[Sequence[Any], Mapping[str, Any]], *,
+                    version: Optional[int] = None, timeout: float = 60.0) -> int:
         """Sends ``weights`` to every node's evaluator: one copy into Ray's
         object store, read by each node's actor, applied between two
         batches as in :meth:`shmeval.Evaluator.set_weights`.  Returns the
@@ -296,8 +296,10 @@ class ClusterEvaluator:
         the current one plus 1) once every node serving applied it.  Updates
         are sent one at a time and in order, so no worker sees versions go
         backwards; a node joining later starts with the latest weights.  A
-        node that left during the update is skipped."""
-        arrays = [np.asarray(w) for w in weights]
+        node that left during the update is skipped.  ``weights`` as for
+        :meth:`shmeval.Evaluator.set_weights` (a list, a state dict, a
+        pytree)."""
+        arrays = plain_weights(weights)
         with self._lock:
             if self._closed.is_set():
                 raise EvaluatorClosed(f"the cluster evaluator {self.name!r} is closed")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional
 
 from ..errors import ShmevalError
 from ..evaluator import Evaluator
@@ -57,7 +57,7 @@ class NodeEvaluator:
     exception (``ModelError``, ``EvaluatorDied``, ``ValueError``, ...)."""
 
     def __init__(self, factory: Callable[[], Any], evaluator_kwargs: Dict[str, Any],
-                 weights: Optional[Sequence[Any]], version: int) -> None:
+                 weights: Any, version: int) -> None:
         self._ev: Optional[Evaluator] = None
         self._error: Optional[BaseException] = None
         try:
@@ -84,7 +84,7 @@ class NodeEvaluator:
         """The evaluator's address, once it serves; its start-up error otherwise."""
         return self._serving().address
 
-    def set_weights(self, weights: Sequence[Any], version: int, timeout: float) -> int:
+    def set_weights(self, weights: Any, version: int, timeout: float) -> int:
         """Applies ``weights`` (the driver's one object-store copy, resolved
         by Ray on this node) as ``version``; returns it."""
         return self._serving().set_weights(weights, version=version, timeout=timeout)
