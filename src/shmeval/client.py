@@ -31,13 +31,20 @@ WAIT_TIMEOUT_NS = 100_000_000
 MAX_SPIN_US = 1_000_000.0
 
 
-def check_spin_us(name: str, value: float) -> float:
-    """A spin budget in µs (``spin_us``, ``evaluator_spin_us``) as a float
-    from 0 to MAX_SPIN_US; ValueError otherwise (NaN included)."""
-    us = float(value)
+def check_spin_us(name: str, us: float) -> float:
+    """A spin budget in µs (``spin_us``, ``evaluator_spin_us``; check_auto
+    made it a float) from 0 to MAX_SPIN_US; ValueError otherwise (NaN
+    included)."""
     if not 0 <= us <= MAX_SPIN_US:
-        raise ValueError(f"{name} must be from 0 to {MAX_SPIN_US:g}, got {value}")
+        raise ValueError(f"{name} must be from 0 to {MAX_SPIN_US:g}, got {us}")
     return us
+
+
+def check_spin_auto(spin_us: Union[float, str, None]) -> Union[float, str]:
+    """The client's ``spin_us``: "auto" or a budget; None is an alias of
+    "auto" (the default before it was spelled so), kept for callers that
+    pass it."""
+    return AUTO if spin_us is None else check_auto("spin_us", spin_us, check_spin_us)
 
 
 class Client(_ring.ClientBase):
@@ -48,14 +55,13 @@ class Client(_ring.ClientBase):
     """
 
     def __init__(self, address: str, spec: Optional[Spec] = None,
-                 spin_us: Union[float, str, None] = None,
+                 spin_us: Union[float, str, None] = AUTO,
                  _segment: Optional["_ring.Segment"] = None) -> None:
         self._address = address
         self._spec = spec
-        # "auto" (None): two budgets measured against each other by the
-        # waits themselves (_ring.SpinArms).
-        self._spin_us: Union[float, str] = (
-            AUTO if spin_us is None else check_auto("spin_us", spin_us, check_spin_us))
+        # "auto": two budgets measured against each other by the waits
+        # themselves (_ring.SpinArms).
+        self._spin_us: Union[float, str] = check_spin_auto(spin_us)
         self._seg: Optional[_ring.Segment] = _segment
         self._pid = -1           # process that owns the registration below
         self._c = -1             # client-table index in this process
@@ -673,7 +679,7 @@ def _unpickle(address: str, spec_json: Optional[bytes], spin_us: Union[float, st
     return Client(address, spec, spin_us)
 
 
-def connect(address: str, spin_us: Union[float, str, None] = None) -> Client:
+def connect(address: str, spin_us: Union[float, str, None] = AUTO) -> Client:
     """Attaches to a running evaluator by its address (``ev.address``).
 
     Raises :class:`~shmeval.SegmentError` when there is no such segment or it

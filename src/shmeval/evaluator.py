@@ -26,10 +26,11 @@ import numpy as np
 
 from . import _ring, segment
 from ._main_script import unreachable_reason
-from .client import Client, check_spin_us
+from .client import Client, check_spin_auto, check_spin_us
 from .errors import EvaluatorDied, ModelError, ShmevalError, exception_text
 from .spec import OutputsLike, ShapeLike, Spec
-from .tuning import AUTO, Board, Overrides, ServingTuner, check_auto, model_concurrency
+from .tuning import (AUTO, Board, Overrides, ServingTuner, as_number, check_auto,
+                     model_concurrency)
 from .weights import plain_weights
 
 Model = Callable[[np.ndarray], Any]
@@ -140,10 +141,9 @@ class BatchPolicy:
             None if self.auto_threads else self.threads)
 
 
-def _check_wait(name: str, value: Any) -> float:
-    us = float(value)
+def _check_wait(name: str, us: float) -> float:
     if not us >= 0:
-        raise ValueError(f"{name} must be 'auto' or >= 0, got {value}")
+        raise ValueError(f"{name} must be 'auto' or >= 0, got {us}")
     return us
 
 
@@ -681,8 +681,7 @@ def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, m
                spin_us: Union[float, str, None],
                serving_threads: Union[int, str] = AUTO) -> tuple[Spec, BatchPolicy]:
     # Every argument is checked before the segment is created.
-    if spin_us is not None:
-        check_auto("spin_us", spin_us, check_spin_us)
+    check_spin_auto(spin_us)
     spec = Spec.build(input_shape, input_dtype, outputs, max_batch, max_clients,
                       slots_per_client)
     policy = BatchPolicy.make(spec.max_batch, max_wait_us, buckets, evaluator_spin_us,
@@ -778,7 +777,8 @@ class Evaluator(Client):
         processes and the evaluator fit on the CPU cores, a spin that yields
         the CPU between looks when they are one more than the cores, none
         beyond (docs/protocol.md, *Waiting*).  ``"auto"`` (default): the
-        measured cost of a sleep and a wake-up in the client's process.
+        measured cost of a sleep and a wake-up in the client's process
+        (None is an alias of ``"auto"``).
     evaluator_spin_us:
         how long the idle evaluator spins before it sleeps on its doorbell,
         by the same rule.  ``"auto"`` (default): the tuner's budget, and
@@ -794,7 +794,8 @@ class Evaluator(Client):
         safe to call from several threads; weight updates still happen with
         no call in flight.
     reject_nonfinite:
-        fail batches whose float outputs hold NaN or inf (ModelError).
+        fail the requests whose rows of the float outputs hold NaN or inf
+        (ModelError); the other rows of their batch are answered.
     cache_entries:
         an evaluation cache of this many entries (a power of two; 0: none)
         in shared memory: every client looks a state up there before it
@@ -815,7 +816,7 @@ class Evaluator(Client):
                  input_dtype: Any = "float32", max_batch: int = 256,
                  max_wait_us: Union[float, str] = AUTO, buckets: Buckets = None,
                  max_clients: int = 64, slots_per_client: int = 16,
-                 spin_us: Union[float, str, None] = None,
+                 spin_us: Union[float, str, None] = AUTO,
                  evaluator_spin_us: Union[float, str] = AUTO, reject_nonfinite: bool = True,
                  name: Optional[str] = None, serving_threads: Union[int, str] = AUTO,
                  cache_entries: int = 0, metrics_port: Optional[int] = None) -> None:
@@ -856,7 +857,7 @@ class Evaluator(Client):
               outputs: OutputsLike, input_dtype: Any = "float32", max_batch: int = 256,
               max_wait_us: Union[float, str] = AUTO, buckets: Buckets = None,
               max_clients: int = 64, slots_per_client: int = 16,
-              spin_us: Union[float, str, None] = None,
+              spin_us: Union[float, str, None] = AUTO,
               evaluator_spin_us: Union[float, str] = AUTO, reject_nonfinite: bool = True,
               name: Optional[str] = None, start_timeout: float = 600.0,
               mp_context: str = "spawn", serving_threads: Union[int, str] = AUTO,
@@ -880,6 +881,8 @@ class Evaluator(Client):
             raise TypeError(f"factory must be callable, got {type(factory).__name__}")
         _ring.cache_log2_of(cache_entries)
         _check_metrics_port(metrics_port)
+        if not as_number("start_timeout", start_timeout) > 0:
+            raise ValueError(f"start_timeout must be > 0 seconds, got {start_timeout!r}")
         _check_not_bootstrapping("Evaluator.spawn()")
         method = mp.get_context(mp_context).get_start_method()
         if method != "fork":
