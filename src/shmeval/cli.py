@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any, List, Optional
 
 from . import segment
+from ._util.jsonout import nan_to_null
 from .errors import ShmevalError
 
 DESCRIPTION = ("Batched neural-network evaluation for many processes over shared memory: "
@@ -94,7 +95,8 @@ def run_application(name: str, argv: List[str]) -> int:
 
 
 def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str))
+    """Strict JSON: NaN and inf as null."""
+    print(json.dumps(nan_to_null(obj), indent=2, default=str, allow_nan=False))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -303,7 +303,11 @@ class Client(_ring.ClientBase):
     def stats(self) -> Dict[str, Any]:
         """Evaluator statistics read from the segment (any process may ask).
         ``clients`` counts the processes attached now: an exited process's
-        entry is not counted, even before the evaluator reclaims it.
+        entry is not counted, even before the evaluator reclaims it.  The
+        serving processes are judged alive when read (pid and start time):
+        a killed one's replica reads ``dead``, and with none left serving
+        the evaluator reads ``died``, ``stopped_because`` saying that its
+        process vanished.
         ``tuner``, while any setting is ``"auto"``: what the tuner chose and
         why (the first replica's; with several, each replica's in its
         ``replicas`` entry).  ``client_spin``, once this process has
@@ -315,6 +319,13 @@ class Client(_ring.ClientBase):
         raw["clients"] = live_clients(seg)
         raw["stop"] = seg.stop_reason()
         raw["replicas"] = seg.replicas()
+        # A serving process killed outright (SIGKILL) leaves its replica
+        # "serving" in the segment: judge it here, by pid and start time.
+        raw["vanished"] = []
+        for rep in raw["replicas"]:
+            if rep["state"] == "serving" and not segment.is_alive(rep["pid"], rep["starttime"]):
+                rep["state"] = "dead"
+                raw["vanished"].append(rep["pid"])
         if seg.cache_entries:
             raw["cache"] = _cache_raw(seg)
         st = summarize(raw)
