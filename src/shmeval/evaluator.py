@@ -27,7 +27,8 @@ import numpy as np
 from . import _ring, segment
 from ._main_script import unreachable_reason
 from .client import Client, check_spin_auto, check_spin_us
-from .errors import EvaluatorDied, ModelError, ShmevalError, exception_text
+from .errors import (EvaluatorDied, ModelError, NotTheMainProcess, ShmevalError, ShmevalTimeout,
+                     exception_text)
 from .spec import OutputsLike, ShapeLike, Spec
 from .tuning import (AUTO, Board, Overrides, ServingTuner, as_number, check_auto,
                      model_concurrency)
@@ -1049,7 +1050,7 @@ class Evaluator(Client):
                     break
                 self._check_alive(seg)
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the evaluator did not apply {method} within "
+                    raise ShmevalTimeout(f"the evaluator did not apply {method} within "
                                        f"{timeout} s (it may still do so)")
             if applied:
                 # Before returning: no cache lookup accepts older answers now.
@@ -1144,7 +1145,7 @@ def _check_not_bootstrapping(what: str) -> None:
     script running again in the child, because its entry point is not
     guarded, and the child would create an evaluator of its own."""
     if getattr(mp.current_process(), "_inheriting", False):
-        raise RuntimeError(
+        raise NotTheMainProcess(
             f"{what} was called while this process was starting as a child process "
             f"(multiprocessing's spawn start method runs the main script again in each "
             f"child): guard the script's entry point with `if __name__ == \"__main__\":` "

@@ -65,3 +65,45 @@ def test_start_timeout_is_checked_before_anything_starts(value: Any, error: type
         shmeval.Evaluator.spawn(fake_factory, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
                                 start_timeout=value)
     assert own_segments() == before
+
+
+def test_every_public_exception_derives_from_shmeval_error() -> None:
+    """The errors table's promise: catching ShmevalError catches every error
+    shmeval raises but a bad argument's; the timeouts stay TimeoutErrors."""
+    from shmeval.pipeline import NoFreeSlots
+
+    for cls in (shmeval.SegmentError, shmeval.ClientTableFull, shmeval.EvaluatorClosed,
+                shmeval.EvaluatorDied, shmeval.ModelError, shmeval.ShmevalTimeout,
+                shmeval.NotTheMainProcess, NoFreeSlots):
+        assert issubclass(cls, shmeval.ShmevalError), cls
+    assert issubclass(shmeval.ShmevalTimeout, TimeoutError)
+
+
+@pytest.mark.timeout(60)
+def test_timeouts_are_shmeval_errors() -> None:
+    """Pending.result, wait_any and set_weights raise ShmevalTimeout."""
+    import threading
+
+    gate = threading.Event()
+
+    class Stuck:
+        def __call__(self, x: Any) -> Any:
+            gate.wait(30)
+            from helpers import fake_model
+            return fake_model(x)
+
+        def set_weights(self, weights: Any) -> None:
+            pass
+
+    with make_ev(Stuck(), serving_threads=1) as ev:
+        try:
+            p = ev.submit(make_state(1)[None])
+            with pytest.raises(shmeval.ShmevalError, match="no answer within"):
+                p.result(timeout=0.05)
+            with pytest.raises(shmeval.ShmevalTimeout, match="none of 1"):
+                ev.wait_any([p], timeout=0.05)
+            with pytest.raises(shmeval.ShmevalTimeout, match="did not apply set_weights"):
+                ev.set_weights([], timeout=0.1)
+        finally:
+            gate.set()
+        p.result(timeout=30)

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .._main_script import from_main
 from ..client import Client, connect
-from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError
+from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError, ShmevalTimeout
 from ..evaluator import Evaluator
 from ..weights import plain_weights
 from .node_evaluator import MP_CONTEXT, NodeEvaluator, actor_name
@@ -337,7 +337,7 @@ class ClusterEvaluator:
                 if tolerate and node_id in tolerate:
                     continue
                 if isinstance(e, ray.exceptions.GetTimeoutError):
-                    raise TimeoutError(f"the evaluator on Ray node {node_id} did not answer "
+                    raise ShmevalTimeout(f"the evaluator on Ray node {node_id} did not answer "
                                        f"{method} within {timeout:g} s") from None
                 cause = getattr(e, "cause", None)
                 raise (cause if isinstance(cause, Exception) else e) from None
