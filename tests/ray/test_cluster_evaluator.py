@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ import cluster_parts  # noqa: E402
 import shmeval  # noqa: E402
 from cluster_parts import SPEC, Player  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+from shmeval import segment  # noqa: E402
 from shmeval.ray import ClusterEvaluator, simulated_cluster  # noqa: E402
 
 TIMEOUT = 60.0
@@ -259,6 +261,22 @@ def test_a_factory_of_the_driver_script_is_refused(cluster: Any) -> None:
     finally:
         _driver_factory.__module__ = __name__
     assert not left_behind("driver")
+
+
+def test_the_name_reaches_each_nodes_segment(cluster: Any) -> None:
+    """name names each node's segment too (with the actor's pid: nodes of
+    one machine share /dev/shm), so that shmeval ls shows whose it is."""
+    with ClusterEvaluator(cluster_parts.pid_net, name="named", start_timeout=START_TIMEOUT,
+                          **SPEC) as ce:
+        addresses = ce.addresses()
+        assert len(addresses) == 2
+        assert all(re.fullmatch(r"/shmeval-\d+-named", a) for a in addresses.values()), addresses
+        listed = {s["address"] for s in segment.list_segments()}
+        assert set(addresses.values()) <= listed
+    with pytest.raises(ValueError, match="name must be"):
+        ClusterEvaluator(cluster_parts.pid_net, name="a/b", **SPEC)
+    with pytest.raises(TypeError, match="start_timeout must be a number"):
+        ClusterEvaluator(cluster_parts.pid_net, name="no-timeout", start_timeout=None, **SPEC)
 
 
 def test_a_name_in_use_is_refused(cluster: Any) -> None:

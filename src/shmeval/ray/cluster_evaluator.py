@@ -27,6 +27,7 @@ from .._main_script import from_main
 from ..client import Client, connect
 from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError, ShmevalTimeout
 from ..evaluator import Evaluator
+from ..tuning import as_number
 from ..weights import plain_weights
 from .node_evaluator import MP_CONTEXT, NodeEvaluator, actor_name
 
@@ -141,7 +142,13 @@ class ClusterEvaluator:
     ``max_batch``, ...): each node's actor calls
     ``Evaluator.spawn(factory, **evaluator_kwargs)``, so the factory must be
     importable on every node.  ``name`` (default: a new unique one) names
-    the actors in Ray's namespace ``namespace``; ``actor_options`` are Ray
+    the actors in Ray's namespace ``namespace`` and each node's segment
+    (``/shmeval-<actor pid>-<name>``, see ``shmeval ls``); ``start_timeout``
+    bounds each node's start-up, its ``Evaluator.spawn`` included.
+    ``mp_context`` defaults to ``"forkserver"``, not spawn's ``"spawn"``:
+    Ray kills a worker's direct children with it, and an evaluator started
+    through a fork server outlives its actor long enough to remove its
+    segment (:mod:`shmeval.ray.node_evaluator`); ``actor_options`` are Ray
     options of each node's actor (such as ``{"num_gpus": 1}``, whose
     devices the evaluator process inherits).  Every ``watch_s`` seconds a
     thread places an evaluator on each node that joined, with the latest
@@ -155,8 +162,13 @@ class ClusterEvaluator:
                  namespace: str = NAMESPACE, start_timeout: float = 600.0,
                  watch_s: float = 1.0, actor_options: Optional[Dict[str, Any]] = None,
                  **evaluator_kwargs: Any) -> None:
-        # Unknown or missing arguments fail here, before anything is placed.
+        # Unknown or missing arguments fail here, before anything is placed
+        # (name and start_timeout are the cluster's and, per node, spawn's).
         inspect.signature(Evaluator.spawn).bind(factory, **evaluator_kwargs)
+        if name is not None and (not isinstance(name, str) or not name or "/" in name):
+            raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
+        if not as_number("start_timeout", start_timeout) > 0:
+            raise ValueError(f"start_timeout must be > 0 seconds, got {start_timeout!r}")
         _check_not_in_driver_script(factory, evaluator_kwargs.get("mp_context", MP_CONTEXT))
         if not ray.is_initialized():
             raise ShmevalError("ClusterEvaluator needs a Ray cluster: call ray.init() first")
@@ -206,8 +218,9 @@ class ClusterEvaluator:
                    "name": actor_name(self.name, node_id), "namespace": self.handle.namespace,
                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
                    "max_concurrency": 4}
+        kwargs = {**self._kwargs, "name": self.name, "start_timeout": self._start_timeout}
         actor = _remote_node_evaluator.options(**options).remote(
-            self._factory, self._kwargs, self._weights_ref, self._version)
+            self._factory, kwargs, self._weights_ref, self._version)
         self._starting[node_id] = (actor, actor.ready.remote())
 
     def _await_ready(self, starting: Dict[str, Tuple[Any, Any]], timeout: float) -> None:

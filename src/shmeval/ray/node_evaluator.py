@@ -50,6 +50,14 @@ def actor_name(name: str, node_id: str) -> str:
     return f"{name}:{node_id}"
 
 
+def segment_name(name: str) -> str:
+    """The address of cluster evaluator ``name``'s segment made by this
+    actor (``Evaluator.spawn(name=...)``): ``shmeval ls`` shows whose it is;
+    the actor's pid, where a segment's name keeps its creator's, makes it
+    differ per node (nodes of one machine share ``/dev/shm``)."""
+    return f"/shmeval-{os.getpid()}-{name}"
+
+
 class NodeEvaluator:
     """One node's evaluator, as a Ray actor (the class is wrapped with
     ``ray.remote`` where it is placed).  A failed start-up is kept and
@@ -62,6 +70,7 @@ class NodeEvaluator:
         self._error: Optional[BaseException] = None
         try:
             kwargs = {"mp_context": MP_CONTEXT, **evaluator_kwargs}
+            kwargs["name"] = segment_name(kwargs["name"])
             self._ev = Evaluator.spawn(functools.partial(detached, factory), **kwargs)
             if weights is not None:
                 # Before the address is handed out: this node's workers never
