@@ -805,8 +805,8 @@ class Evaluator(Client):
         Entries carry the model version; after ``set_weights`` returns no
         lookup accepts an older answer.  Keys are hashes of the states'
         bytes, or the caller's (``evaluate(state, key=...)``).  One entry
-        takes 32 bytes plus the outputs' (docs/guide.md, *The evaluation
-        cache*).
+        takes 32 bytes plus a result row, its outputs each 8-byte aligned
+        (docs/guide.md, *The evaluation cache*).
     metrics_port:
         serve Prometheus metrics of the evaluator on this port of 127.0.0.1
         (0: a port the system picks, see ``metrics_port``), from a thread of

@@ -342,3 +342,19 @@ def test_versions_never_go_back_under_load() -> None:
         assert all(p.exitcode == 0 for p in procs)
         st = ev.stats()["cache"]
         assert st["hits"] > st["misses"] > 0 and st["stale"] > 0, st
+
+
+def test_the_guide_quotes_the_entry_size_of_the_demo_net() -> None:
+    """docs/guide.md, *The evaluation cache*: the demo net's entry size
+    is what the core lays out."""
+    import re
+    from pathlib import Path
+
+    from shmeval.bench.demo import INPUT_SHAPE, OUTPUTS
+
+    guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text()
+    quoted = re.search(r"One entry takes 32 bytes plus a result row.*?\((\d+) bytes for the "
+                       r"demo's net", guide, re.S)
+    assert quoted, "the guide no longer quotes the demo net's entry size"
+    spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 1, 1)
+    assert int(quoted.group(1)) == _ring.cache_entry_bytes(spec.out_bytes) == 72

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 import sys
 from typing import Any
 
@@ -423,6 +424,18 @@ def test_frozen_on_the_cpu(torch: Any, backend: Any) -> None:
         backend.TorchModel(pv_net(1), freeze="yes")
     with pytest.raises(ValueError, match="freeze=True.*compile"):
         backend.TorchModel(pv_net(1), freeze=True, compile="aot_eager")
+    with pytest.raises(ValueError, match="freeze=True.*dtype"):
+        backend.TorchModel(pv_net(1), freeze=True, dtype="bfloat16")
+
+
+def test_the_guide_says_what_freeze_true_raises() -> None:
+    """The options table and the code agree: ValueError from TorchModel()
+    for arguments that rule freezing out, ModelError for a module that
+    cannot be frozen."""
+    guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text()
+    row = next(line for line in guide.splitlines()
+               if line.startswith('| `freeze` | `"auto"` | on the CPU'))
+    assert "`ValueError` from `TorchModel(...)`" in row and "`ModelError` at start-up" in row
 
 
 def test_weight_updates_freeze_again(torch: Any, backend: Any) -> None:
