@@ -154,3 +154,26 @@ def test_a_model_that_always_raises_stops_being_isolated(monkeypatch: Any) -> No
         assert s["isolation_calls"] == evaluator.ISOLATE_GIVE_UP * 30, s
         assert s["isolated_rows"] == evaluator.ISOLATE_GIVE_UP * 16
         assert s["failed_requests"] == 8 * 16 and s["failed_batches"] == 8
+
+
+def nan_for_bad(x: np.ndarray) -> dict[str, np.ndarray]:
+    """fake_model, with a NaN value for the rows of rejected states."""
+    out = fake_model(x)
+    out["value"][x[:, 0, 0, 1] == BAD] = np.nan
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("model", [picky_model, nan_for_bad], ids=["raises", "nan"])
+def test_evaluate_many_with_one_failed_row(model: Any) -> None:
+    """What the guide says (*Errors*): evaluate_many with one failed row
+    raises that row's ModelError and returns nothing, while the evaluator
+    answered the call's other rows (counted, and only one failed)."""
+    with make_ev(model, max_batch=16, slots_per_client=16, max_wait_us=200_000) as ev:
+        states = np.stack([make_state(t) for t in range(6)])
+        states[4, 0, 0, 1] = BAD
+        with pytest.raises(shmeval.ModelError, match="picky_model rejects|NaN"):
+            ev.evaluate_many(states)
+        s = ev.stats()
+        assert (s["requests"], s["failed_requests"]) == (6, 1), s
+        check_answer(ev.evaluate(states[3]), 3)
