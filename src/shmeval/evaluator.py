@@ -756,6 +756,10 @@ class Evaluator(Client):
         callable taking an ``ndarray [n, *input_shape]`` and returning a dict
         of arrays (by name), a tuple/list (in the order of ``outputs``) or one
         array (when one output is declared), each with a leading dim n.
+        When it raises for a batch, the evaluator calls it again on halves
+        of the batch to find the rows that raise, which alone get
+        ModelError (at most ISOLATE_CALLS extra calls per batch, paused
+        for a model that raises on everything; docs/guide.md, *Errors*).
     input_shape, input_dtype:
         of one state.  Client inputs are cast with NumPy 'same_kind' casting.
     outputs:
