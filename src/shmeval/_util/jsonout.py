@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
@@ -19,20 +18,6 @@ def json_default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     return repr(obj)
-
-
-def nan_to_null(obj: Any) -> Any:
-    """``obj`` with every float that strict JSON cannot spell (NaN, inf)
-    as None, in nested dicts, lists and tuples: ``stats()`` reports a
-    percentile of nothing measured yet as NaN, and strict parsers reject a
-    bare ``NaN``."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: nan_to_null(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [nan_to_null(v) for v in obj]
-    return obj
 
 
 def write_json(path: str, results: Any) -> None:
