@@ -145,7 +145,7 @@ def test_a_model_that_always_raises_stops_being_isolated(monkeypatch: Any) -> No
     """After ISOLATE_GIVE_UP batches where no row could be answered, failed
     batches fail whole, without extra calls, until the pause ends."""
     monkeypatch.setattr(evaluator, "ISOLATE_PAUSE_NS", 10**15)
-    with make_ev(always_raises, max_batch=16, slots_per_client=16, max_wait_us=200_000) as ev:
+    with make_ev(always_raises, max_batch=16, slots_per_client=16, max_wait_us=2_000_000) as ev:
         for _ in range(8):
             with pytest.raises(shmeval.ModelError, match="every batch"):
                 ev.evaluate_many(np.stack([make_state(t) for t in range(16)]))
