@@ -4,7 +4,6 @@ failure), answers every other row, and bounds the extra calls."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 from typing import Any
 
 import numpy as np
