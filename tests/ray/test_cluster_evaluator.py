@@ -179,6 +179,22 @@ def test_weights_reach_every_node_once_and_in_order(cluster: Any,
         ce.set_weights([np.float32(11)])
 
 
+def test_a_state_dict_reaches_every_node(cluster: Any) -> None:
+    """ClusterEvaluator.set_weights takes a state dict as Evaluator's does
+    (shmeval.weights): the workers of both nodes see its weight."""
+    with ClusterEvaluator(cluster_parts.pid_net, **SPEC) as ce:
+        assert ce.set_weights({"weight": np.float32(6.0)}) == 1
+        players = [on_node(n, ce) for n in alive_nodes()]
+        playing = [p.play.remote() for p in players]
+        wait_for("every player to evaluate", lambda: all(
+            ray.get([p.progress.remote() for p in players], timeout=TIMEOUT)), START_TIMEOUT)
+        reports = ray.get([p.halt.remote() for p in players], timeout=TIMEOUT)
+        ray.get(playing, timeout=TIMEOUT)
+        assert [(r["error"], r["weights_seen"]) for r in reports] == [(None, [6.0])] * 2
+        for p in players:
+            ray.kill(p)
+
+
 def test_node_joins_and_leaves_under_load(cluster: Any) -> None:
     with ClusterEvaluator(cluster_parts.pid_net, watch_s=0.2, **SPEC) as ce:
         ce.set_weights([np.float32(2.0)])
