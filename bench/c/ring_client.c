@@ -30,7 +30,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cannot attach %s\n", argv[1]);
         return 1;
     }
-    int c = shm_client_register(&s, getpid(), 0);
+    int32_t pid = (int32_t)getpid();
+    int c = shm_client_register(&s, pid, 0, 0);
     if (c < 0) {
         fprintf(stderr, "client table full\n");
         return 1;
@@ -41,14 +42,15 @@ int main(int argc, char **argv) {
     char *in = calloc(1, s.p.in_bytes);
     uint64_t end = shm_now_ns() + (uint64_t)(atof(argv[2]) * 1e9), n = 0;
     while (shm_now_ns() < end) {
-        shm_slot_begin(&s, (uint32_t)c, 0);
+        uint32_t gen;
+        if (shm_slot_begin(&s, (uint32_t)c, 0, pid, &gen) != SHM_OK) return 1;
         memcpy(shm_slot_in(&s, (uint32_t)c, 0), in, s.p.in_bytes);
-        shm_slot_publish(&s, (uint32_t)c, 0);
+        if (shm_slot_publish(&s, (uint32_t)c, 0, gen) != SHM_OK) return 1;
         shm_notify_evaluator(&s, 1);
         int rc;
-        while ((rc = shm_slot_wait_ticked(&s, (uint32_t)c, 0, 0, 100000000, t)) < 0)
-            if (rc == SHM_CLOSED) return 1;
-        shm_slot_release(&s, (uint32_t)c, 0);
+        while ((rc = shm_slot_wait_ticked(&s, (uint32_t)c, 0, gen, 0, 100000000, t)) < 0)
+            if (rc == SHM_CLOSED || rc == SHM_STALE) return 1;
+        shm_slot_release(&s, (uint32_t)c, 0, gen);
         n++;
     }
     if (t) shm_ticker_stop(t);

@@ -21,7 +21,9 @@
  * Build and run (from the repository root):
  *   gcc -O2 -std=gnu11 -I src/shmeval/_core -o /tmp/row_copy bench/c/row_copy.c && /tmp/row_copy
  * Arguments: [rounds (default 301)] [rows (default 256)] [row bytes]. */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

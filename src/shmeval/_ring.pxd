@@ -34,8 +34,13 @@ cdef class Segment:
     cdef readonly uint64_t seen_version  # newest model version of an answer here
     cdef uint64_t ck1[SHM_MAX_SLOTS_PER_CLIENT]  # each slot's request's keys
     cdef uint64_t ck2[SHM_MAX_SLOTS_PER_CLIENT]  # (ck1 0: not to be cached)
+    cdef uint64_t key_tag         # the caller's keys' scheme (set_key_scheme)
 
     cdef uint32_t _begin(self, uint32_t c, uint32_t k) except? 0xffffffff
+    cdef int _begin_all(self, uint32_t c, const uint32_t *ks, Py_ssize_t m,
+                        uint32_t *gens) except -1
+    cdef void _cache_as(self, uint32_t c, uint32_t k, uint64_t k1, uint64_t k2,
+                        bint hashed) noexcept
     cdef int _map(self, int fd, uint64_t size) except -1
     cdef int _alloc_cache_buffer(self) except -1
     cdef void _free_outputs(self)
@@ -122,7 +127,7 @@ cdef class ClientPort:
                             object versions, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -2
     cdef bint _post(self, cnp.ndarray a, Py_ssize_t m, Py_ssize_t *rows, uint64_t *k1s,
-                    uint64_t *k2s, uint32_t *ks, uint32_t *gens) except -1
+                    uint64_t *k2s, bint hashed, uint32_t *ks, uint32_t *gens) except -1
     cdef int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns)
     cdef object _submit(self, object states, bint versioned, object keys)
     cdef bint _unreferenced(self, int older)
@@ -181,7 +186,7 @@ cdef class Server:
     """The evaluator's side: collect a batch, then complete or fail it."""
     cdef Segment seg
     cdef readonly ServeGroup group
-    cdef shm_taken *taken
+    cdef shm_taken *taken         # its batch table, in this process's memory
     cdef char *batch
     cdef object _keep
     cdef uint32_t n

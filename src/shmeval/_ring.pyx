@@ -273,6 +273,37 @@ cdef class Segment:
         self.ck1[k] = 0  # not cached unless the caller sets its keys
         return gen
 
+    cdef int _begin_all(self, uint32_t c, const uint32_t *ks, Py_ssize_t m,
+                        uint32_t *gens) except -1:
+        """Begins slots ks[0:m] (their generations into gens), all or none:
+        when one begin fails, the slots begun before it go back to FREE
+        (shm_slot_abort) before the error is raised, so the caller can put
+        every slot back on its free list and each can be begun again."""
+        cdef Py_ssize_t i, j
+        for i in range(m):
+            try:
+                gens[i] = self._begin(c, ks[i])
+            except BaseException:
+                for j in range(i):
+                    shm_slot_abort(&self.seg, c, ks[j], gens[j])
+                raise
+        return 0
+
+    cdef inline void _cache_as(self, uint32_t c, uint32_t k, uint64_t k1, uint64_t k2,
+                               bint hashed) noexcept:
+        """After the input was copied into slot k (still WRITING, so private
+        to this process): its answer is to be cached under (k1, k2), the
+        keys of its lookup; k1 == 0, not cached.  Keys that are hashes of
+        the state's bytes (hashed) are computed again from the slot, so that
+        an answer is cached under the bytes it was computed from, even if
+        the caller's array changed between the lookup and the copy (another
+        thread, or NumPy releasing the GIL during a large copy).  A caller's
+        key is the caller's claim and is kept as it is."""
+        if k1 and hashed:
+            shm_hash_state(shm_slot_in(&self.seg, c, k), self.seg.p.in_bytes, &k1, &k2)
+        self.ck1[k] = k1
+        self.ck2[k] = k2
+
     cdef int _map(self, int fd, uint64_t size) except -1:
         cdef void *a
         if size == 0:
@@ -413,6 +444,10 @@ cdef class Segment:
     def ev_state(self):
         return shm_ev_state(&self.seg)
 
+    def replicas_serving(self):
+        """How many replicas are serving now."""
+        return shm_replicas_serving(&self.seg)
+
     def replicas(self):
         """One dict per replica: index, pid (0 before it serves), start
         time, state ("empty", "serving", "stopped", "dead"), device, weights
@@ -456,19 +491,10 @@ cdef class Segment:
         return shm_replica_stop(&self.seg, r, REPLICA_STOPPED if state == "stopped"
                                 else REPLICA_DEAD)
 
-    def requeue_replica(self, uint32_t r):
-        """Puts the batches of replica r's serving threads back (their
-        requests return to READY for the other replicas) and rings the
-        evaluator's doorbell; for a replica that died or is failing on its
-        way out.  Returns how many went back."""
-        cdef uint32_t v, back = 0
-        self._replica(r)
-        for v in range(self.seg.p.servers):
-            if shm_server_replica(&self.seg, v) == r:
-                back += shm_requeue(&self.seg, v)
-        if back:
-            shm_notify_evaluator(&self.seg, back)
-        return back
+    def raise_version_floor(self, uint64_t version):
+        """No replica collects with weights older than `version` from now
+        on, while one serves it (shm_version_ok)."""
+        shm_raise_floor(&self.seg, version)
 
     def collect_holder(self):
         """The serving thread (server index) holding the collect lock, or
@@ -612,18 +638,21 @@ cdef class Segment:
         return 0
 
     def post(self, uint32_t c, list slots, cnp.ndarray rows, object at, object k1=None,
-             object k2=None):
+             object k2=None, bint hashed=True):
         """Copies rows into slots[i] -- rows[at + i] when at is an int, rows[at[i]]
         when a list -- publishes them all, then rings the evaluator's
         doorbell once; returns the slots' generations.  rows must be
         C-contiguous with rows of in_bytes each (the client layer guarantees
         it).  k1, k2: uint64 arrays of every row's cache keys (cache_lookup),
-        to cache the answers; None: not cached."""
+        to cache the answers; None: not cached; hashed: they are hashes of
+        the rows' bytes (not the caller's keys), hashed again from the
+        slots (_cache_as)."""
         cdef uint64_t inb = self.seg.p.in_bytes
         cdef Py_ssize_t i, n = len(slots), r
         cdef Py_ssize_t nrows = cnp.PyArray_NBYTES(rows) // inb
         cdef Py_ssize_t idx[SHM_MAX_SLOTS_PER_CLIENT]
-        cdef uint32_t k
+        cdef uint32_t ks[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef uint32_t gs[SHM_MAX_SLOTS_PER_CLIENT]
         cdef char *src = <char *>cnp.PyArray_DATA(rows)
         cdef list gens = []
         cdef bint cached = k1 is not None and self.seg.p.cache_log2 != 0
@@ -639,17 +668,18 @@ cdef class Segment:
         if cached and (len(k1) < nrows or len(k2) < nrows):
             raise ValueError("fewer cache keys than rows")
         for i in range(n):
-            gens.append(self._begin(c, slots[i]))
-            if cached:
-                self.ck1[<uint32_t>slots[i]] = k1[idx[i]]
-                self.ck2[<uint32_t>slots[i]] = k2[idx[i]]
+            ks[i] = slots[i]
+        self._begin_all(c, ks, n, gs)
         for i in range(n):
-            k = slots[i]
-            shm_copy(shm_slot_in(&self.seg, c, k), src + idx[i] * inb, inb)
+            gens.append(gs[i])
+            shm_copy(shm_slot_in(&self.seg, c, ks[i]), src + idx[i] * inb, inb)
+            if cached:
+                self._cache_as(c, ks[i], k1[idx[i]], k2[idx[i]], hashed)
         # Copy everything first, then publish in a tight loop: an evaluator
         # scanning meanwhile then rarely splits the rows over two batches.
+        # (A slot reclaimed meanwhile is not published; its wait says so.)
         for i in range(n):
-            shm_slot_publish(&self.seg, c, <uint32_t>slots[i])
+            shm_slot_publish(&self.seg, c, ks[i], gs[i])
         with nogil:
             shm_notify_evaluator(&self.seg, <uint32_t>n)
         return gens
@@ -659,6 +689,13 @@ cdef class Segment:
         publishes); returns the slot's generation.  For tests and tools."""
         self._slot(c, k)
         return self._begin(c, k)
+
+    def abort(self, uint32_t c, uint32_t k, uint32_t gen):
+        """WRITING -> FREE of a slot begun (generation gen) and never
+        published; False when it was not (shm_slot_abort).  For tests and
+        tools."""
+        self._slot(c, k)
+        return shm_slot_abort(&self.seg, c, k, gen) == SHM_OK
 
     def wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns, uint64_t timeout_ns,
              uint32_t ncpu):
@@ -871,6 +908,16 @@ cdef class Segment:
             shm_hash_state(src + i * inb, inb, &a[i], &b[i])
         return k1, k2
 
+    def set_key_scheme(self, bytes scheme):
+        """The caller's cache keys of this process (key=, keys=) are of the
+        scheme these bytes name: a hit needs the same scheme as the store
+        (it is hashed into the entry's second key word).  b"": the default
+        scheme, shared by every process that names none."""
+        cdef uint64_t k1 = 0, k2 = 0
+        if scheme:
+            shm_hash_state(scheme, len(scheme), &k1, &k2)
+        self.key_tag = k1
+
     def cache_lookup(self, uint32_t c, cnp.ndarray rows, object keys, list dst,
                      object versions):
         """Looks every row of rows up in the cache for client c (by keys[i],
@@ -982,7 +1029,9 @@ cdef class Segment:
             k1[0] = PyLong_AsUnsignedLongLongMask(key)
             if k1[0] == 0:
                 k1[0] = 0x9E3779B97F4A7C15  # 0 marks an empty entry
-            k2[0] = 0  # never equal to a hash's key2: the key spaces stay apart
+            # The key scheme's word (0 by default), never a hash's key2 but by
+            # chance (hashes' are never 0): the key spaces stay apart.
+            k2[0] = self.key_tag
         floor = shm_cache_version(&self.seg)
         if floor < self.seen_version:
             floor = self.seen_version
@@ -1046,7 +1095,8 @@ cdef inline int _publish_and_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t g
                                   uint64_t spin_ns, uint64_t timeout_ns,
                                   shm_ticker *t) noexcept nogil:
     """Hands slot (c, k) to the evaluator and waits for its answer."""
-    shm_slot_publish(s, c, k)
+    if shm_slot_publish(s, c, k, gen) != SHM_OK:
+        return SHM_STALE
     shm_notify_evaluator(s, 1)
     return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, t)
 
@@ -1356,11 +1406,9 @@ cdef class ClientPort:
             except BaseException:
                 self.free.append(k)
                 raise
-            if k1:
-                self.seg.ck1[k] = k1
-                self.seg.ck2[k] = k2
             shm_copy(shm_slot_in(&self.seg.seg, self.c, k),
                      <const char *>cnp.PyArray_DATA(a), self.seg.seg.p.in_bytes)
+            self.seg._cache_as(self.c, k, k1, k2, key is None)
             spin = self.seg._spin(self.arms.pick(), self.ncpu)
             t = self.seg._ticker_for(self.c, self.timeout_ns)
             # The clock only where the arms judge the wait: "auto", spinning allowed.
@@ -1438,7 +1486,7 @@ cdef class ClientPort:
             dims[0] = n
             versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
         m = self._lookup(a, n, keys, outs, versions, rows, k1s, k2s)
-        if m < 0 or (m and not self._post(a, m, rows, k1s, k2s, ks, gens)):
+        if m < 0 or (m and not self._post(a, m, rows, k1s, k2s, keys is None, ks, gens)):
             return None
         i = 0
         try:
@@ -1590,7 +1638,7 @@ cdef class ClientPort:
         return m
 
     cdef bint _post(self, cnp.ndarray a, Py_ssize_t m, Py_ssize_t *rows, uint64_t *k1s,
-                    uint64_t *k2s, uint32_t *ks, uint32_t *gens) except -1:
+                    uint64_t *k2s, bint hashed, uint32_t *ks, uint32_t *gens) except -1:
         """Sends rows[0:m] of a: takes m free slots (ks), begins them (gens),
         copies the states in, publishes them and rings the evaluator once.
         False, with nothing taken, when the free slots are too few now or the
@@ -1608,20 +1656,19 @@ cdef class ClientPort:
                 self.free.append(ks[i])
             return False
         try:
-            for i in range(m):
-                gens[i] = self.seg._begin(self.c, ks[i])
-                if cache:
-                    self.seg.ck1[ks[i]] = k1s[i]
-                    self.seg.ck2[ks[i]] = k2s[i]
+            self.seg._begin_all(self.c, ks, m, gens)
         except BaseException:
             for i in range(m):
                 self.free.append(ks[i])
             raise
         for i in range(m):
             shm_copy(shm_slot_in(&self.seg.seg, self.c, ks[i]), src + rows[i] * inb, inb)
+            if cache:
+                self.seg._cache_as(self.c, ks[i], k1s[i], k2s[i], hashed)
         # Publish in a tight loop after all the copies, then one doorbell.
+        # (A slot reclaimed meanwhile is not published; its wait says so.)
         for i in range(m):
-            shm_slot_publish(&self.seg.seg, self.c, ks[i])
+            shm_slot_publish(&self.seg.seg, self.c, ks[i], gens[i])
         shm_notify_evaluator(&self.seg.seg, <uint32_t>m)
         return True
 
@@ -1660,8 +1707,8 @@ cdef class ClientPort:
         p = Pending.__new__(Pending)
         p._setup(self.lane, self, n, versioned)
         m = self._lookup(<cnp.ndarray>states, n, keys, p._outs, p._versions, rows, k1s, k2s)
-        if m < 0 or (m and not self._post(<cnp.ndarray>states, m, rows, k1s, k2s, p.ks,
-                                          p.gens)):
+        if m < 0 or (m and not self._post(<cnp.ndarray>states, m, rows, k1s, k2s, keys is None,
+                                          p.ks, p.gens)):
             return None
         for i in range(m):
             p.rows[i] = <int32_t>rows[i]
@@ -2243,13 +2290,17 @@ cdef class Server:
             raise ValueError("batch buffer smaller than max_batch rows")
         if seg.n_out == 0:
             raise ValueError("segment outputs not set")
-        # The batch table lives in the segment, so that if this replica dies
-        # another can put its requests back (shm_requeue).
+        # The batch table the completion reads is this process's; the
+        # segment has a copy, so that if this replica dies another can put
+        # its requests back (shm_requeue).
+        if shm_server_replica(&seg.seg, server) != replica:
+            raise IndexError(f"server {server} belongs to replica "
+                             f"{shm_server_replica(&seg.seg, server)}, not {replica}")
         shm_server_init(&seg.seg, server, replica)
-        self.taken = shm_server_taken(&seg.seg, server)
+        self.taken = <shm_taken *>malloc(sizeof(shm_taken) * self.cap)
         self.fields = <const char **>malloc(sizeof(char *) * seg.n_out)
         self.strides = <int64_t *>malloc(sizeof(int64_t) * seg.n_out)
-        if self.fields == NULL or self.strides == NULL:
+        if self.taken == NULL or self.fields == NULL or self.strides == NULL:
             raise MemoryError()
         self.batch = <char *>cnp.PyArray_DATA(batch)
         self._keep = batch
@@ -2260,6 +2311,7 @@ cdef class Server:
             shm_collect_unlock(&self.seg.seg)
         if self.locked:
             PyThread_release_lock(self.group.lock)
+        free(self.taken)
         free(self.fields)
         free(self.strides)
         free(self.calls)
@@ -2313,23 +2365,40 @@ cdef class Server:
     def take_over_lock(self, int holder):
         """Takes the segment's collect lock over from server `holder` (after
         serve() returned LOCKED_OUT), only if `holder`'s replica was marked
-        dead (Segment.replica_stop(r, "dead")): a live holder may simply be
-        slow or waiting for requests, and taking the lock from it would let
-        two scans run at once and take one request twice.  Returns True when
-        this server holds it now (unlock() releases it)."""
-        cdef uint32_t state
+        dead (Segment.replica_stop(r, "dead")), or if `holder` names no
+        server (the lock word was scribbled on): a live holder may simply
+        be slow or waiting for requests, and taking the lock from it would
+        let two scans run at once.  Having taken it from a dead replica,
+        puts that replica's batches back before anything is scanned
+        (shm_requeue_replica: a slot the dead one listed but had not taken
+        is still READY then, and stays so).  Returns True
+        when this server holds the lock now (unlock() releases it)."""
+        cdef uint32_t state, r = 0
         cdef uint64_t starttime, version
-        if not self.shared or self.seg_locked or holder < 0 or \
-                <uint32_t>holder >= self.seg.seg.p.servers:
+        if not self.shared or self.seg_locked or holder < 0:
             return False
-        shm_replica_info(&self.seg.seg, shm_server_replica(&self.seg.seg, <uint32_t>holder),
-                         &starttime, &state, &version)
-        if state != REPLICA_DEAD:
-            return False
+        if <uint32_t>holder < self.seg.seg.p.servers:
+            r = shm_server_replica(&self.seg.seg, <uint32_t>holder)
+            shm_replica_info(&self.seg.seg, r, &starttime, &state, &version)
+            if state != REPLICA_DEAD:
+                return False
         if shm_collect_steal(&self.seg.seg, self.v, <uint32_t>holder) != SHM_OK:
             return False
         self.seg_locked = True
+        if <uint32_t>holder < self.seg.seg.p.servers:
+            shm_requeue_replica(&self.seg.seg, self.v, r)
         return True
+
+    def requeue_replica(self, uint32_t r):
+        """Puts back the batches of replica r, whose process is gone, for
+        the replicas left to serve (their requests return to READY, and the
+        evaluator's doorbell rings).  Only while this server holds the
+        segment's collect lock (between batches, after serve() returned
+        IDLE holding it, or after take_over_lock): see shm_requeue_replica.
+        Returns how many requests went back (0 without the lock)."""
+        if r >= self.seg.seg.p.replicas:
+            raise IndexError(f"replica {r} of {self.seg.seg.p.replicas}")
+        return shm_requeue_replica(&self.seg.seg, self.v, r)
 
     @property
     def server(self):
@@ -2337,8 +2406,10 @@ cdef class Server:
 
     cpdef int collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
                       uint64_t timeout_ns) except? -1000:
-        """Returns n > 0 requests gathered, 0 on timeout, CLOSED, or
-        CONTROL (a control request is pending; nothing was taken).  (cpdef,
+        """Returns n > 0 requests gathered, 0 on timeout, CLOSED, CONTROL
+        (a control request is pending; nothing was taken), or BEHIND
+        (several replicas: the weights floor is past this replica's
+        version; nothing was taken).  (cpdef,
         as finish_fast and complete: serve() calls them without a Python
         call each, on the evaluator's path between batches.)"""
         cdef int rc
@@ -2348,8 +2419,8 @@ cdef class Server:
         self.end_busy()
         spin_ns = _evaluator_spin(spin_ns, shm_n_attached(&self.seg.seg), self.ncpu)
         with nogil:
-            rc = shm_collect(&self.seg.seg, self.v, self.batch, max_batch, &self.group.cursor,
-                             spin_ns, max_wait_ns, timeout_ns)
+            rc = shm_collect(&self.seg.seg, self.v, self.taken, self.batch, max_batch,
+                             &self.group.cursor, spin_ns, max_wait_ns, timeout_ns)
         if rc > 0:
             self._set_n(rc)
             self.busy_since = shm_now_ns()
@@ -2410,7 +2481,7 @@ cdef class Server:
                 if rc == SHM_TIMEOUT:
                     return (SERVE_LOCKED_OUT, 0, 0, shm_collect_holder(&self.seg.seg), 0)
                 self.seg_locked = True
-                if not shm_version_ok(&self.seg.seg, g.version):
+                if not shm_version_ok(&self.seg.seg, self.replica, g.version):
                     self._seg_unlock()
                     return (SERVE_BEHIND, 0, 0, None, 0)
             if until_ns and shm_now_ns() >= until_ns:
@@ -2423,6 +2494,8 @@ cdef class Server:
                 return (SERVE_CLOSED, 0, 0, None, 0)
             if rc == SHM_CONTROL:
                 return (SERVE_CONTROL, 0, 0, None, 0)
+            if rc == SHM_BEHIND:
+                return (SERVE_BEHIND, 0, 0, None, 0)
             self.locked = False
             PyThread_release_lock(g.lock)
             n = rc

@@ -71,6 +71,7 @@ class Client(_ring.ClientBase):
         self._lock_pid = os.getpid()
         self._finalizer: Optional["weakref.finalize[Any, Any]"] = None
         self._ncpu = usable_cpus()
+        self._key_scheme = b""  # set_key_scheme, in this process
 
     # ------------------------------------------------------------ identity
     @property
@@ -107,7 +108,34 @@ class Client(_ring.ClientBase):
         if self._seg is None:
             self._seg, spec = segment.attach(self._address, self._spec)
             self._spec = spec
+            self._seg.set_key_scheme(self._key_scheme)
         return self._seg
+
+    def set_key_scheme(self, scheme: Any) -> None:
+        """Names what this process's own cache keys (``key=``, ``keys=``)
+        mean: an answer stored under a key is served only to lookups of the
+        same key in the same scheme, in any process.  Set it, in every
+        process, from whatever defines your keys: for Zobrist hashing, the
+        table (``ev.set_key_scheme(zobrist_table)``), so that processes
+        that built different tables never take each other's answers.  A
+        str, bytes, int or NumPy array; without it every process's keys
+        share one scheme.  Hashes of the states' bytes (no ``key``) need
+        none."""
+        if isinstance(scheme, np.ndarray):
+            b = f"{scheme.dtype.str}{scheme.shape}".encode() + \
+                np.ascontiguousarray(scheme).tobytes()
+        elif isinstance(scheme, (bytes, bytearray, memoryview)):
+            b = bytes(scheme)
+        elif isinstance(scheme, str):
+            b = scheme.encode()
+        elif isinstance(scheme, (int, np.integer)):
+            b = str(int(scheme)).encode()
+        else:
+            raise TypeError(f"key scheme: a str, bytes, int or NumPy array, not "
+                            f"{type(scheme).__name__}")
+        self._key_scheme = b"scheme:" + b
+        if self._seg is not None:
+            self._seg.set_key_scheme(self._key_scheme)
 
     def _register(self) -> int:
         """Client-table entry of this process (claimed on first use; a forked
@@ -590,7 +618,7 @@ class Client(_ring.ClientBase):
             try:
                 if seg.ev_state() >= _ring.CLOSING:
                     self._check_state(seg)
-                gens = seg.post(c, slots, a, sent, k1, k2)
+                gens = seg.post(c, slots, a, sent, k1, k2, keys is None)
             except BaseException:
                 self._give_back(port, slots, [])
                 raise

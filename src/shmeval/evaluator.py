@@ -52,6 +52,9 @@ MAX_SERVING_THREADS = 8
 MAX_REPLICAS = 64
 #: How long the serving loop waits for its other threads when it stops.
 THREAD_JOIN_S = 10.0
+#: The exit code of a replica process that ends itself because a serving
+#: thread did not return within THREAD_JOIN_S (_ServingLoop.leave).
+EXIT_STUCK = 70
 #: Serving threads started with serving_threads="auto": the tuner keeps one
 #: or two model calls in flight (a second overlaps one batch's gathering
 #: and answering with another's computation).
@@ -226,6 +229,9 @@ class _ServingLoop:
         self.stop_reason = _ring.STOP_CLOSED  # why serving stops, unless it raises
         self.warned_extra = False  # about outputs the spec does not declare
         self.errors: list[BaseException] = []
+        # Client entries seen with no start time: (entry, pid) -> when first
+        # seen, in clock ticks since boot (reclaim_dead_clients).
+        self.unstamped: dict[tuple[int, int], int] = {}
         # The "auto" settings' tuner; it reads the calls the servers record.
         self.tuner = (ServingTuner(seg, model, self.servers, policy.max_batch, policy.threads,
                                    policy.overrides(), Board(seg, replica), HOUSEKEEPING_NS,
@@ -258,31 +264,38 @@ class _ServingLoop:
                 t.join(THREAD_JOIN_S)
             if self.errors:
                 self.stop_reason = _ring.STOP_CRASHED
-            self.leave()
+            self.leave(joined=not any(t.is_alive() for t in others))
         if self.errors:
             raise self.errors[0]
 
-    def leave(self) -> None:
-        """This replica stops serving.  One that fails while others serve
-        puts its batches back for them; the last replica out closes the
+    def leave(self, joined: bool) -> None:
+        """This replica stops serving.  The last replica out closes the
         evaluator for its clients, waking every waiter (the requests of a
         batch it held when it crashed, too: they raise EvaluatorDied saying
-        why)."""
-        remaining = self.seg.replica_stop(self.replica, "stopped")
-        if remaining > 0 and self.stop_reason == _ring.STOP_CRASHED:
-            self.seg.requeue_replica(self.replica)
-        if remaining == 0:
+        why).  While others serve, what its batch tables still hold (a batch
+        it crashed with) is put back by one of them once this process is
+        gone (check_replicas): nothing of it can write into those slots any
+        more then.
+
+        A replica whose serving thread did not return within THREAD_JOIN_S
+        (stuck in a model call) ends its process at once when others serve,
+        rather than leave a thread that could still complete a batch the
+        others had taken again (each replica has a process of its own)."""
+        if not joined and self.seg.replicas_serving() > 1:
+            os._exit(EXIT_STUCK)
+        if self.seg.replica_stop(self.replica, "stopped") == 0:
             self.seg.close_and_wake(self.stop_reason)
 
     def serve_guarded(self, server: "_ring.Server") -> None:
-        """serve() in one of the other threads: an error there stops every
-        thread, and run() re-raises it."""
+        """serve() in one of the other threads: an error there stops this
+        replica's threads, and run() re-raises it.  Only this replica: the
+        evaluator stays open for the others (a thread asleep in collect sees
+        the stop within IDLE_TIMEOUT_NS)."""
         try:
             self.serve(server)
         except BaseException as e:
             self.errors.append(e)
             self.group.stop = True
-            self.seg.request_close()  # wakes a thread asleep in collect
 
     def serve(self, server: "_ring.Server") -> None:
         pol, group, tuner = self.policy, self.group, self.tuner
@@ -334,14 +347,18 @@ class _ServingLoop:
                     self.handle_control()
                     continue
                 if kind == _ring.SERVE_BEHIND:
+                    # Until the update comes, or until no replica that took
+                    # it is left (marked here: then the floor comes down).
                     self.catch_up()
+                    self.check_replicas(None)
                     if self.owner_gone(me):
                         return
                     continue
                 if kind == _ring.SERVE_LOCKED_OUT:
                     # Another replica holds the collect lock: fine, unless it
-                    # died holding it.  Then take it over and keep house.
-                    self.check_replicas()
+                    # died holding it.  Then take it over (which puts the
+                    # dead one's batches back) and keep house.
+                    self.check_replicas(None)
                     if not server.take_over_lock(detail):
                         continue
                 if detail is True and self.tuner is not None:
@@ -355,7 +372,7 @@ class _ServingLoop:
                 # lock, so no scan runs while entries are reclaimed).
                 self.housekeeping_at = now + HOUSEKEEPING_NS
                 self.reclaim_dead_clients()
-                self.check_replicas()
+                self.check_replicas(server)
                 if self.tuner is not None:
                     self.tuner.tick(now)
                 if self.owner_gone(me):
@@ -373,20 +390,27 @@ class _ServingLoop:
         self.group.stop = True
         return True
 
-    def check_replicas(self) -> None:
+    def check_replicas(self, holder: Optional["_ring.Server"]) -> None:
         """Finds the other replicas whose process is gone: each is marked
-        dead, once (whoever marks it puts its batches back, and they are
-        served by the replicas left)."""
+        dead, once.  Given the server that holds the collect lock (the
+        housekeeping's: no scan runs), also puts back the batches of every
+        replica that is gone, dead or stopped (Server.requeue_replica; a
+        replica already put back has empty tables).  Without the lock it
+        only marks: a replica that died holding the lock may have listed a
+        request it had not yet taken, which another's scan could take
+        meanwhile, and only a put-back before any scan tells the two apart
+        (take_over_lock does it)."""
         seg = self.seg
         for rep in seg.replicas():
             r = rep["replica"]
-            if r == self.replica or rep["state"] != "serving":
+            if r == self.replica or rep["state"] not in ("serving", "stopped", "dead"):
                 continue
-            if segment.is_alive(rep["pid"], rep["starttime"]):
+            if rep["state"] != "dead" and segment.is_alive(rep["pid"], rep["starttime"]):
                 continue
-            if seg.replica_stop(r, "dead") >= 0:
-                seg.requeue_replica(r)
-
+            if rep["state"] == "serving":
+                seg.replica_stop(r, "dead")
+            if holder is not None:
+                holder.requeue_replica(r)
     def catch_up(self) -> None:
         """Another replica collects with newer weights than this one: wait,
         between batches, for this replica's copy of the update, which the
@@ -670,10 +694,27 @@ class _ServingLoop:
         never judged by its pid, which means another process here: it is
         freed when it detaches (attach refuses such processes, so only one
         that bypassed it can have one)."""
+        unstamped = {}
         for c, pid, starttime, pid_ns, detached in self.seg.clients():
             foreign = bool(pid_ns and self.pid_ns and pid_ns != self.pid_ns)
+            if not foreign and not detached and starttime == 0 and pid > 0:
+                # A claimer killed between its claim and the store of its
+                # start time leaves 0, "whichever process has this pid":
+                # once the pid is reused, by a process started after the
+                # entry was first seen so, it is not the claimer's.
+                first = self.unstamped.get((c, pid)) or _boot_ticks()
+                unstamped[(c, pid)] = first
+                if (segment.process_starttime(pid) or 0) > first:
+                    detached = True
             if detached or (not foreign and not segment.is_alive(pid, starttime)):
                 self.seg.reclaim(c)
+                unstamped.pop((c, pid), None)
+        self.unstamped = unstamped
+
+
+def _boot_ticks() -> int:
+    """Now, in the clock ticks since boot that /proc gives start times in."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
 
 def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, max_batch: int,
@@ -799,8 +840,8 @@ class Evaluator(Client):
         safe to call from several threads; weight updates still happen with
         no call in flight.
     reject_nonfinite:
-        fail the requests whose rows of the float outputs hold NaN or inf
-        (ModelError); the other rows of their batch are answered.
+        fail the requests whose float outputs hold NaN or inf (ModelError),
+        and only those: the rest of the batch is answered.
     cache_entries:
         an evaluation cache of this many entries (a power of two; 0: none)
         in shared memory: every client looks a state up there before it
@@ -1055,10 +1096,13 @@ class Evaluator(Client):
                 self._check_alive(seg)
                 if time.monotonic() > deadline:
                     raise ShmevalTimeout(f"the evaluator did not apply {method} within "
-                                       f"{timeout} s (it may still do so)")
+                                         f"{timeout} s (it may still do so)")
             if applied:
-                # Before returning: no cache lookup accepts older answers now.
+                # Before returning: no cache lookup accepts older answers now,
+                # and no replica that refused the update collects any more
+                # while one that applied it serves.
                 seg.cache_set_version(new)
+                seg.raise_version_floor(new)
             if refused:
                 if len(self._controls) == 1:
                     raise ModelError(next(iter(refused.values())))

@@ -274,7 +274,7 @@ def _submit(lane: _Lane, states: Any, block: bool, return_version: bool,
     try:
         if seg.ev_state() >= _ring.CLOSING:
             client._check_state(seg)
-        gens = seg.post(lane.c, slots, a, rows, k1, k2)
+        gens = seg.post(lane.c, slots, a, rows, k1, k2, keys is None)
     except BaseException:
         client._give_back(lane.port, slots, [])
         raise

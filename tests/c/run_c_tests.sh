@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
 # Builds src/shmeval/_core/ring_test.c (the standalone test of ring.h) three
-# ways and runs each build; exits nonzero if any build or run fails.
+# ways, or a fourth on request, and runs each build; exits nonzero if any
+# build or run fails.
 #
 #   plain   -O2 -Wall -Wextra -Werror -std=c11 -D_GNU_SOURCE -DSHM_DEBUG
 #   tsan    -fsanitize=thread -O1 -g               (ThreadSanitizer)
 #   asan    -fsanitize=address,undefined -fno-sanitize-recover=all -O0 -g
 #           (-O0: the same checks, compiled in a fifth of -O1's time)
+#   arm64   plain's flags, -O2 -static, for aarch64 (not in the default set:
+#           RING_TEST_BUILDS=arm64).  On another host it is cross-compiled
+#           with aarch64-linux-gnu-gcc and run under QEMU's user-mode
+#           emulation with SHM_TEST_SLOW=1 (ring_test's slow-run settings);
+#           on an aarch64 host it is built with CC and run natively.
+#           Static, so that QEMU needs no aarch64 sysroot (QEMU_LD_PREFIX).
+#           QEMU on an x86 host runs the program under x86's stronger
+#           ordering: this checks that ring.h builds and works on aarch64
+#           and exercises its portable paths, not aarch64's weaker memory
+#           model (docs/protocol.md, Memory orders on AArch64).
 #
 # Requirements (Debian 12 "bookworm", gcc 12): the packages `gcc` and
 # `libc6-dev`.  The sanitizer runtimes come with gcc's own dependency
@@ -16,6 +27,12 @@
 # 12-13, libasan6/libtsan0 for gcc 10.)  The script probes each sanitizer
 # first and names the missing package when a probe fails.
 #
+# The arm64 build on Debian 12: `gcc-aarch64-linux-gnu` (the cross gcc),
+# `libc6-dev-arm64-cross` (its libc; only recommended by the former) and
+# `qemu-user-static` (or `qemu-user`: qemu-aarch64-static or qemu-aarch64):
+#     apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu \
+#         libc6-dev-arm64-cross qemu-user-static
+#
 # ThreadSanitizer and ASLR: on some newer kernels (large vm.mmap_rnd_bits)
 # TSan dies with "FATAL: ThreadSanitizer: unexpected memory mapping".  The
 # script probes for that and then runs the TSan build under
@@ -23,6 +40,10 @@
 #
 # Environment:
 #   CC              compiler (default gcc)
+#   ARM64_CC        the arm64 build's compiler (default aarch64-linux-gnu-gcc,
+#                   or CC on an aarch64 host)
+#   QEMU_AARCH64    the emulator that runs it (default qemu-aarch64-static,
+#                   else qemu-aarch64; none on an aarch64 host)
 #   RING_H_DIR      directory holding the ring.h to test (default
 #                   src/shmeval/_core); e.g. a deliberately broken copy
 #   RING_TEST_ARGS  test names to run (default: all)
@@ -38,14 +59,31 @@ root="$(cd "$here/../.." && pwd)"
 src="$root/src/shmeval/_core/ring_test.c"
 ring_dir="${RING_H_DIR:-$root/src/shmeval/_core}"
 cc="${CC:-gcc}"
+host_arch="$(uname -m)"
+if [[ $host_arch == aarch64 ]]; then
+    arm64_cc="${ARM64_CC:-$cc}"
+else
+    arm64_cc="${ARM64_CC:-aarch64-linux-gnu-gcc}"
+fi
 builds="${RING_TEST_BUILDS:-plain tsan asan}"
 run_timeout="${RUN_TIMEOUT:-150}"
 read -r -a test_args <<<"${RING_TEST_ARGS:-}"
 
 die() { echo "run_c_tests: error: $*" >&2; exit 1; }
 
-command -v "$cc" >/dev/null 2>&1 ||
-    die "C compiler '$cc' not found (Debian: apt-get install -y gcc libc6-dev)"
+arm64_pkgs="gcc-aarch64-linux-gnu libc6-dev-arm64-cross"
+native=0
+for b in $builds; do
+    [[ $b == arm64 ]] || native=1
+done
+if (( native )); then
+    command -v "$cc" >/dev/null 2>&1 ||
+        die "C compiler '$cc' not found (Debian: apt-get install -y gcc libc6-dev)"
+fi
+if [[ " $builds " == *" arm64 "* ]]; then
+    command -v "$arm64_cc" >/dev/null 2>&1 ||
+        die "aarch64 C compiler '$arm64_cc' not found (Debian: apt-get install -y $arm64_pkgs)"
+fi
 [[ -f "$src" ]] || die "missing $src"
 [[ -f "$ring_dir/ring.h" ]] || die "missing $ring_dir/ring.h"
 have_timeout=1
@@ -54,7 +92,9 @@ command -v timeout >/dev/null 2>&1 || have_timeout=0
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/ring_test.XXXXXX")"
 trap 'rm -rf "$tmp"' EXIT
 
-echo "run_c_tests: $("$cc" --version | head -n1); kernel $(uname -r) $(uname -m)"
+if (( native )); then
+    echo "run_c_tests: $("$cc" --version | head -n1); kernel $(uname -r) $host_arch"
+fi
 echo "run_c_tests: testing $ring_dir/ring.h"
 
 common=(-std=c11 -D_GNU_SOURCE -DSHM_DEBUG -Wall -Wextra -pthread -I "$ring_dir")
@@ -62,7 +102,9 @@ declare -A flags=(
     [plain]="${RING_TEST_PLAIN_OPT:--O2} -Werror"
     [tsan]="-fsanitize=thread -O1 -g"
     [asan]="-fsanitize=address,undefined -fno-sanitize-recover=all -O0 -g"
+    [arm64]="-O2 -Werror -static"
 )
+declare -A compiler=([plain]="$cc" [tsan]="$cc" [asan]="$cc" [arm64]="$arm64_cc")
 declare -A pkgs=(
     [tsan]="libtsan2 (gcc 12; comes with libgcc-12-dev)"
     [asan]="libasan8 and libubsan1 (gcc 12; come with libgcc-12-dev)"
@@ -92,6 +134,36 @@ if [[ " $builds " == *" tsan "* ]]; then
     fi
 fi
 
+# --- probe the arm64 toolchain and its emulator -------------------------
+arm64_prefix=()
+if [[ " $builds " == *" arm64 "* ]]; then
+    echo "run_c_tests: arm64: $("$arm64_cc" --version | head -n1)"
+    # shellcheck disable=SC2086
+    if ! "$arm64_cc" ${flags[arm64]} -pthread "$tmp/probe.c" -o "$tmp/probe_arm64" \
+        >"$tmp/probe_arm64.log" 2>&1; then
+        cat "$tmp/probe_arm64.log" >&2
+        die "cannot link a static aarch64 program with $arm64_cc: install $arm64_pkgs"
+    fi
+    if [[ $host_arch != aarch64 ]]; then
+        qemu="${QEMU_AARCH64:-}"
+        if [[ -z $qemu ]]; then
+            for q in qemu-aarch64-static qemu-aarch64; do
+                if command -v "$q" >/dev/null 2>&1; then qemu="$q"; break; fi
+            done
+        fi
+        [[ -n $qemu ]] && command -v "$qemu" >/dev/null 2>&1 ||
+            die "aarch64 emulator ${qemu:-qemu-aarch64-static or qemu-aarch64} not" \
+                "found (Debian: apt-get install -y qemu-user-static, or qemu-user)"
+        "$qemu" "$tmp/probe_arm64" >"$tmp/probe_arm64_run.log" 2>&1 || {
+            cat "$tmp/probe_arm64_run.log" >&2
+            die "$qemu cannot run an aarch64 program (see above)"
+        }
+        echo "run_c_tests: arm64: run under $("$qemu" --version | head -n1)" \
+            "with SHM_TEST_SLOW=${SHM_TEST_SLOW:-1}"
+        arm64_prefix=(env "SHM_TEST_SLOW=${SHM_TEST_SLOW:-1}" "$qemu")
+    fi
+fi
+
 # --- build: the compilers run at once (each is one process) ------------
 for b in $builds; do
     [[ -n "${flags[$b]:-}" ]] || die "unknown build '$b'"
@@ -102,7 +174,7 @@ for b in $builds; do
         t0=$(date +%s.%N)
         rc=0
         # shellcheck disable=SC2086
-        "$cc" "${common[@]}" ${flags[$b]} "$src" -o "$tmp/ring_test_$b" \
+        "${compiler[$b]}" "${common[@]}" ${flags[$b]} "$src" -o "$tmp/ring_test_$b" \
             >"$tmp/build_$b.log" 2>&1 || rc=$?
         awk -v t0="$t0" -v t1="$(date +%s.%N)" 'BEGIN { printf "%.1f", t1 - t0 }' \
             >"$tmp/build_$b.s"
@@ -132,6 +204,7 @@ for b in $builds; do
     t1=$(date +%s.%N)
     prefix=()
     [[ $b == tsan ]] && prefix=("${tsan_prefix[@]}")
+    [[ $b == arm64 ]] && prefix=("${arm64_prefix[@]}")
     (( have_timeout )) && prefix=(timeout -k 10 "$run_timeout" "${prefix[@]}")
     echo "===== $b: ${flags[$b]}"
     run() {

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import pytest
 
+from external import require_sanitizers
+
 ROOT = Path(__file__).resolve().parents[2]
 RING_H = ROOT / "src" / "shmeval" / "_core" / "ring.h"
 SCRIPT = ROOT / "tests" / "c" / "run_c_tests.sh"
@@ -24,7 +26,7 @@ SCRIPT = ROOT / "tests" / "c" / "run_c_tests.sh"
 class Mutation(NamedTuple):
     name: str
     test: str          # ring_test.c test that must fail
-    build: str         # plain or tsan
+    build: str         # plain, tsan or asan
     edits: tuple[tuple[str, str], ...]  # (exact text of ring.h, replacement)
 
 
@@ -67,11 +69,9 @@ MUTATIONS = [
     uint32_t cur = 0;"""),)),
     Mutation("begin by load and store", "begin_race", "plain", ((
         """    if (!atomic_compare_exchange_strong_explicit(
-            w, &old, shm_slot_word(SLOT_WRITING, shm_word_gen(old)),
-            memory_order_relaxed, memory_order_relaxed))
+            w, &old, writing, memory_order_relaxed, memory_order_relaxed))
         return SHM_E_STATE;""",
-        """    atomic_store_explicit(w, shm_slot_word(SLOT_WRITING, shm_word_gen(old)),
-                          memory_order_relaxed);"""),)),
+        """    atomic_store_explicit(w, writing, memory_order_relaxed);"""),)),
     Mutation("high-water mark raised after the claim", "hwm_first", "plain", (
         (HWM_RAISE, ""),
         ('            SHM_HOOK("register_claimed");\n',
@@ -103,10 +103,78 @@ MUTATIONS = [
         """    atomic_store_explicit(&shm_client_at(s, c)->detached, 1,
                           memory_order_relaxed);"""),)),
     Mutation("publish relaxed", "concurrency", "tsan", ((
-        """    atomic_store_explicit(w, shm_slot_word(SLOT_READY, shm_word_gen(old)),
-                          memory_order_release);""",
-        """    atomic_store_explicit(w, shm_slot_word(SLOT_READY, shm_word_gen(old)),
-                          memory_order_relaxed);"""),)),
+        """            w, &cur, shm_slot_word(SLOT_READY, gen), memory_order_release,
+            memory_order_relaxed))""",
+        """            w, &cur, shm_slot_word(SLOT_READY, gen), memory_order_relaxed,
+            memory_order_relaxed))"""),)),
+    Mutation("publish by a plain store", "abort", "plain", ((
+        """    if (!atomic_compare_exchange_strong_explicit(
+            w, &cur, shm_slot_word(SLOT_READY, gen), memory_order_release,
+            memory_order_relaxed))
+        return SHM_STALE;""",
+        """    (void)cur;
+    atomic_store_explicit(w, shm_slot_word(SLOT_READY, gen),
+                          memory_order_release);"""),)),
+    Mutation("the take is a blind fetch_add", "take_race", "plain", ((
+        """            while ((cur & ~SLOT_WAITER) == shm_slot_word(SLOT_READY, gen)) {
+                if (atomic_compare_exchange_weak_explicit(
+                        w, &cur, cur + (SLOT_TAKEN - SLOT_READY),
+                        memory_order_relaxed, memory_order_relaxed)) {
+                    took = 1;
+                    break;
+                }
+            }""",
+        """            atomic_fetch_add_explicit(w, SLOT_TAKEN - SLOT_READY,
+                                      memory_order_relaxed);
+            took = 1;"""),)),
+    Mutation("the scan lists a slot after taking it", "listed_first", "plain", (
+        ("""            copy[n] = t;
+            atomic_store_explicit(&head->n, n + 1, memory_order_release);
+            SHM_HOOK("scan_listed");""", ""),
+        ("""            SHM_HOOK("scan_taken");""",
+         """            SHM_HOOK("scan_taken");
+            copy[n] = t;
+            atomic_store_explicit(&head->n, n + 1, memory_order_release);"""))),
+    Mutation("a put-back leaves the table as it was", "requeue_once", "plain", ((
+        """    atomic_store_explicit(&head->n, 0, memory_order_relaxed);
+    return back;""",
+        """    return back;"""),)),
+    Mutation("a put-back without the collect lock", "requeue_once", "plain", ((
+        """    if (r >= s->p.replicas || cur != v + 1) return 0;""",
+        """    if (r >= s->p.replicas) return 0;
+    (void)cur, (void)v;"""),)),
+    Mutation("the put-back drops the waiter bit", "requeue_words", "plain", ((
+        """                    shm_slot_word(SLOT_READY, taken[i].gen) |
+                        (cur & SLOT_WAITER),""",
+        """                    shm_slot_word(SLOT_READY, taken[i].gen),"""),)),
+    Mutation("the put-back ignores the generation", "requeue_words", "plain", ((
+        """             (cur & ~SLOT_WAITER) == want && tries < SHM_CAS_TRIES; tries++) {""",
+        """             shm_word_state(cur) == SLOT_TAKEN && want + 1 && tries < SHM_CAS_TRIES;
+             tries++) {"""),)),
+    Mutation("the put-back trusts the table's indexes", "requeue_words", "asan", ((
+        """        if (taken[i].client >= s->p.max_clients ||
+            taken[i].slot >= s->p.slots_per_client)
+            continue;""", ""),)),
+    Mutation("unlocking the collect lock wakes nobody", "lock_wake", "plain", ((
+        """    if (atomic_exchange_explicit(lock, 0, memory_order_release) &
+        SHM_LOCK_WAITERS)
+        shm_futex_wake(lock, 1);""",
+        """    atomic_exchange_explicit(lock, 0, memory_order_release);"""),)),
+    Mutation("no fair share between replicas", "fair_share", "plain", ((
+        """        uint32_t cap = s->p.replicas > 1
+                           ? shm_fair_share(s, v, n, max_batch) : max_batch;""",
+        """        uint32_t cap = max_batch;"""),)),
+    Mutation("the weights floor never comes down", "version_floor", "plain", ((
+        """    /* Nobody serves the floor: bring it down to us (unless it moved). */
+    return atomic_compare_exchange_strong_explicit(
+        floor, &cur, version, memory_order_relaxed, memory_order_relaxed);""",
+        """    return 0;"""),)),
+    Mutation("begin does not check its owner again", "begin_owner", "plain", ((
+        """    if (atomic_load_explicit(&shm_client_at(s, c)->owner_pid,
+                             memory_order_relaxed) != pid) {
+        uint32_t cur = writing;""",
+        """    if (0) {
+        uint32_t cur = writing;"""),)),
     Mutation("completion CAS relaxed", "concurrency", "tsan", ((
         """                    w, &cur, shm_slot_word(final_state, taken[i].gen),
                     memory_order_release, memory_order_relaxed)) {""",
@@ -131,11 +199,14 @@ MUTATIONS = [
             continue;"""),)),
     Mutation("the cache's check word leaves out the data", "cache_torn", "plain", ((
         """    uint64_t i = 0;
-    for (; i + 2 <= nw; i += 2)
-        h = shm_mum(h ^ data[i] ^ 0xA0761D6478BD642Full,""",
+    for (; i + 2 <= nw; i += 2) h = shm_check_step(h, data[i], data[i + 1]);""",
         """    uint64_t i = nw;
-    for (; i + 2 <= nw; i += 2)
-        h = shm_mum(h ^ data[i] ^ 0xA0761D6478BD642Full,"""),)),
+    for (; i + 2 <= nw; i += 2) h = shm_check_step(h, data[i], data[i + 1]);"""),)),
+    Mutation("a reclaim wakes nobody", "reclaim_wakes", "plain", ((
+        """    shm_ring_word(&h->done_seq[c / 32u], 1u << (c % 32u));\n""", ""),)),
+    Mutation("one word can zero the cache check's history", "cache_check", "plain", ((
+        """    return shm_mum(h ^ x ^ 0xA0761D6478BD642Full, h ^ y ^ 0xE7037ED1A0B428DBull) ^ h;""",
+        """    return shm_mum(h ^ x ^ 0xA0761D6478BD642Full, y ^ 0xE7037ED1A0B428DBull);"""),)),
     Mutation("the cache accepts answers of older weights", "cache", "plain", ((
         """        if (v < min_version) {
             old = 1;""",
@@ -164,7 +235,12 @@ def mutate(dest: Path, m: Mutation) -> None:
     (dest / "ring.h").write_text(text)
 
 
+#: The sanitizer each build of run_c_tests.sh links with.
+BUILD_SANITIZERS = {"plain": (), "tsan": ("thread",), "asan": ("address,undefined",)}
+
+
 def run_c_test(ring_dir: Path, test: str, build: str) -> subprocess.CompletedProcess[str]:
+    require_sanitizers(*BUILD_SANITIZERS[build])
     env = dict(os.environ, RING_H_DIR=str(ring_dir), RING_TEST_ARGS=test,
                RING_TEST_BUILDS=build, RUN_TIMEOUT="60", RING_TEST_PLAIN_OPT="-O1",
                # a short concurrency run is enough for TSan to see a race
@@ -188,7 +264,7 @@ def test_broken_ring_fails_its_test(m: Mutation, tmp_path: Path) -> None:
     # build error.
     assert "BUILD FAILED" not in out, out
     assert ("FAIL [" in out or "ThreadSanitizer: data race" in out
-            or "TIMEOUT [" in out), out
+            or "TIMEOUT [" in out or "ERROR: AddressSanitizer" in out), out
 
 
 @pytest.mark.timeout(300)

@@ -344,6 +344,53 @@ def test_versions_never_go_back_under_load() -> None:
         assert st["hits"] > st["misses"] > 0 and st["stale"] > 0, st
 
 
+def test_key_schemes_keep_processes_keys_apart() -> None:
+    """Caller keys are trusted within a scheme: a handle whose keys are of
+    another scheme (say, its own Zobrist table) never takes an answer stored
+    under the same key in another scheme."""
+    m = CountingModel()
+    with make_ev(m, cache_entries=64) as ev:
+        ev.set_key_scheme(np.arange(4, dtype=np.uint64))  # a "Zobrist table"
+        check_answer(ev.evaluate(make_state(1), key=42), 1)
+        same = shmeval.connect(ev.address)
+        same.set_key_scheme(np.arange(4, dtype=np.uint64))
+        check_answer(same.evaluate(make_state(2), key=42), 1)  # same scheme: trusted
+        other = shmeval.connect(ev.address)
+        other.set_key_scheme(np.arange(1, 5, dtype=np.uint64))
+        check_answer(other.evaluate(make_state(2), key=42), 2)
+        plain = shmeval.connect(ev.address)  # the default scheme is apart too
+        check_answer(plain.evaluate(make_state(3), key=42), 3)
+        with pytest.raises(TypeError, match="key scheme"):
+            plain.set_key_scheme(1.5)
+        for h in (other, same, plain):
+            h.close()
+
+
+def test_an_answer_is_cached_under_the_bytes_it_was_computed_from() -> None:
+    """A state changed between its lookup and its copy into the slot (another
+    thread; NumPy releases the GIL in large copies): the answer, computed
+    from the bytes sent, is cached under those bytes' keys, not under the
+    keys looked up."""
+    m = CountingModel()
+    with make_ev(m, cache_entries=64) as ev:
+        check_answer(ev.evaluate(make_state(0)), 0)  # registers this process
+        port, seg = ev._port, ev._seg
+        c, k = port.c, port.free.pop()
+        outs = [np.empty((1, 7), np.float32), np.empty((1,), np.float32)]
+        looked_up = states([1])
+        rows, k1, k2 = seg.cache_lookup(c, looked_up, None, outs, None)
+        assert rows == [0]
+        (gen,) = seg.post(c, [k], states([2]), 0, k1, k2, True)  # the bytes changed
+        assert seg.wait(c, k, gen, 0, 10**10, 1) == _ring.DONE
+        assert seg.fetch(c, k, gen, outs, 0) == 0
+        port.free.append(k)
+        n = sum(m.calls)
+        check_answer(ev.evaluate(make_state(1)), 1)
+        assert sum(m.calls) == n + 1  # a miss: nothing was cached under state 1
+        check_answer(ev.evaluate(make_state(2)), 2)
+        assert sum(m.calls) == n + 1  # a hit: cached under the bytes sent
+
+
 def test_the_guide_quotes_the_entry_size_of_the_demo_net() -> None:
     """docs/guide.md, *The evaluation cache*: the demo net's entry size
     is what the core lays out."""
@@ -353,8 +400,8 @@ def test_the_guide_quotes_the_entry_size_of_the_demo_net() -> None:
     from shmeval.bench.demo import INPUT_SHAPE, OUTPUTS
 
     guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text()
-    quoted = re.search(r"One entry takes 32 bytes plus a result row.*?\((\d+) bytes for the "
-                       r"demo's net", guide, re.S)
+    quoted = re.search(r"One entry takes 32 bytes plus one result row.*?(\d+)\s+bytes for "
+                       r"the demo's net", guide, re.S)
     assert quoted, "the guide no longer quotes the demo net's entry size"
     spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 1, 1)
     assert int(quoted.group(1)) == _ring.cache_entry_bytes(spec.out_bytes) == 72

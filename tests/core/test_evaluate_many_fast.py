@@ -117,3 +117,28 @@ def test_other_inputs_take_the_general_path() -> None:
         check_rows(ev.evaluate_many([make_state(5).tolist()]), [5])
         with pytest.raises(ValueError):
             ev.evaluate_many(np.zeros((2,) + INPUT_SHAPE[1:], np.float32))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["evaluate_many", "submit"])
+def test_a_failed_begin_leaves_every_slot_usable(call: str) -> None:
+    """A post of several slots whose second begin fails raises, and gives
+    back the slot it had begun as FREE: every later call of the process is
+    served (a slot given back still WRITING failed every call that drew it,
+    for ever)."""
+    with make_ev(slots_per_client=4) as ev:
+        ev.evaluate(make_state(0))
+        port, seg = ev._port, ev._seg
+        first, second = port.free[-1], port.free[-2]  # the next two pops
+        gen = seg.begin(port.c, second)  # taken behind the client's back
+        with pytest.raises(shmeval.SegmentError, match="not in the expected state"):
+            if call == "submit":
+                ev.submit(batch([1, 2])).result(timeout=10)
+            else:
+                ev.evaluate_many(batch([1, 2]))
+        assert seg.abort(port.c, second, gen)
+        assert sorted(port.free) == [0, 1, 2, 3]
+        assert seg.slot_state(port.c, first)[0] == 0  # FREE
+        for i in range(8):
+            tags = [10 * i + j for j in range(4)]
+            check_rows(ev.evaluate_many(batch(tags)), tags)

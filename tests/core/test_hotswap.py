@@ -89,7 +89,7 @@ def make(mode: str, **kw: Any) -> shmeval.Evaluator:
         return shmeval.Evaluator.spawn(SlowWeightedModel, serving_threads=3, **args)
     if mode == "replicas":
         return shmeval.Evaluator.spawn(SlowWeightedModel, replicas=2, serving_threads=2, **args)
-    return shmeval.Evaluator.spawn(WeightedModel, **args)
+    return shmeval.Evaluator.spawn(args.pop("factory", WeightedModel), **args)
 
 
 # ---------------------------------------------------------------- basics
@@ -278,3 +278,35 @@ def test_concurrent_updates_from_threads() -> None:
         assert sorted(got) == list(range(1, 41))
         assert ev.model_version == 40
         assert ev.evaluate(make_state(1), return_version=True)[1] == 40
+
+
+class RefusingOnOne(WeightedModel):
+    """WeightedModel whose replica on cpu:1 refuses every update."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = device
+
+    def set_weights(self, weights: list[np.ndarray]) -> None:
+        if self.device == "cpu:1":
+            raise ValueError("this replica refuses updates")
+        super().set_weights(weights)
+
+
+@pytest.mark.timeout(120)
+def test_an_update_one_replica_refused_outlives_the_others() -> None:
+    """Replica 1 refuses an update that replica 0 applies: from the moment
+    set_weights returns, every answer is of the new weights (replica 1 waits
+    for an update it can take).  When replica 0 dies, replica 1 serves again
+    with the weights it has (a floor nobody serves must not hang every
+    client)."""
+    with make("spawn", devices=["cpu:0", "cpu:1"], factory=RefusingOnOne) as ev:
+        with pytest.raises(shmeval.ModelError, match="replica 1: .*refuses updates"):
+            ev.set_weights(weights_of(1))
+        for i in range(40):
+            out, v = ev.evaluate(make_state(i), return_version=True)
+            assert v == 1 and float(out["value"]) == -i + WEIGHT_STEP, (i, v)
+        os.kill(ev.pids[0], signal.SIGKILL)
+        p = ev.submit(np.stack([make_state(7)]), return_version=True)
+        outs, versions = p.result(timeout=30)
+        assert versions.tolist() == [0] and float(outs["value"][0]) == -7.0

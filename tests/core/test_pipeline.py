@@ -51,12 +51,17 @@ def check(out: dict[str, np.ndarray], tags: list[int]) -> None:
 
 
 def gated(gate: threading.Event, held: Optional[set[int]] = None,
-          fail: Optional[set[int]] = None) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+          fail: Optional[set[int]] = None,
+          holding: Optional[threading.Event] = None) -> Callable[[np.ndarray],
+                                                                 dict[str, np.ndarray]]:
     """The fake model, holding every batch (or those with a tag in held)
-    until gate is set, and raising for batches with a tag in fail."""
+    until gate is set (setting holding, if given, once it holds one), and
+    raising for batches with a tag in fail."""
     def model(x: np.ndarray) -> dict[str, np.ndarray]:
         tags = set((-x[:, 5, 6, 1]).astype(int).tolist())
         if held is None or tags & held:
+            if holding is not None:
+                holding.set()
             assert gate.wait(NO_HANG * 3), "gate never opened"
         if fail and tags & fail:
             raise RuntimeError(f"no answer for {sorted(tags & fail)}")
@@ -205,11 +210,12 @@ def test_more_submissions_than_slots() -> None:
 
 
 def test_wait_any_takes_the_first_answered() -> None:
-    gate = threading.Event()
+    gate, holding = threading.Event(), threading.Event()
     # Two serving threads: the held batch does not stop the other one.
-    with make_ev(gated(gate, held={1}), slots_per_client=SLOTS, serving_threads=2) as ev:
+    with make_ev(gated(gate, held={1}, holding=holding), slots_per_client=SLOTS,
+                 serving_threads=2) as ev:
         held = ev.submit(states([1]))
-        time.sleep(0.05)  # the held batch is in the model (else both are held)
+        assert holding.wait(NO_HANG)  # the held batch is in the model (else both are held)
         free = ev.submit(states([2, 3]))
         assert ev.wait_any([held, free], timeout=NO_HANG) is free
         check(free.result(), [2, 3])

@@ -40,6 +40,7 @@ import pytest
 import shmeval
 from shmeval import cli, segment
 from shmeval.spec import Spec
+from external import require_root
 from helpers import INPUT_SHAPE, OUTPUTS, check_answer, make_ev, make_state
 
 SHM_DIR = "/dev/shm"
@@ -124,9 +125,7 @@ def drop_to_nobody() -> None:
 
 
 def needs_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a process as another user (uid 65534, nobody); "
-                    f"running as uid {os.geteuid()}, so the other-user case is not tested here")
+    require_root("to run a process as another user, uid 65534, nobody")
 
 
 # ================================================================ another user

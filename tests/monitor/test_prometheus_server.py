@@ -3,12 +3,12 @@ installs) scrapes the exporter of an evaluator under load, on loopback
 ports: through its HTTP query API the counters rise during the load, and
 once it stops every histogram's buckets add up to the request or batch
 count, and it runs every query of docs/grafana-dashboard.json.  Nothing is left running: Prometheus is stopped and waited for, the
-exporter and the evaluator closed.  Without the binary the test fails."""
+exporter and the evaluator closed.  Without the binary the test is
+skipped, or fails in CI (tests/external.py)."""
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import shutil
 import subprocess
 import time
 import urllib.parse
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from shmeval.monitor.prometheus import start_exporter
+from external import require_binary
 from helpers import make_ev, make_state
 
 TIMEOUT_S = 120
@@ -113,10 +114,7 @@ def dashboard_queries() -> List[str]:
 
 @pytest.fixture
 def prometheus_binary() -> str:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail("the prometheus binary is missing: apt-get install -y prometheus")
-    return binary
+    return require_binary("prometheus", "apt-get install -y prometheus")
 
 
 def load(ev: Any, seed: int, second_round: Any) -> None:

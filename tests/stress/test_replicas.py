@@ -139,3 +139,38 @@ def test_replica_arguments_are_checked_first(kw: dict[str, Any], error: type) ->
     with pytest.raises(error):
         shmeval.Evaluator.spawn(device_model, **kw, **KW)
     assert own_segments() == before
+
+
+CRASH_TAG = 666
+
+
+def crashing_on_one(device: str) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+    """factory(device): the fake model, 2 ms a call; on cpu:1 a batch with
+    CRASH_TAG ends its serving thread (an error that is not an Exception,
+    which no batch catches)."""
+    return functools.partial(crash_or_answer, crash=device == "cpu:1")
+
+
+def crash_or_answer(x: np.ndarray, crash: bool) -> dict[str, np.ndarray]:
+    time.sleep(0.002)
+    if crash and (x[:, 0, 0, 0] == CRASH_TAG).any():
+        raise SystemExit("a serving thread ends")
+    return fake_model(x)
+
+
+@pytest.mark.timeout(120)
+def test_a_crashed_serving_thread_stops_only_its_replica() -> None:
+    """One serving thread of replica 1 raises out of its loop: replica 1
+    stops (its batch is served by replica 0 once its process is gone), the
+    evaluator stays open, and every request is answered, the crashing one
+    too."""
+    with shmeval.Evaluator.spawn(crashing_on_one, devices=["cpu:0", "cpu:1"],
+                                 serving_threads=2, **KW) as ev:
+        deadline = time.monotonic() + 60
+        while ev.stats()["replicas"][1]["state"] in ("empty", "serving"):
+            assert time.monotonic() < deadline, "replica 1 never took the crashing request"
+            check_answer(ev.evaluate(make_state(CRASH_TAG)), CRASH_TAG)
+        for i in range(50):
+            check_answer(ev.evaluate(make_state(i)), i)
+        assert ev.stats()["state"] == "serving"
+        assert [r["state"] for r in ev.stats()["replicas"]] == ["serving", "stopped"]

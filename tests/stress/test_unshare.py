@@ -7,13 +7,13 @@ them fails these tests rather than skipping them."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from shmeval import segment
+from external import require_binary, require_root
 from helpers import check_answer, make_ev, make_state
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,9 +30,8 @@ except shmeval.ShmevalError as e:
 
 
 def unshare(*flags: str) -> list[str]:
-    exe = shutil.which("unshare")
-    if exe is None or os.geteuid() != 0:
-        pytest.fail("these tests need util-linux's unshare and root (CI runs as root)")
+    exe = require_binary("unshare", "apt-get install -y util-linux")
+    require_root("unshare makes namespaces")
     return [exe, *flags, "--fork"]
 
 

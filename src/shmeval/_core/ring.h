@@ -69,12 +69,19 @@
  * them; see shm_attach). */
 #define SHM_COMPILER_BARRIER() __asm__ __volatile__("" ::: "memory")
 
+/* A full fence (the Dekker pairs of shm_slot_begin and
+ * shm_client_reclaim): the builtin that atomic_thread_fence(
+ * memory_order_seq_cst) expands to, called by name so that ring_test's
+ * ThreadSanitizer build, which redefines atomic_thread_fence to model the
+ * acquire fences, leaves it alone. */
+#define shm_fence_seq_cst() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+
 /* ------------------------------------------------------------------ */
 /* Constants                                                           */
 /* ------------------------------------------------------------------ */
 
 #define SHM_MAGIC 0x314C4156454D4853ULL /* "SHMEVAL1" little-endian */
-#define SHM_LAYOUT_VERSION 7u
+#define SHM_LAYOUT_VERSION 8u
 #define SHM_LINE 64u
 #define SHM_SPEC_MAX 4096u       /* bytes of JSON spec kept in the header */
 #define SHM_HIST_BINS 256u       /* log-scale latency histogram bins */
@@ -86,6 +93,9 @@
 #define SHM_DEVICE_MAX 48u       /* bytes of a replica's device name */
 #define SHM_REPORT_WORDS 510u    /* 8-byte words of a replica's report */
 #define SHM_MAX_ROW_BYTES (1ull << 30)
+#define SHM_OWNER_RECLAIMING (-1) /* owner_pid while its entry is reclaimed */
+#define SHM_CAS_TRIES 4096u       /* CAS retries on a word a client keeps
+                                     changing, before another way is taken */
 #define SHM_CACHE_MAX_LOG2 32u   /* at most 2^32 cache entries */
 #define SHM_CACHE_MAX_BYTES (1ull << 46) /* and 64 TiB of them */
 #define SHM_CACHE_WAYS 4u        /* entries per bucket */
@@ -110,6 +120,8 @@ enum shm_status {
     SHM_STALE = -11,        /* the slot's generation (or its entry's owner)
                                changed: it was reclaimed, and whatever it
                                holds now is not the caller's */
+    SHM_BEHIND = -12,       /* shm_collect: the weights floor moved past
+                               the replica's weights (shm_version_ok) */
 };
 
 /* Slot state word (32 bits):
@@ -194,7 +206,9 @@ typedef struct {
     uint32_t slots_per_client;  /* K */
     uint32_t max_batch;
     uint32_t replicas;          /* model replicas serving the segment */
-    uint32_t servers;           /* serving threads of all the replicas; each
+    uint32_t servers;           /* serving threads of all the replicas, the
+                                   same number each (server v belongs to
+                                   replica v / (servers / replicas)); each
                                    keeps its batch in a table of its own */
     uint32_t cache_log2;        /* 0: no evaluation cache; else it holds
                                    2^cache_log2 entries (2 or more) */
@@ -250,9 +264,10 @@ typedef struct {
     /* Why it stopped: reason << 32 | (uint32_t)detail, written once by
      * shm_close_and_wake (the first caller's reason wins). */
     _Atomic uint64_t stop;
-    /* The newest weights version any replica has collected a batch with:
-     * no replica collects with older ones (shm_collect_begin), so a worker
-     * never sees versions go backwards across replicas. */
+    /* The newest weights version any replica has collected a batch with
+     * (or the owner has seen applied): no replica collects with older ones
+     * while one serves it (shm_version_ok), so a worker does not see
+     * versions go backwards across replicas. */
     _Atomic uint64_t version_floor;
 
     /* --- the collect lock of several replicas: 0 free, else the holding
@@ -384,7 +399,8 @@ static inline int shm_layout_compute(const shm_params *p, shm_layout *l) {
         p->max_batch == 0 || p->max_batch > SHM_MAX_BATCH)
         return SHM_E_PARAMS;
     if (p->replicas == 0 || p->replicas > SHM_MAX_REPLICAS ||
-        p->servers < p->replicas || p->servers > SHM_MAX_SERVERS)
+        p->servers < p->replicas || p->servers > SHM_MAX_SERVERS ||
+        p->servers % p->replicas != 0)
         return SHM_E_PARAMS;
     l->header_bytes = shm_round_up(
         sizeof(shm_header) + sizeof(uint64_t) * ((uint64_t)p->max_batch + 1),
@@ -458,7 +474,13 @@ static inline shm_server_head *shm_server_at(const shm_seg *s, uint32_t v) {
     return (shm_server_head *)(s->base + s->l.servers_off +
                                s->l.server_stride * v);
 }
-/* Server v's batch table (max_batch entries). */
+/* The replica server v belongs to, from the parameters (the copy in the
+ * server's head, written by shm_server_init, is for readers of the segment
+ * only: it could have been scribbled on). */
+static inline uint32_t shm_server_replica(const shm_seg *s, uint32_t v) {
+    return v / (s->p.servers / s->p.replicas);
+}
+/* The segment's copy of server v's batch table (max_batch entries). */
 static inline shm_taken *shm_server_taken(const shm_seg *s, uint32_t v) {
     return (shm_taken *)(shm_server_at(s, v) + 1);
 }
@@ -560,11 +582,21 @@ static inline uint64_t shm_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* The pause between two looks of a spin.  A spin reads the clock once
+ * every SHM_SPIN_LOOKS looks, so the pause also sets how often that is.
+ * x86: `pause`, a hint that also stalls the core for a while.  AArch64:
+ * `isb`, not `yield`: `yield` is a NOP on cores without SMT (the Neoverse
+ * cores of Graviton and Grace among them), so a spin would read the clock
+ * and call sched_yield() every fraction of a µs instead of every few µs;
+ * `isb` waits for the pipeline to drain, a stall of some tens of ns like
+ * `pause` (Rust's spin_loop hint made the same switch).
+ * Elsewhere nothing: the looks are atomic loads, which the compiler
+ * cannot merge, so the spin stays correct, only busier. */
 static inline void shm_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
+    __asm__ __volatile__("isb");
 #endif
 }
 
@@ -576,8 +608,9 @@ static inline void shm_cpu_relax(void) {
  * line every load of the gather spans two lines.  Loading line by line and
  * storing unaligned instead was about a third faster for Go rows on the
  * development machine (bench/c/row_copy.c; docs/performance.md).  Small
- * copies, copies whose ends share their offset in the line, and CPUs
- * without AVX2 use memcpy. */
+ * copies, copies whose ends share their offset in the line, x86 CPUs
+ * without AVX2 and every other architecture (AArch64: the line-load path
+ * was measured on x86 only) use memcpy. */
 #define SHM_COPY_MIN 2048u
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -836,6 +869,12 @@ static inline int shm_client_reclaim(shm_seg *s, uint32_t c) {
                                             memory_order_relaxed);
         if (shm_word_state(cur) == SLOT_TAKEN) return SHM_E_STATE;
     }
+    /* Fence out a begin of the former owner that is still running: see
+     * shm_slot_begin.  MO: relaxed store, then a seq_cst fence before the
+     * words are moved on; pairs with the fence in shm_slot_begin. */
+    atomic_store_explicit(&e->owner_pid, SHM_OWNER_RECLAIMING,
+                          memory_order_relaxed);
+    shm_fence_seq_cst();
     for (uint32_t k = 0; k < K; k++) {
         _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
         /* MO: relaxed; the handover to the next owner is published by the
@@ -862,6 +901,10 @@ static inline int shm_client_reclaim(shm_seg *s, uint32_t c) {
     shm_stat_add(&h->st[ST_CACHE_REPLACED],
                  atomic_exchange_explicit(&e->cache_replaced, 0,
                                           memory_order_relaxed));
+    /* A thread of a detached owner may still wait on a slot reclaimed
+     * here: its doorbell rings, so that it sees the new generation now,
+     * not at its next tick. */
+    shm_ring_word(&h->done_seq[c / 32u], 1u << (c % 32u));
     /* MO: relaxed; a hint (clients fetch_add it too, hence atomic RMW). */
     atomic_fetch_sub_explicit(&h->n_attached, 1, memory_order_relaxed);
     shm_stat_add(&h->st[ST_RECLAIMED_CLIENTS], 1);
@@ -897,6 +940,7 @@ static inline int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k,
     if (atomic_load_explicit(&shm_client_at(s, c)->owner_pid,
                              memory_order_relaxed) != pid)
         return SHM_STALE;
+    SHM_HOOK("begin_checked");
     /* MO: relaxed; the CAS below decides. */
     uint32_t old = atomic_load_explicit(w, memory_order_relaxed);
     SHM_HOOK("begin_loaded");
@@ -904,28 +948,74 @@ static inline int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k,
     /* MO: relaxed; nothing is published by WRITING (the reclaimer only
      * counts it, the evaluator ignores it); the input is published by the
      * release store of READY. */
+    uint32_t writing = shm_slot_word(SLOT_WRITING, shm_word_gen(old));
     if (!atomic_compare_exchange_strong_explicit(
-            w, &old, shm_slot_word(SLOT_WRITING, shm_word_gen(old)),
-            memory_order_relaxed, memory_order_relaxed))
+            w, &old, writing, memory_order_relaxed, memory_order_relaxed))
         return SHM_E_STATE;
+    SHM_HOOK("begin_claimed");
+    /* The entry may have been reclaimed, and claimed by another process,
+     * between the owner check above and the CAS: the FREE word we moved
+     * would then be the new owner's.  A Dekker pair with the reclaim, which
+     * stores SHM_OWNER_RECLAIMING, then (seq_cst fence) moves every word of
+     * the entry on: either this load sees that store (or a later owner) and
+     * the word goes back exactly as it was, or the reclaim's CAS of the word
+     * comes after ours and moves our WRITING on, so that our publish is
+     * refused.  MO: seq_cst fence, relaxed load; pairs with the fence in
+     * shm_client_reclaim. */
+    shm_fence_seq_cst();
+    if (atomic_load_explicit(&shm_client_at(s, c)->owner_pid,
+                             memory_order_relaxed) != pid) {
+        uint32_t cur = writing;
+        /* MO: relaxed; we published nothing.  Fails, harmlessly, when the
+         * reclaim moved the word on already. */
+        atomic_compare_exchange_strong_explicit(
+            w, &cur, old, memory_order_relaxed, memory_order_relaxed);
+        return SHM_STALE;
+    }
     *gen = shm_word_gen(old);
     return SHM_OK;
 }
 
-/* WRITING -> READY, after the input has been copied in. */
-static inline void shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k) {
+/* WRITING -> FREE (next generation) for a slot begun (generation gen) but
+ * never published: a post of several slots whose later begin failed gives
+ * back the slots it had begun this way, so that they can be begun again.
+ * Returns SHM_OK, or SHM_STALE when the slot is no longer WRITING of gen
+ * (it was reclaimed meanwhile, and is left alone). */
+static inline int shm_slot_abort(shm_seg *s, uint32_t c, uint32_t k,
+                                 uint32_t gen) {
+    uint32_t cur = shm_slot_word(SLOT_WRITING, gen);
+    /* MO: relaxed; nothing was published, nothing is read. */
+    return atomic_compare_exchange_strong_explicit(
+               shm_slot_word_at(s, c, k), &cur,
+               shm_slot_word(SLOT_FREE, gen + 1), memory_order_relaxed,
+               memory_order_relaxed)
+               ? SHM_OK
+               : SHM_STALE;
+}
+
+/* WRITING -> READY of generation gen, after the input has been copied in.
+ * Returns SHM_OK, or SHM_STALE when the slot was reclaimed since its begin
+ * (the word moved on): then nothing is published, and the slot, perhaps
+ * another process's by now, is left alone. */
+static inline int shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k,
+                                   uint32_t gen) {
     _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
     shm_slot_meta_at(s, c, k)->publish_ns = shm_now_ns();
+    uint32_t cur = shm_slot_word(SLOT_WRITING, gen);
+    /* MO: release CAS; pairs with the acquire fence after the take in
+     * shm_scan: the evaluator that takes READY sees the input bytes.  A
+     * CAS, not a store, so that a slot reclaimed during the copy is not
+     * published into its next owner's hands.  Nobody else moves a WRITING
+     * word but the reclaim, so one try decides. */
+    if (!atomic_compare_exchange_strong_explicit(
+            w, &cur, shm_slot_word(SLOT_READY, gen), memory_order_release,
+            memory_order_relaxed))
+        return SHM_STALE;
     /* MO: relaxed; a statistic, on the client's own line (the threads of a
      * process share the entry, hence an atomic add). */
     atomic_fetch_add_explicit(&shm_client_at(s, c)->requests, 1,
                               memory_order_relaxed);
-    uint32_t old = atomic_load_explicit(w, memory_order_relaxed);
-    SHM_ASSERT(shm_word_state(old) == SLOT_WRITING);
-    /* MO: release; pairs with the acquire fence after the scan's load in
-     * shm_collect: the evaluator that sees READY sees the input bytes. */
-    atomic_store_explicit(w, shm_slot_word(SLOT_READY, shm_word_gen(old)),
-                          memory_order_release);
+    return SHM_OK;
 }
 
 /* Rings the evaluator's doorbell after publishing `count` slots.
@@ -1337,8 +1427,9 @@ static inline uint32_t shm_slot_peek(shm_seg *s, uint32_t c, uint32_t k) {
  * chosen by its 64-bit key (a hash of its bytes, or the caller's own key,
  * e.g. a Zobrist hash).  No locks: every word of an entry is a relaxed
  * 8-byte atomic, and `check` is a hash over the key, a second independent
- * key (key2: a second hash of the bytes; 0 for a caller's key), the model
- * version and the data.  A reader copies the entry out and accepts it only
+ * key (key2: a second hash of the bytes; for a caller's key, the word of
+ * its scheme, which each process names: 0 by default), the model version
+ * and the data.  A reader copies the entry out and accepts it only
  * if the hash of what it copied equals the check it copied: an entry torn
  * by two writers, half written by a writer that was killed, of another
  * state with the same key, or scribbled on, fails the check (but with
@@ -1385,7 +1476,8 @@ static inline uint64_t shm_load64(const char *p) {
 
 /* Two independent 64-bit hashes of n bytes (two lanes that read the same
  * words with different constants and roles), for the cache's key and key2.
- * Neither is 0: 0 marks an empty entry (key) and a caller's key (key2). */
+ * Neither is 0: 0 marks an empty entry (key) and a caller's key of the
+ * default scheme (key2). */
 static inline void shm_hash_state(const char *p, uint64_t n, uint64_t *k1,
                                   uint64_t *k2) {
     uint64_t a = 0x9E3779B97F4A7C15ull ^ n, b = 0xC2B2AE3D27D4EB4Full ^ (n << 1);
@@ -1408,18 +1500,24 @@ static inline void shm_hash_state(const char *p, uint64_t n, uint64_t *k1,
     *k2 = b ? b : 1;
 }
 
+/* One step of the check word: h mixed with the words x and y.  h goes
+ * into both factors and back into the result, so that no input word can
+ * zero a factor by itself (a word equal to a constant of the step) and so
+ * erase what came before: a factor is 0 only for x (or y) equal to a
+ * function of everything hashed so far, and then the step keeps h. */
+static inline uint64_t shm_check_step(uint64_t h, uint64_t x, uint64_t y) {
+    return shm_mum(h ^ x ^ 0xA0761D6478BD642Full, h ^ y ^ 0xE7037ED1A0B428DBull) ^ h;
+}
+
 /* The check word of an entry holding `data` (nw words). */
 static inline uint64_t shm_cache_check(uint64_t key, uint64_t key2,
                                        uint64_t version, const uint64_t *data,
                                        uint64_t nw) {
-    uint64_t h = shm_mum(key ^ 0x2D358DCCAA6C78A5ull, key2 ^ 0x8BB84B93962EACC9ull);
-    h = shm_mum(h ^ version ^ 0x4B33A62ED433D4A3ull, nw ^ 0x4D5A2DA51DE1AA47ull);
+    uint64_t h = shm_check_step(0x2D358DCCAA6C78A5ull, key, key2);
+    h = shm_check_step(h, version, nw);
     uint64_t i = 0;
-    for (; i + 2 <= nw; i += 2)
-        h = shm_mum(h ^ data[i] ^ 0xA0761D6478BD642Full,
-                    data[i + 1] ^ 0xE7037ED1A0B428DBull);
-    if (i < nw)
-        h = shm_mum(h ^ data[i] ^ 0x8EBC6AF09C88C6E3ull, 0x589965CC75374CC3ull);
+    for (; i + 2 <= nw; i += 2) h = shm_check_step(h, data[i], data[i + 1]);
+    if (i < nw) h = shm_check_step(h, data[i], 0x8EBC6AF09C88C6E3ull);
     return h;
 }
 
@@ -1595,14 +1693,22 @@ static inline void shm_cache_census(shm_seg *s, uint64_t sample,
 /* ------------------------------------------------------------------ */
 
 /* Scans client entries starting at *cursor and takes READY slots (up to
- * max_batch in total) into server v's batch table, gathering their inputs
- * into batch rows [n, ...).  Returns the new n. */
-static inline uint32_t shm_scan(shm_seg *s, uint32_t v, char *batch,
-                                uint32_t n, uint32_t max_batch,
+ * max_batch in total) into `own`, server v's batch table in the caller's
+ * memory, gathering their inputs into batch rows [n, ...).  Returns the
+ * new n.
+ *
+ * `own` is the authoritative table: completion (shm_finish and the
+ * functions that call it) reads only it, never indexes read back from the
+ * segment, which any client may scribble on.  The segment's copy of the
+ * table (shm_server_taken) exists only so that, should this replica die,
+ * another can put its requests back (shm_requeue, which bounds-checks what
+ * it reads). */
+static inline uint32_t shm_scan(shm_seg *s, uint32_t v, shm_taken *own,
+                                char *batch, uint32_t n, uint32_t max_batch,
                                 uint32_t *cursor, uint64_t now) {
     shm_header *h = shm_hdr(s);
     shm_server_head *head = shm_server_at(s, v);
-    shm_taken *taken = shm_server_taken(s, v);
+    shm_taken *copy = shm_server_taken(s, v);
     uint32_t hwm = shm_clients_hwm(s);
     uint32_t K = s->p.slots_per_client;
     if (hwm == 0) return n;
@@ -1611,25 +1717,44 @@ static inline uint32_t shm_scan(shm_seg *s, uint32_t v, char *batch,
         uint32_t c = (start + i) % hwm;
         for (uint32_t k = 0; k < K && n < max_batch; k++) {
             _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
-            /* MO: relaxed load, then an acquire fence only when READY; the
-             * fence pairs with the client's release store of READY. */
+            /* MO: relaxed; the take below decides. */
             uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
             if (shm_word_state(cur) != SLOT_READY) continue;
-            atomic_thread_fence(memory_order_acquire);
-            /* The batch table lists the slot before it is TAKEN, so that a
-             * replica that finds this one dead finds every slot it took
-             * (shm_requeue).  MO: release; pairs with the acquire load of
-             * n there. */
-            taken[n].client = c;
-            taken[n].slot = k;
-            taken[n].gen = shm_word_gen(cur);
-            taken[n].wake = 0;
+            uint32_t gen = shm_word_gen(cur);
+            /* The segment's table lists the slot before it is TAKEN, so
+             * that a replica that finds this one dead finds every slot it
+             * took (shm_requeue).  MO: release; pairs with the acquire load
+             * of n there. */
+            shm_taken t = {c, k, gen, 0};
+            copy[n] = t;
             atomic_store_explicit(&head->n, n + 1, memory_order_release);
-            /* READY -> TAKEN.  fetch_add keeps a WAITER bit the client may
-             * set concurrently.  MO: relaxed; the data was synchronised by
-             * the fence above and nobody reads TAKEN for data. */
-            atomic_fetch_add_explicit(w, SLOT_TAKEN - SLOT_READY,
-                                      memory_order_relaxed);
+            SHM_HOOK("scan_listed");
+            /* READY -> TAKEN by CAS from exactly READY of this generation
+             * (retried only while the client toggles its WAITER bit): two
+             * collectors at once (a lock taken over from a holder that was
+             * not dead after all, a scribbled replica state) then make
+             * double work at worst, never a slot moved past TAKEN with no
+             * answer written.  MO: relaxed CAS, then an acquire fence once
+             * taken: every write of the word since the client's release
+             * CAS of READY is a read-modify-write, so the fence pairs with
+             * that publish and the input bytes below are the client's. */
+            int took = 0;
+            while ((cur & ~SLOT_WAITER) == shm_slot_word(SLOT_READY, gen)) {
+                if (atomic_compare_exchange_weak_explicit(
+                        w, &cur, cur + (SLOT_TAKEN - SLOT_READY),
+                        memory_order_relaxed, memory_order_relaxed)) {
+                    took = 1;
+                    break;
+                }
+            }
+            if (!took) {
+                /* Un-list it: the table holds only slots we took. */
+                atomic_store_explicit(&head->n, n, memory_order_relaxed);
+                continue;
+            }
+            SHM_HOOK("scan_taken");
+            atomic_thread_fence(memory_order_acquire);
+            own[n] = t;
             shm_slot_meta *m = shm_slot_meta_at(s, c, k);
             uint64_t pub = m->publish_ns;
             shm_stat_add(&h->hist_wait[shm_hist_bin(now > pub ? now - pub : 0)],
@@ -1645,10 +1770,28 @@ static inline uint32_t shm_scan(shm_seg *s, uint32_t v, char *batch,
     return n;
 }
 
+/* The replicas that may collect now: serving, with weights at least as
+ * new as the floor (shm_version_ok).  A replica waiting for an update it
+ * was sent takes no share of the work.  MO: relaxed; a count. */
+static inline uint32_t shm_replicas_current(shm_seg *s) {
+    uint64_t floor = atomic_load_explicit(&shm_hdr(s)->version_floor,
+                                          memory_order_relaxed);
+    uint32_t live = 0;
+    for (uint32_t r = 0; r < s->p.replicas; r++) {
+        shm_replica *rep = shm_replica_at(s, r);
+        live += atomic_load_explicit(&rep->state, memory_order_relaxed) ==
+                    REPLICA_SERVING &&
+                atomic_load_explicit(&rep->version, memory_order_relaxed) >=
+                    floor;
+    }
+    return live;
+}
+
 /* Several replicas: how many rows server v may take now, its share of the
  * work outstanding.  The work is the requests READY plus the rows the other
  * servers hold in their batches (n: what v took already in this collect),
- * split evenly among the replicas serving; at least 1 and at most
+ * split evenly among the replicas that may collect now (serving, with
+ * weights at least the floor: shm_replicas_current); at least 1 and at most
  * max_batch.  Without the cap the replica whose batch just finished, being
  * the one free when its own clients resubmit, takes the first one or two of
  * them and starts a call, and the rest wait for the next replica to free up
@@ -1658,9 +1801,7 @@ static inline uint32_t shm_scan(shm_seg *s, uint32_t v, char *batch,
  * be off by the requests arriving meanwhile. */
 static inline uint32_t shm_fair_share(shm_seg *s, uint32_t v, uint32_t n,
                                       uint32_t max_batch) {
-    /* MO: relaxed; a count. */
-    uint32_t live = atomic_load_explicit(&shm_hdr(s)->replicas_serving,
-                                         memory_order_relaxed);
+    uint32_t live = shm_replicas_current(s);
     if (live < 1) live = 1;
     /* Counting stops where the share reaches max_batch anyway. */
     uint64_t enough = (uint64_t)live * max_batch;
@@ -1685,24 +1826,26 @@ static inline uint32_t shm_fair_share(shm_seg *s, uint32_t v, uint32_t n,
 }
 
 /* Server v waits for requests and gathers up to max_batch of them into
- * `batch` (their slots listed in its batch table, shm_server_taken).
+ * `batch` (their slots listed in `own`, its batch table in the caller's
+ * memory, and in the segment's copy: shm_scan).
  * Greedy: returns as soon as at least one request is taken, unless
  * max_wait_ns asks to wait (counted from the first taken request) for a
  * fuller batch; with several replicas it takes at most its share of the
  * work outstanding (shm_fair_share).  Spins up to spin_ns for new
  * submissions before it sleeps
  * on the doorbell.  Returns n > 0, or 0 when timeout_ns passed with nothing
- * (housekeeping time), SHM_CLOSED when close was requested, or SHM_CONTROL
- * when a control request is pending for its replica.  One collector at a
+ * (housekeeping time), SHM_CLOSED when close was requested, SHM_CONTROL
+ * when a control request is pending for its replica, or SHM_BEHIND when
+ * the weights floor is past its replica's version.  One collector at a
  * time (rule 1: the caller holds its process's lock and, with several
  * replicas, the collect lock).  Call without the GIL. */
-static inline int shm_collect(shm_seg *s, uint32_t v, char *batch,
-                              uint32_t max_batch, uint32_t *cursor,
-                              uint64_t spin_ns, uint64_t max_wait_ns,
-                              uint64_t timeout_ns) {
+static inline int shm_collect(shm_seg *s, uint32_t v, shm_taken *own,
+                              char *batch, uint32_t max_batch,
+                              uint32_t *cursor, uint64_t spin_ns,
+                              uint64_t max_wait_ns, uint64_t timeout_ns) {
     shm_header *h = shm_hdr(s);
-    _Atomic uint32_t *ctl_done =
-        &shm_replica_at(s, shm_server_at(s, v)->replica)->ctl_done;
+    shm_replica *rep = shm_replica_at(s, shm_server_replica(s, v));
+    _Atomic uint32_t *ctl_done = &rep->ctl_done;
     uint64_t start = shm_now_ns(), first = 0;
     uint32_t n = 0;
     int yield = (spin_ns & SHM_SPIN_YIELD) != 0;
@@ -1727,10 +1870,18 @@ static inline int shm_collect(shm_seg *s, uint32_t v, char *batch,
         if (atomic_load_explicit(&h->ctl_req, memory_order_acquire) !=
             atomic_load_explicit(ctl_done, memory_order_relaxed))
             return n > 0 ? (int)n : SHM_CONTROL;
+        /* With several replicas, the floor may rise while this one waits
+         * here (the owner raises it once an update it refused was applied
+         * by another): it then stops collecting with its older weights.
+         * MO: relaxed; the floor only orders which weights answer. */
+        if (s->p.replicas > 1 &&
+            atomic_load_explicit(&rep->version, memory_order_relaxed) <
+                atomic_load_explicit(&h->version_floor, memory_order_relaxed))
+            return n > 0 ? (int)n : SHM_BEHIND;
         uint32_t before = n;
         uint32_t cap = s->p.replicas > 1
                            ? shm_fair_share(s, v, n, max_batch) : max_batch;
-        n = shm_scan(s, v, batch, n, cap, cursor, now);
+        n = shm_scan(s, v, own, batch, n, cap, cursor, now);
         if (n > before && before == 0) first = now;
         if (n >= cap) return (int)n;
         if (n > 0 && (max_wait_ns == 0 || now - first >= max_wait_ns))
@@ -1807,6 +1958,11 @@ static inline int shm_collect_lock(shm_seg *s, uint32_t v,
         return SHM_OK;
     uint64_t start = shm_now_ns();
     for (;;) {
+        /* Checked on every round, not only before a sleep: a word that
+         * keeps changing (scribbled on) must not hold us past the
+         * timeout. */
+        uint64_t now = shm_now_ns();
+        if (now - start >= timeout_ns) return SHM_TIMEOUT;
         if (cur == 0) {
             /* Free after a wait: take it with the waiters bit, since
              * others may still sleep on it (an extra wake at worst). */
@@ -1824,8 +1980,6 @@ static inline int shm_collect_lock(shm_seg *s, uint32_t v,
                 continue;
             cur |= SHM_LOCK_WAITERS;
         }
-        uint64_t now = shm_now_ns();
-        if (now - start >= timeout_ns) return SHM_TIMEOUT;
         shm_futex_wait(lock, cur, timeout_ns - (now - start));
         /* MO: relaxed; the CAS that takes the lock acquires. */
         cur = atomic_load_explicit(lock, memory_order_relaxed);
@@ -1850,9 +2004,10 @@ static inline int shm_collect_holder(shm_seg *s) {
 }
 
 /* Server v takes the collect lock over from server `dead`, whose replica
- * was found dead: SHM_OK if the lock was still dead's (v holds it now),
- * SHM_E_STATE if it had moved on.  The CAS names the dead holder, so two
- * replicas that both find it dead cannot both take the lock over. */
+ * was found dead, or from a holder id that names no server (>= servers:
+ * the word was scribbled on): SHM_OK if the lock was still dead's (v holds
+ * it now), SHM_E_STATE if it had moved on.  The CAS names the dead holder,
+ * so two replicas that both find it dead cannot both take the lock over. */
 static inline int shm_collect_steal(shm_seg *s, uint32_t v, uint32_t dead) {
     _Atomic uint32_t *lock = &shm_hdr(s)->collect_lock;
     /* MO: relaxed; the CAS below decides. */
@@ -1873,11 +2028,6 @@ static inline void shm_server_init(shm_seg *s, uint32_t v, uint32_t r) {
     head->replica = r;
     /* MO: relaxed; nothing is in the table yet. */
     atomic_store_explicit(&head->n, 0, memory_order_relaxed);
-}
-
-/* The replica server v belongs to. */
-static inline uint32_t shm_server_replica(const shm_seg *s, uint32_t v) {
-    return shm_server_at(s, v)->replica;
 }
 
 /* The size of server v's current batch (its table is cut to n entries
@@ -1909,9 +2059,13 @@ static inline uint32_t shm_requeue(shm_seg *s, uint32_t v) {
         _Atomic uint32_t *w = shm_slot_word_at(s, taken[i].client,
                                                taken[i].slot);
         uint32_t want = shm_slot_word(SLOT_TAKEN, taken[i].gen);
-        /* MO: relaxed; the CAS below decides. */
+        /* MO: relaxed; the CAS below decides (a bounded number of times:
+         * only the client's WAITER bit can change a TAKEN word, and one
+         * toggling it in a loop must not hold us here; its request then
+         * stays in the batch table, for the next put-back). */
         uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
-        while ((cur & ~SLOT_WAITER) == want) {
+        for (uint32_t tries = 0;
+             (cur & ~SLOT_WAITER) == want && tries < SHM_CAS_TRIES; tries++) {
             /* MO: relaxed.  The input stays published: every write of the
              * word since the client's release store of READY is a
              * read-modify-write (the take's fetch_add, the client's
@@ -1932,20 +2086,87 @@ static inline uint32_t shm_requeue(shm_seg *s, uint32_t v) {
     return back;
 }
 
-/* With several replicas, each collects only with weights at least as new
- * as the newest any replica has collected with: then a request sent after
- * another request's answer came back is computed by the same or newer
- * weights, whichever replica takes it.  Under the collect lock: returns 1
- * (and raises the floor to `version`) when server v may collect, 0 when its
- * replica must first apply the newer weights it was sent. */
-static inline int shm_version_ok(shm_seg *s, uint64_t version) {
+/* Server v, holding the collect lock, puts back the batches of replica r
+ * (every server of r: shm_requeue), a replica that died or stopped and
+ * whose process is gone, and rings the evaluator's doorbell for them.
+ * Returns how many requests went back, or 0, doing nothing, when v does
+ * not hold the collect lock.
+ *
+ * Why only under the lock: a slot that r listed and had not yet taken when
+ * it died is READY, and once another replica takes it a put-back could not
+ * tell that take from r's (both are TAKEN of one generation).  r lists
+ * and takes under the collect lock, and un-lists what it failed to take,
+ * so r's tables hold only its real takes whenever nobody scans, and a
+ * put-back leaves its tables empty; a second one (of a caller that took
+ * the lock over from a first one killed midway) finds READY what the
+ * first put back and leaves it.  Whoever takes the lock over from a dead
+ * holder puts that holder's replica back before its first scan. */
+static inline uint32_t shm_requeue_replica(shm_seg *s, uint32_t v,
+                                           uint32_t r) {
+    /* MO: relaxed; only v itself can have made v the holder. */
+    uint32_t cur = atomic_load_explicit(&shm_hdr(s)->collect_lock,
+                                        memory_order_relaxed) &
+                   ~SHM_LOCK_WAITERS;
+    if (r >= s->p.replicas || cur != v + 1) return 0;
+    uint32_t per = s->p.servers / s->p.replicas, back = 0;
+    for (uint32_t u = r * per; u < (r + 1) * per; u++)
+        back += shm_requeue(s, u);
+    if (back) shm_notify_evaluator(s, back);
+    return back;
+}
+
+/* Raises the weights floor to at least `version` (a CAS loop, never
+ * lowering it): collectors raise it as they collect, and the owner raises
+ * it once an update it sent was applied, before set_weights returns, so
+ * that a replica that refused the update serves no more answers of the
+ * older weights from then on.  MO: relaxed; a replica's collect reads the
+ * floor under the collect lock, and the owner's update is announced
+ * through the control words. */
+static inline void shm_raise_floor(shm_seg *s, uint64_t version) {
     _Atomic uint64_t *floor = &shm_hdr(s)->version_floor;
-    /* MO: relaxed (both); the collect lock orders the collectors. */
     uint64_t cur = atomic_load_explicit(floor, memory_order_relaxed);
-    if (version < cur) return 0;
-    if (version > cur)
-        atomic_store_explicit(floor, version, memory_order_relaxed);
-    return 1;
+    while (cur < version &&
+           !atomic_compare_exchange_weak_explicit(floor, &cur, version,
+                                                  memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+    }
+}
+
+/* With several replicas, each collects only with weights at least as new
+ * as the newest any replica has collected with (the floor): then a request
+ * sent after another request's answer came back is computed by the same or
+ * newer weights, whichever replica takes it.  Under the collect lock:
+ * returns 1 (and raises the floor to `version`) when replica r, serving
+ * `version`, may collect; 0 when it must first apply the newer weights it
+ * was sent.
+ *
+ * The floor holds only while a replica serves it: when every replica with
+ * weights at least the floor has stopped or died (an update that this one
+ * refused, then the replicas that took it died), nobody could ever answer
+ * again, so the floor comes down to this replica's version and it
+ * collects (answers then go back to older weights; the alternative is a
+ * hang).  So does a floor that any process scribbled on. */
+static inline int shm_version_ok(shm_seg *s, uint32_t r, uint64_t version) {
+    _Atomic uint64_t *floor = &shm_hdr(s)->version_floor;
+    /* MO: relaxed (all); the collect lock orders the collectors, and the
+     * replicas' versions are read as hints: one that applies the floor's
+     * weights meanwhile collects on its next turn. */
+    uint64_t cur = atomic_load_explicit(floor, memory_order_relaxed);
+    if (version >= cur) {
+        shm_raise_floor(s, version);
+        return 1;
+    }
+    for (uint32_t u = 0; u < s->p.replicas; u++) {
+        shm_replica *rep = shm_replica_at(s, u);
+        if (u != r &&
+            atomic_load_explicit(&rep->state, memory_order_relaxed) ==
+                REPLICA_SERVING &&
+            atomic_load_explicit(&rep->version, memory_order_relaxed) >= cur)
+            return 0;
+    }
+    /* Nobody serves the floor: bring it down to us (unless it moved). */
+    return atomic_compare_exchange_strong_explicit(
+        floor, &cur, version, memory_order_relaxed, memory_order_relaxed);
 }
 
 /* True while slot `t` is still the one this batch took: outputs are written
@@ -1985,9 +2206,21 @@ static inline uint32_t shm_finish(shm_seg *s, shm_taken *taken, uint32_t n,
         taken[i].wake = 0;
         /* MO: relaxed; the CAS below re-checks. */
         uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
-        for (;;) {
+        for (uint32_t tries = 0;; tries++) {
             if ((cur & ~SLOT_WAITER) != want) {
                 shm_stat_add(&h->st[ST_STALE_COMPLETIONS], 1);
+                break;
+            }
+            if (tries == SHM_CAS_TRIES) {
+                /* The word keeps changing, and only its client's WAITER bit
+                 * can (a TAKEN slot is ours alone to move): a client
+                 * toggling it in a loop must not hold the evaluator here.
+                 * The state moves by an add that leaves that bit as it is.
+                 * MO: release, as the CAS. */
+                cur = atomic_fetch_add_explicit(w, final_state - SLOT_TAKEN,
+                                                memory_order_release);
+                taken[i].wake = 1;
+                done++;
                 break;
             }
             /* MO: release; pairs with the acquire loads in shm_slot_wait:
@@ -2285,6 +2518,11 @@ static inline uint32_t shm_set_serving(shm_seg *s, uint32_t r, int32_t pid,
 static inline uint64_t shm_heartbeat(shm_seg *s) {
     /* MO: relaxed; a hint. */
     return atomic_load_explicit(&shm_hdr(s)->heartbeat_ns,
+                                memory_order_relaxed);
+}
+static inline uint32_t shm_replicas_serving(shm_seg *s) {
+    /* MO: relaxed; a count. */
+    return atomic_load_explicit(&shm_hdr(s)->replicas_serving,
                                 memory_order_relaxed);
 }
 static inline uint32_t shm_n_attached(shm_seg *s) {

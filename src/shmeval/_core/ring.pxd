@@ -65,6 +65,7 @@ cdef extern from "ring.h" nogil:
         SHM_E_STATE
         SHM_CONTROL
         SHM_STALE
+        SHM_BEHIND
         SHM_MAX_REPLICAS
         SHM_DEVICE_MAX
         REPLICA_EMPTY
@@ -124,7 +125,8 @@ cdef extern from "ring.h" nogil:
     uint64_t shm_client_requests(shm_seg *s, uint32_t c)
 
     int shm_slot_begin(shm_seg *s, uint32_t c, uint32_t k, int32_t pid, uint32_t *gen)
-    void shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k)
+    int shm_slot_publish(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen)
+    int shm_slot_abort(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen)
     void shm_notify_evaluator(shm_seg *s, uint32_t count)
     int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
                       uint64_t timeout_ns)
@@ -146,19 +148,21 @@ cdef extern from "ring.h" nogil:
     void shm_copy(char *dst, const char *src, size_t n)
     shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k)
 
-    int shm_collect(shm_seg *s, uint32_t v, char *batch, uint32_t max_batch,
-                    uint32_t *cursor, uint64_t spin_ns, uint64_t max_wait_ns,
-                    uint64_t timeout_ns)
+    int shm_collect(shm_seg *s, uint32_t v, shm_taken *own, char *batch,
+                    uint32_t max_batch, uint32_t *cursor, uint64_t spin_ns,
+                    uint64_t max_wait_ns, uint64_t timeout_ns)
     shm_taken *shm_server_taken(const shm_seg *s, uint32_t v)
     void shm_server_init(shm_seg *s, uint32_t v, uint32_t r)
     uint32_t shm_server_replica(const shm_seg *s, uint32_t v)
     void shm_server_set_n(shm_seg *s, uint32_t v, uint32_t n)
     uint32_t shm_requeue(shm_seg *s, uint32_t v)
+    uint32_t shm_requeue_replica(shm_seg *s, uint32_t v, uint32_t r)
     int shm_collect_lock(shm_seg *s, uint32_t v, uint64_t timeout_ns)
     void shm_collect_unlock(shm_seg *s)
     int shm_collect_holder(shm_seg *s)
     int shm_collect_steal(shm_seg *s, uint32_t v, uint32_t dead)
-    int shm_version_ok(shm_seg *s, uint64_t version)
+    int shm_version_ok(shm_seg *s, uint32_t r, uint64_t version)
+    void shm_raise_floor(shm_seg *s, uint64_t version)
     uint32_t shm_complete_fields(shm_seg *s, shm_taken *taken, uint32_t n,
                                  uint32_t nfields, const char *const *fields,
                                  const uint64_t *field_bytes, const int64_t *field_stride,
@@ -185,6 +189,7 @@ cdef extern from "ring.h" nogil:
                              const char *device)
     uint64_t shm_heartbeat(shm_seg *s)
     uint32_t shm_n_attached(shm_seg *s)
+    uint32_t shm_replicas_serving(shm_seg *s)
     enum: SHM_CROWD_NONE
     enum: SHM_CROWD_YIELD
     enum: SHM_CROWD_SLEEP

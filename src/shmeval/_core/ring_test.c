@@ -5,7 +5,8 @@
  * share it exactly as processes share a mapping, and the futex words work the
  * same way within one process.  Built and run by tests/c/run_c_tests.sh in
  * three ways: plain (-O2 -Werror -DSHM_DEBUG), ThreadSanitizer, and
- * AddressSanitizer + UndefinedBehaviorSanitizer.
+ * AddressSanitizer + UndefinedBehaviorSanitizer; and, on request, plain for
+ * aarch64, run under QEMU's user-mode emulation (the arm64 build).
  *
  *   gcc -std=c11 -D_GNU_SOURCE -pthread -I src/shmeval/_core \
  *       src/shmeval/_core/ring_test.c -o ring_test
@@ -18,14 +19,19 @@
  *
  * Environment knobs (all optional):
  *   SHM_TEST_CLIENTS=N        client threads in the concurrency test (8)
- *   SHM_TEST_REQUESTS=N       requests per client thread (50000 plain,
- *                             30000 under a sanitizer)
+ *   SHM_TEST_REQUESTS=N       requests per client thread (50000, or
+ *                             30000 in a slow run: see SHM_TEST_SLOW)
  *   SHM_TEST_SEED=N           base seed of the pseudo-random choices
  *                             (default: a new one every run, printed)
  *   SHM_TEST_RACE_TRIALS=N    trials of the random close/wait race probe
- *                             (300 plain, 100 under a sanitizer)
+ *                             (300, or 100 in a slow run)
  *   SHM_TEST_STRICT_CLOSE_RACE=0  warn (instead of fail) when a waiter
  *                             sleeps through shm_close_and_wake
+ *   SHM_TEST_SLOW=1           a slow run although the build has no
+ *                             sanitizer (an emulated CPU: the arm64 build
+ *                             under QEMU): the sanitizer builds' longer
+ *                             watchdogs and wake-up deadlines and their
+ *                             smaller default counts
  *   SHM_TEST_SLEEP_MS=N       the sleep timeout of the lost wake-up tests'
  *                             sleepers (lost_wakeup, reread, wait_any_reread;
  *                             10000): a lost wake-up costs a test this long.
@@ -43,14 +49,16 @@
 #if defined(__SANITIZE_THREAD__)
 /*
  * ThreadSanitizer does not model atomic_thread_fence: ring.h's shm_scan pairs
- * a relaxed load of the slot word plus an acquire fence with the client's
- * release store of READY, which is correct C11 but which TSan would report as
- * a race on the input bytes.  For the TSan build only, the (single) fence in
- * ring.h is replaced by the real fence plus an explicit TSan acquire on the
- * slot word `w` that was just loaded -- the same happens-before edge the fence
- * provides.  If ring.h's publish store stops being a release (or the fence is
- * removed), TSan still reports the race.  A fence of another order, or one in
- * a scope without a slot word `w`, makes this build fail loudly.
+ * a relaxed take (CAS) of the slot word plus an acquire fence with the
+ * client's release CAS of READY, which is correct C11 but which TSan would
+ * report as a race on the input bytes.  For the TSan build only, the acquire
+ * fences in ring.h are replaced by the real fence plus an explicit TSan
+ * acquire on the slot word `w` in scope -- the same happens-before edge the
+ * fence provides.  If ring.h's publish stops being a release (or the fence
+ * is removed), TSan still reports the race.  A fence of another order, or
+ * one in a scope without a slot word `w`, makes this build fail loudly
+ * (ring.h's seq_cst fences are shm_fence_seq_cst(), which this leaves
+ * alone).
  */
 #include <sanitizer/tsan_interface.h>
 #include <stdio.h>
@@ -169,6 +177,20 @@ static void test_hook(const char *point) {
 #define BUILD_SLOW 0
 #endif
 
+#if defined(__x86_64__)
+#define BUILD_ARCH "x86_64"
+#elif defined(__aarch64__)
+#define BUILD_ARCH "aarch64"
+#else
+#define BUILD_ARCH "another architecture"
+#endif
+
+/* A slow run: a sanitizer build, or SHM_TEST_SLOW=1 (an emulated CPU,
+ * tests/c/run_c_tests.sh's arm64 build under QEMU).  It gets longer
+ * watchdogs and wake-up deadlines and fewer default trials and requests;
+ * no check is dropped. */
+static int g_slow = BUILD_SLOW;
+
 #define MS 1000000ull
 #define US 1000ull
 
@@ -227,7 +249,7 @@ static void on_alarm(int sig) {
     _exit(2);
 }
 
-static unsigned watchdog_scale(void) { return BUILD_SLOW ? 3u : 1u; }
+static unsigned watchdog_scale(void) { return g_slow ? 3u : 1u; }
 
 static void start_test(const char *name, unsigned watchdog_s) {
     g_test = name;
@@ -331,7 +353,7 @@ static shm_seg *serving_seg(test_seg *t, const shm_params *p) {
 }
 
 /* How soon a woken waiter must return: generous, far below its timeout. */
-#define PROMPT_NS ((BUILD_SLOW ? 2000 : 1000) * MS)
+#define PROMPT_NS ((g_slow ? 2000u : 1000u) * MS)
 
 static void seg_free(test_seg *t) {
     free(t->mem);
@@ -386,6 +408,10 @@ static int t_begin(shm_seg *s, uint32_t c, uint32_t k) {
 static uint32_t gen_now(shm_seg *s, uint32_t c, uint32_t k) {
     return shm_word_gen(shm_slot_peek(s, c, k));
 }
+/* WRITING -> READY of the generation the slot has now. */
+static void t_publish(shm_seg *s, uint32_t c, uint32_t k) {
+    CHECK_EQ(shm_slot_publish(s, c, k, gen_now(s, c, k)), SHM_OK);
+}
 static int t_wait(shm_seg *s, uint32_t c, uint32_t k, uint64_t spin_ns,
                   uint64_t timeout_ns) {
     return shm_slot_wait(s, c, k, gen_now(s, c, k), spin_ns, timeout_ns);
@@ -399,14 +425,12 @@ static int t_release(shm_seg *s, uint32_t c, uint32_t k) {
     return shm_slot_release(s, c, k, gen_now(s, c, k));
 }
 /* Serving by server 0 of replica 0, the one evaluator most tests have:
- * its batch is copied out of the server's table into `taken`. */
+ * its batch table is `taken` (shm_scan's `own`). */
 static int t_collect(shm_seg *s, char *batch, shm_taken *taken,
                      uint32_t max_batch, uint32_t *cursor, uint64_t spin_ns,
                      uint64_t max_wait_ns, uint64_t timeout_ns) {
-    int n = shm_collect(s, 0, batch, max_batch, cursor, spin_ns, max_wait_ns,
-                        timeout_ns);
-    if (n > 0) memcpy(taken, shm_server_taken(s, 0), sizeof *taken * (size_t)n);
-    return n;
+    return shm_collect(s, 0, taken, batch, max_batch, cursor, spin_ns,
+                       max_wait_ns, timeout_ns);
 }
 static int t_register(shm_seg *s, int32_t pid, uint64_t starttime) {
     return shm_client_register(s, pid, starttime, 0);
@@ -872,7 +896,7 @@ static void test_attach(void) {
     /* ---- random trials: never crash, never read out of bounds, always a
      * status code (checked against the oracle) ---- */
     uint64_t rng = g_seed ^ 0xA77AC4ull;
-    const unsigned trials = BUILD_SLOW ? 1500 : 4000;
+    const unsigned trials = g_slow ? 1500 : 4000;
     const uint64_t MAXBUF = 2 * T + 2 * sizeof(shm_header) + 8192;
     char *fz = malloc(MAXBUF);
     CHECK(fz != NULL);
@@ -1065,7 +1089,7 @@ static void test_state(void) {
     fill_row(in[0], IN, 1);
     memcpy(shm_slot_in(s, 0, 0), in[0], IN);
     uint64_t before_pub = shm_now_ns();
-    shm_slot_publish(s, 0, 0);
+    t_publish(s, 0, 0);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, 0));
     CHECK(shm_meta(s, 0, 0)->publish_ns >= before_pub);
     CHECK_EQ(t_begin(s, 0, 0), SHM_E_STATE);
@@ -1119,10 +1143,10 @@ static void test_state(void) {
         memcpy(shm_slot_in(s, 0, k), in[k], IN);
     }
     /* publish out of order */
-    shm_slot_publish(s, 0, 2);
-    shm_slot_publish(s, 0, 0);
-    shm_slot_publish(s, 0, 3);
-    shm_slot_publish(s, 0, 1);
+    t_publish(s, 0, 2);
+    t_publish(s, 0, 0);
+    t_publish(s, 0, 3);
+    t_publish(s, 0, 1);
     shm_notify_evaluator(s, 4);
     n = t_collect(s, batch, taken, 3, &cursor, 0, 0, 10 * MS); /* max 3 */
     CHECK_EQ(n, 3);
@@ -1153,7 +1177,7 @@ static void test_state(void) {
     const char *msg = "ValueError: model exploded (batch of 1)";
     CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
     memcpy(shm_slot_in(s, 0, 1), in[1], IN);
-    shm_slot_publish(s, 0, 1);
+    t_publish(s, 0, 1);
     shm_notify_evaluator(s, 1);
     CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQU(shm_fail(s, taken, 1, msg, (uint32_t)strlen(msg)), 1);
@@ -1170,7 +1194,7 @@ static void test_state(void) {
         char longmsg[3000];
         for (size_t i = 0; i < sizeof longmsg; i++) longmsg[i] = (char)('a' + i % 26);
         CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
-        shm_slot_publish(s, 0, 1);
+        t_publish(s, 0, 1);
         CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
         CHECK_EQU(shm_fail(s, taken, 1, longmsg, sizeof longmsg), 1);
         CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
@@ -1179,7 +1203,7 @@ static void test_state(void) {
         /* DONE after a FAILED: err_len is reset */
         CHECK_EQ(t_release(s, 0, 1), SHM_OK);
         CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
-        shm_slot_publish(s, 0, 1);
+        t_publish(s, 0, 1);
         CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
         CHECK_EQU(shm_complete(s, taken, 1, res[0], 9), 1);
         CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_DONE);
@@ -1194,7 +1218,7 @@ static void test_state(void) {
     uint32_t g = shm_word_gen(word_of(s, 0, 2));
     CHECK_EQ(t_begin(s, 0, 2), SHM_OK);
     memcpy(shm_slot_in(s, 0, 2), in[2], IN);
-    shm_slot_publish(s, 0, 2);
+    t_publish(s, 0, 2);
     CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQ(taken[0].gen, g);
     /* (1) reclaimed behind the batch's back: FREE, generation + 1 */
@@ -1260,7 +1284,7 @@ static void test_state(void) {
         const int64_t fstride[2] = {24, 8};
         for (uint32_t k = 0; k < 2; k++) {
             CHECK_EQ(t_begin(s, 0, k), SHM_OK);
-            shm_slot_publish(s, 0, k);
+            t_publish(s, 0, k);
         }
         CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 2);
         CHECK_EQU(shm_complete_fields(s, taken, 2, 2, fields, fbytes, fstride, foff, 21),
@@ -1279,7 +1303,7 @@ static void test_state(void) {
      * not handed out any more (it stays READY) and collect says CLOSED */
     uint32_t g0 = shm_word_gen(word_of(s, 0, 0));
     CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
-    shm_slot_publish(s, 0, 0);
+    t_publish(s, 0, 0);
     shm_request_close(s);
     CHECK_EQ(shm_ev_state(s), EV_CLOSING);
     t0 = shm_now_ns();
@@ -1345,20 +1369,20 @@ static void test_reclaim(void) {
     /* c0: slot 0 WRITING, slot 1 READY, slot 2 DONE (unreleased), slot 3
      * FREE after one round trip (generation 1) */
     CHECK_EQ(t_begin(s, 0, 3), SHM_OK);
-    shm_slot_publish(s, 0, 3);
+    t_publish(s, 0, 3);
     CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
     CHECK_EQ(t_release(s, 0, 3), SHM_OK);
     CHECK_EQ(t_begin(s, 0, 2), SHM_OK);
-    shm_slot_publish(s, 0, 2);
+    t_publish(s, 0, 2);
     CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
     CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
-    shm_slot_publish(s, 0, 1);
+    t_publish(s, 0, 1);
     CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     /* c1: one slot left READY too; it must survive c0's reclaim */
     CHECK_EQ(t_begin(s, 1, 0), SHM_OK);
-    shm_slot_publish(s, 1, 0);
+    t_publish(s, 1, 0);
 
     uint32_t before[4];
     for (uint32_t k = 0; k < 4; k++) before[k] = word_of(s, 0, k);
@@ -1407,7 +1431,7 @@ static void test_reclaim(void) {
     CHECK_EQ(shm_n_attached(s), 2);
     CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_WRITING, 1));
-    shm_slot_publish(s, 0, 0);
+    t_publish(s, 0, 0);
     CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
     CHECK_EQ(taken[0].gen, 1);
     CHECK_EQU(shm_complete(s, taken, 1, res, 1), 1);
@@ -1653,7 +1677,7 @@ static void submit(shm_seg *s, uint32_t th, uint32_t c, uint32_t k,
     maybe_delay(rng);
     memcpy(dst + sizeof(float) * NIN / 2, in_copy + NIN / 2,
            sizeof(float) * (NIN - NIN / 2));
-    shm_slot_publish(s, c, k);
+    t_publish(s, c, k);
 }
 
 static void *conc_client(void *arg) {
@@ -1798,7 +1822,7 @@ static void test_concurrency(void) {
     memset(&x, 0, sizeof x);
     x.s = s;
     x.nclients = (uint32_t)env_u64("SHM_TEST_CLIENTS", 8);
-    x.nreq = (uint32_t)env_u64("SHM_TEST_REQUESTS", BUILD_SLOW ? 30000 : 50000);
+    x.nreq = (uint32_t)env_u64("SHM_TEST_REQUESTS", g_slow ? 30000 : 50000);
     CHECK(x.nclients >= 1 && x.nclients <= 1000 && x.nreq >= 1 &&
           x.nreq < (1u << 20));
     x.wait_timeout_ns = 100 * MS;
@@ -1913,7 +1937,7 @@ static void *sleeper(void *arg) {
     for (uint32_t j = 0; j < 2; j++) {
         CHECK_EQ(t_begin(s, (uint32_t)a->c, j), SHM_OK);
         fill_row(shm_slot_in(s, (uint32_t)a->c, j), s->p.in_bytes, a->th * 2 + j);
-        shm_slot_publish(s, (uint32_t)a->c, j);
+        t_publish(s, (uint32_t)a->c, j);
     }
     shm_notify_evaluator(s, 2);
     atomic_store(&a->stage, 1);
@@ -1995,7 +2019,7 @@ static uint64_t run_parked(park_arg *a, int act) {
         break;
     case PARK_ACT_SUBMIT:
         CHECK_EQ(t_begin(a->s, 0, 0), SHM_OK);
-        shm_slot_publish(a->s, 0, 0);
+        t_publish(a->s, 0, 0);
         shm_notify_evaluator(a->s, 1);
         break;
     default:
@@ -2038,7 +2062,7 @@ static void one_ready_request(shm_seg *seg, char *mem, const shm_layout *l,
     CHECK_EQ(t_set_serving(seg, 1, 1), EV_SERVING);
     CHECK_EQ(t_register(seg, 1, 1), 0);
     CHECK_EQ(t_begin(seg, 0, 0), SHM_OK);
-    shm_slot_publish(seg, 0, 0);
+    t_publish(seg, 0, 0);
 }
 
 static void test_close(void) {
@@ -2251,7 +2275,7 @@ static void test_close(void) {
      * shm_slot_wait does not re-read ev_state after setting WAITER. */
     {
         const unsigned trials = (unsigned)env_u64(
-            "SHM_TEST_RACE_TRIALS", BUILD_SLOW ? 100 : 300);
+            "SHM_TEST_RACE_TRIALS", g_slow ? 100 : 300);
         const shm_params P = mkparams(64, 16, 1, 1, 1);
         shm_layout l;
         CHECK_EQ(shm_layout_compute(&P, &l), SHM_OK);
@@ -2314,7 +2338,7 @@ static void *late_publisher(void *arg) {
     sleep_ns(a->delay_ns);
     for (uint32_t k = 0; k < a->count; k++) {
         CHECK_EQ(t_begin(a->s, a->c, k), SHM_OK);
-        shm_slot_publish(a->s, a->c, k);
+        t_publish(a->s, a->c, k);
         shm_notify_evaluator(a->s, 1);
     }
     return NULL;
@@ -2352,7 +2376,7 @@ static int collect_with_late(shm_seg *s, char *batch, shm_taken *taken,
                              uint64_t timeout, uint64_t *el) {
     if (now_one) {
         CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
-        shm_slot_publish(s, 0, 0);
+        t_publish(s, 0, 0);
         shm_notify_evaluator(s, 1);
     }
     late_arg la = {s, 1, late, 30 * MS, 0};
@@ -2381,7 +2405,7 @@ static void test_max_wait(void) {
 
     /* greedy: one request there -> returns at once with 1 */
     CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
-    shm_slot_publish(s, 0, 0);
+    t_publish(s, 0, 0);
     shm_notify_evaluator(s, 1);
     t0 = shm_now_ns();
     n = t_collect(s, batch, taken, 8, &cursor, 0, 0, 1000 * MS);
@@ -2427,7 +2451,7 @@ static void test_max_wait(void) {
     /* max_wait with only one request: returns it after max_wait */
     {
         CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
-        shm_slot_publish(s, 0, 0);
+        t_publish(s, 0, 0);
         shm_notify_evaluator(s, 1);
         t0 = shm_now_ns();
         n = t_collect(s, batch, taken, 8, &cursor, 50 * US, 100 * MS,
@@ -2442,7 +2466,7 @@ static void test_max_wait(void) {
     /* a close during max_wait returns the partial batch at once */
     {
         CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
-        shm_slot_publish(s, 0, 0);
+        t_publish(s, 0, 0);
         shm_notify_evaluator(s, 1);
         closer_arg ca = {s, 30 * MS};
         pthread_t tid;
@@ -2521,7 +2545,7 @@ static void test_control(void) {
      * the control request comes first and the request stays READY for
      * the next collect */
     CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
-    shm_slot_publish(s, 0, 0);
+    t_publish(s, 0, 0);
     shm_notify_evaluator(s, 1);
     CHECK_EQU(shm_request_control(s), 2);
     int n = t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
@@ -2535,7 +2559,7 @@ static void test_control(void) {
     /* max_wait: a control request during the wait returns the partial
      * batch first, then SHM_CONTROL */
     CHECK_EQ(t_begin(s, 0, 1), SHM_OK);
-    shm_slot_publish(s, 0, 1);
+    t_publish(s, 0, 1);
     shm_notify_evaluator(s, 1);
     ca.delay_ns = 30 * MS;
     CHECK_EQ(pthread_create(&tid, NULL, late_controller, &ca), 0);
@@ -2574,7 +2598,7 @@ static void test_scribbled(void) {
     atomic_store(&shm_hdr(s)->clients_hwm, UINT32_MAX);
     CHECK_EQU(shm_clients_hwm(s), P.max_clients);
     CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
-    shm_slot_publish(s, 0, 0);
+    t_publish(s, 0, 0);
     shm_notify_evaluator(s, 1);
     int n = t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS);
     CHECK_EQ(n, 1);
@@ -2642,7 +2666,7 @@ static void test_doorbell(void) {
         for (int i = 0; i < NB; i++) {
             ba[i] = (bell_arg){s, order[i], 10000 * MS, 0, 0, 0, NULL, 0, 0};
             CHECK_EQ(t_begin(s, order[i], 0), SHM_OK);
-            shm_slot_publish(s, order[i], 0);
+            t_publish(s, order[i], 0);
             CHECK_EQ(pthread_create(&tid[i], NULL, bell_sleeper, &ba[i]), 0);
         }
         /* every sleeper has announced WAITER; give them time to sleep */
@@ -2693,7 +2717,7 @@ static void test_doorbell(void) {
      * wrapping (a wrapped one lies in the past: the wait would spin). */
     {
         CHECK_EQ(t_begin(s, 3, 0), SHM_OK);
-        shm_slot_publish(s, 3, 0);
+        t_publish(s, 3, 0);
         bell_arg ea = {s, 3, UINT64_MAX, 0, 0, 0, NULL, 0, 0};
         pthread_t tid;
         CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &ea), 0);
@@ -2736,7 +2760,7 @@ static void join_within(pthread_t tid, bell_arg *a, uint64_t limit_ns,
  * has announced WAITER and had 30 ms to fall asleep. */
 static void publish_and_sleep(bell_arg *a, pthread_t *tid) {
     CHECK_EQ(t_begin(a->s, a->c, 0), SHM_OK);
-    shm_slot_publish(a->s, a->c, 0);
+    t_publish(a->s, a->c, 0);
     CHECK_EQ(pthread_create(tid, NULL, bell_sleeper, a), 0);
     while (!(word_of(a->s, a->c, 0) & SLOT_WAITER)) sleep_ns(200 * US);
     sleep_ns(30 * MS);
@@ -2756,7 +2780,7 @@ static void test_ticker(void) {
         CHECK_EQ(shm_ticker_start(&tk[i], s, cs[i], period), 0);
     for (int i = 0; i < 2; i++) {
         CHECK_EQ(t_begin(s, cs[i], 0), SHM_OK);
-        shm_slot_publish(s, cs[i], 0);
+        t_publish(s, cs[i], 0);
     }
     /* Nobody answers: each wait returns at a tick, within a period (plus
      * scheduling slack), though its timeout is 10 s; it slept meanwhile. */
@@ -2851,7 +2875,7 @@ static void test_yield(void) {
                       (500 * MS) | (yield ? SHM_SPIN_YIELD : 0)};
         pthread_t tid;
         CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
-        shm_slot_publish(s, 0, 0);
+        t_publish(s, 0, 0);
         unsigned long y0 = atomic_load(&g_yields);
         /* the waiter inherits this thread's one CPU */
         CHECK_EQ(pthread_setaffinity_np(pthread_self(), sizeof one, &one), 0);
@@ -2880,7 +2904,7 @@ static void test_yield(void) {
                       (10 * MS) | SHM_SPIN_YIELD};
         pthread_t tid;
         CHECK_EQ(t_begin(s, 1, 0), SHM_OK);
-        shm_slot_publish(s, 1, 0);
+        t_publish(s, 1, 0);
         CHECK_EQ(pthread_create(&tid, NULL, bell_sleeper, &a), 0);
         uint64_t t0 = shm_now_ns();
         while (!(word_of(s, 1, 0) & SLOT_WAITER)) {
@@ -2960,7 +2984,14 @@ static void test_copy(void) {
             }
     free(src);
     free(dst);
-    printf("  copy: %u cases of offsets and lengths\n", cases);
+#ifdef SHM_HAVE_LINE_COPY
+    const char *path = __builtin_cpu_supports("avx2")
+                           ? "AVX2 line loads from 2048 bytes, memcpy below"
+                           : "memcpy (no AVX2 on this CPU)";
+#else
+    const char *path = "memcpy (no line-load path on this architecture)";
+#endif
+    printf("  copy: %u cases of offsets and lengths, by %s\n", cases, path);
 }
 
 /* ------------------------------------------------------------------ */
@@ -3025,7 +3056,7 @@ static uint32_t submit_one(shm_seg *s, uint32_t c, uint32_t k, int32_t pid,
     uint32_t gen = UINT32_MAX;
     CHECK_EQ(shm_slot_begin(s, c, k, pid, &gen), SHM_OK);
     memset(shm_slot_in(s, c, k), fill, s->p.in_bytes);
-    shm_slot_publish(s, c, k);
+    t_publish(s, c, k);
     shm_notify_evaluator(s, 1);
     return gen;
 }
@@ -3676,7 +3707,7 @@ static void test_cache_threads(void) {
         a[i] = (cache_thread_arg){.s = s, .c = i, .seed = g_seed + i, .stop = &stop};
         CHECK_EQ(pthread_create(&th[i], NULL, cache_hammer, &a[i]), 0);
     }
-    uint64_t ms = env_u64("SHM_TEST_CACHE_MS", BUILD_SLOW ? 1500 : 500);
+    uint64_t ms = env_u64("SHM_TEST_CACHE_MS", g_slow ? 1500 : 500);
     for (uint64_t v = 1; v <= 10; v++) {
         sleep_ns(ms * MS / 10);
         shm_cache_set_version(s, v);
@@ -4037,6 +4068,7 @@ static void *rep_serve(void *arg) {
     rep_server *me = arg;
     shm_seg *s = me->x->s;
     char batch[8 * REP_IN], out[8 * REP_OUT];
+    shm_taken taken[8];
     uint32_t cursor = 0;
     int batches = 0;
     /* The survivor starts once the other replica has died: the dying one
@@ -4060,7 +4092,7 @@ static void *rep_serve(void *arg) {
             atomic_store(&me->dead, 1); /* dies holding the lock */
             return NULL;
         }
-        int n = shm_collect(s, me->v, batch, 8, &cursor, 0, 0, 20 * MS);
+        int n = shm_collect(s, me->v, taken, batch, 8, &cursor, 0, 0, 20 * MS);
         shm_collect_unlock(s);
         if (n == SHM_CLOSED) break;
         CHECK(n >= 0);
@@ -4070,7 +4102,6 @@ static void *rep_serve(void *arg) {
             return NULL;
         }
         batches += me->die_locked != 0;
-        shm_taken *taken = shm_server_taken(s, me->v);
         for (int i = 0; i < n; i++) {
             uint32_t th, req;
             memcpy(&th, batch + i * REP_IN, 4);
@@ -4102,7 +4133,7 @@ static void *rep_client_main(void *arg) {
         char *in = shm_slot_in(s, c, 0);
         memcpy(in, &a->th, 4);
         memcpy(in + 4, &req, 4);
-        shm_slot_publish(s, c, 0);
+        t_publish(s, c, 0);
         shm_notify_evaluator(s, 1);
         int rc;
         uint64_t t0 = shm_now_ns();
@@ -4133,7 +4164,7 @@ static void rep_run(int die_after, int die_locked) {
     memset(&x, 0, sizeof x);
     x.s = s;
     x.nclients = 4;
-    x.nreq = BUILD_SLOW ? 300 : 2000;
+    x.nreq = g_slow ? 300 : 2000;
     x.counts = calloc((size_t)x.nclients * x.nreq, sizeof *x.counts);
     CHECK(x.counts != NULL);
     for (uint32_t r = 0; r < 2; r++) {
@@ -4211,16 +4242,449 @@ static void test_replicas(void) {
     CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
     shm_collect_unlock(s);
     /* the weights floor */
-    CHECK_EQ(shm_version_ok(s, 2), 1);
-    CHECK_EQ(shm_version_ok(s, 1), 0);
-    CHECK_EQ(shm_version_ok(s, 2), 1);
-    CHECK_EQ(shm_version_ok(s, 3), 1);
-    CHECK_EQ(shm_version_ok(s, 2), 0);
+    CHECK_EQ(shm_version_ok(s, 0, 2), 1);
+    CHECK_EQ(shm_version_ok(s, 1, 1), 1); /* nobody serves the floor */
+    CHECK_EQ(shm_version_ok(s, 0, 2), 1);
+    CHECK_EQ(shm_version_ok(s, 0, 3), 1);
+    CHECK_EQ(shm_version_ok(s, 1, 2), 1);
     seg_free(&t);
 
     rep_run(0, 0);
     rep_run(5, 0);
     rep_run(3, 1);
+}
+
+typedef struct {
+    shm_seg *s;
+    uint32_t gen;
+    int rc;
+    uint64_t ns;
+} slot_waiter_arg;
+
+static void *slot_waiter(void *arg) {
+    slot_waiter_arg *a = arg;
+    uint64_t t0 = shm_now_ns();
+    a->rc = shm_slot_wait(a->s, 0, 0, a->gen, 0, 10000 * MS);
+    a->ns = shm_now_ns() - t0;
+    return NULL;
+}
+
+/* A thread of a detached owner that still waits on a slot when the entry
+ * is reclaimed learns it at once (its doorbell rings), not at its next
+ * timeout or tick. */
+static void test_reclaim_wakes(void) {
+    start_test("reclaim_wakes", 60);
+    const shm_params P = mkparams(64, 32, 1, 1, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    CHECK_EQ(shm_client_register(s, 501, 1, 0), 0);
+    slot_waiter_arg a = {.s = s};
+    CHECK_EQ(shm_slot_begin(s, 0, 0, 501, &a.gen), SHM_OK);
+    CHECK_EQ(shm_slot_publish(s, 0, 0, a.gen), SHM_OK);
+    pthread_t tw;
+    CHECK_EQ(pthread_create(&tw, NULL, slot_waiter, &a), 0);
+    uint64_t t0 = shm_now_ns();
+    while (!(word_of(s, 0, 0) & SLOT_WAITER)) { /* until it sleeps */
+        CHECK(shm_now_ns() - t0 < 5000 * MS);
+        sleep_ns(100 * US);
+    }
+    sleep_ns(20 * MS);
+    shm_client_detach(s, 0);
+    CHECK_EQ(shm_client_reclaim(s, 0), 0);
+    CHECK_EQ(pthread_join(tw, NULL), 0);
+    CHECK_EQ(a.rc, SHM_STALE);
+    CHECK_MSG(a.ns < PROMPT_NS, "the waiter learnt of the reclaim after %.3f s",
+              secs(a.ns));
+    seg_free(&t);
+}
+
+/* The check word depends on every word it covers whatever their values:
+ * a word equal to a constant of the mixing step (say one that makes a
+ * factor 0) must not erase the words before it, or two entries that
+ * differ only there would both pass. */
+static void test_cache_check(void) {
+    start_test("cache_check", 60);
+    static const uint64_t consts[] = {
+        0, 0x2D358DCCAA6C78A5ull, 0xA0761D6478BD642Full, 0xE7037ED1A0B428DBull,
+        0x8EBC6AF09C88C6E3ull, 0x4B33A62ED433D4A3ull, 0x589965CC75374CC3ull};
+    const size_t nc = sizeof consts / sizeof consts[0];
+    for (size_t i = 0; i < nc; i++)
+        for (size_t j = 0; j < nc; j++) {
+            uint64_t d[4] = {11, consts[i], consts[j], 13};
+            uint64_t e[4] = {12, consts[i], consts[j], 13};
+            uint64_t base = shm_cache_check(consts[i], consts[j], 1, d, 4);
+            CHECK(base != shm_cache_check(consts[i], consts[j], 1, e, 4));
+            CHECK(base != shm_cache_check(consts[i] + 1, consts[j], 1, d, 4));
+            CHECK(base != shm_cache_check(consts[i], consts[j] + 1, 1, d, 4));
+            CHECK(base != shm_cache_check(consts[i], consts[j], 2, d, 4));
+            uint64_t f[2] = {consts[i], consts[j]};
+            CHECK(shm_cache_check(1, 2, 1, f, 2) != shm_cache_check(3, 2, 1, f, 2));
+            CHECK(shm_cache_check(1, 2, 1, f, 2) != shm_cache_check(1, 4, 1, f, 2));
+        }
+}
+
+/* ------------------------------------------------------------------ */
+/* Takes, put-backs and floors of several replicas, under chosen       */
+/* schedules                                                           */
+/* ------------------------------------------------------------------ */
+
+/* A two-replica segment (one server each) with one client (entry 0, pid
+ * 700) whose `nslots` slots are all published with input byte i = slot. */
+static shm_seg *two_replicas(test_seg *t, uint32_t nslots) {
+    shm_params P = with_replicas(mkparams(REP_IN, REP_OUT, 2, nslots, 8), 2, 2);
+    seg_make(t, &P);
+    shm_seg *s = &t->s;
+    for (uint32_t r = 0; r < 2; r++) {
+        shm_server_init(s, r, r);
+        CHECK_EQ(shm_set_serving(s, r, 40000 + (int32_t)r, 1, "cpu"),
+                 EV_SERVING);
+    }
+    CHECK_EQ(t_register(s, 700, 1), 0);
+    for (uint32_t k = 0; k < nslots; k++) {
+        CHECK_EQ(t_begin(s, 0, k), SHM_OK);
+        memset(shm_slot_in(s, 0, k), (int)k, REP_IN);
+        t_publish(s, 0, k);
+    }
+    return s;
+}
+
+typedef struct {
+    shm_seg *s;
+    uint32_t v;
+    const char *park; /* a hook point, or NULL */
+    hook_t hook;
+    shm_taken own[8];
+    char batch[8 * REP_IN];
+    int n;
+} scanner_arg;
+
+static void *scanner(void *arg) {
+    scanner_arg *a = arg;
+    uint32_t cursor = 0;
+    if (a->park) hook_arm(&a->hook, a->park, 1);
+    a->n = shm_collect(a->s, a->v, a->own, a->batch, 8, &cursor, 0, 0, 1 * MS);
+    return NULL;
+}
+
+/* Two collectors at once (the lock taken over from a holder that was not
+ * dead after all, or a scribbled replica state): one lists a READY slot,
+ * the other takes it meanwhile; the first must not take it too.  A blind
+ * fetch_add would move TAKEN on to DONE with no answer written, and the
+ * client would read the previous request's outputs as its own. */
+static void test_take_race(void) {
+    start_test("take_race", 60);
+    test_seg t;
+    shm_seg *s = two_replicas(&t, 1);
+    scanner_arg x = {.s = s, .v = 0, .park = "scan_listed"};
+    pthread_t tx;
+    CHECK_EQ(pthread_create(&tx, NULL, scanner, &x), 0);
+    hook_wait_parked(&x.hook);
+    scanner_arg y = {.s = s, .v = 1};
+    scanner(&y);
+    CHECK_EQ(y.n, 1);
+    hook_release(&x.hook);
+    CHECK_EQ(pthread_join(tx, NULL), 0);
+    CHECK_MSG(x.n == 0, "both collectors took the slot (the second got %d)", x.n);
+    CHECK_EQU(atomic_load(&shm_server_at(s, 0)->n), 0); /* un-listed */
+    CHECK_EQU(word_of(s, 0, 0) & ~SLOT_WAITER,
+              shm_slot_word(SLOT_TAKEN, 0));
+    seg_free(&t);
+}
+
+/* Every slot a replica has taken is listed in its table in the segment at
+ * that moment: a replica killed right after a take leaves nothing that
+ * another cannot put back. */
+static void test_listed_first(void) {
+    start_test("listed_first", 60);
+    test_seg t;
+    shm_seg *s = two_replicas(&t, 1);
+    scanner_arg x = {.s = s, .v = 0, .park = "scan_taken"};
+    pthread_t tx;
+    CHECK_EQ(pthread_create(&tx, NULL, scanner, &x), 0);
+    hook_wait_parked(&x.hook);
+    /* replica 0 "dies" here: replica 1 puts its batch back */
+    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD), 1);
+    CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
+    CHECK_MSG(shm_requeue_replica(s, 1, 0) == 1,
+              "a slot taken by the dead replica was not in its table");
+    shm_collect_unlock(s);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, 0));
+    hook_release(&x.hook);
+    CHECK_EQ(pthread_join(tx, NULL), 0);
+    seg_free(&t);
+}
+
+/* Replica 0 listed slot 0 in its table, holding the collect lock, and died
+ * before its take.  Replica 1 finds it dead, but without the lock puts
+ * nothing back; replica 2 takes the lock over, puts the dead one's batch
+ * back before its first scan (nothing: slot 0 is still READY), then takes
+ * slot 0.  A later put-back by replica 1 must not move slot 0, now in
+ * replica 2's batch, back to READY: another replica would compute it a
+ * second time, and the two completions would write its outputs at once. */
+static void test_requeue_once(void) {
+    start_test("requeue_once", 60);
+    shm_params P = with_replicas(mkparams(REP_IN, REP_OUT, 2, 2, 8), 3, 3);
+    test_seg t;
+    seg_make(&t, &P);
+    shm_seg *s = &t.s;
+    for (uint32_t r = 0; r < 3; r++) {
+        shm_server_init(s, r, r);
+        CHECK_EQ(shm_set_serving(s, r, 40000 + (int32_t)r, 1, "cpu"),
+                 EV_SERVING);
+    }
+    CHECK_EQ(t_register(s, 700, 1), 0);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
+    t_publish(s, 0, 0);
+    /* replica 0's state when it died: the lock, slot 0 listed, not taken */
+    CHECK_EQ(shm_collect_lock(s, 0, 10 * MS), SHM_OK);
+    shm_taken listed = {0, 0, 0, 0};
+    shm_server_taken(s, 0)[0] = listed;
+    atomic_store(&shm_server_at(s, 0)->n, 1);
+    /* replica 1 marks it dead; without the lock it cannot put anything
+     * back */
+    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD), 2);
+    CHECK_EQU(shm_requeue_replica(s, 1, 0), 0);
+    CHECK_EQU(atomic_load(&shm_server_at(s, 0)->n), 1);
+    /* replica 2 takes the lock over and puts the dead one's batch back */
+    CHECK_EQ(shm_collect_steal(s, 2, 0), SHM_OK);
+    CHECK_EQU(shm_requeue_replica(s, 2, 0), 0);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, 0));
+    scanner_arg c = {.s = s, .v = 2};
+    scanner(&c);
+    CHECK_EQ(c.n, 1);
+    shm_collect_unlock(s);
+    /* replica 1, late, now holding the lock */
+    CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
+    CHECK_EQU(shm_requeue_replica(s, 1, 0), 0);
+    shm_collect_unlock(s);
+    CHECK_MSG((word_of(s, 0, 0) & ~SLOT_WAITER) == shm_slot_word(SLOT_TAKEN, 0),
+              "a slot in a live replica's batch was put back (word 0x%x)",
+              word_of(s, 0, 0));
+    seg_free(&t);
+}
+
+/* What a put-back moves: only slots still TAKEN with the generation the
+ * table names, keeping the client's WAITER bit; a table scribbled with
+ * indexes past the segment changes nothing. */
+static void test_requeue_words(void) {
+    start_test("requeue_words", 60);
+    test_seg t;
+    shm_seg *s = two_replicas(&t, 3);
+    CHECK_EQ(shm_replica_stop(s, 1, REPLICA_STOPPED), 1); /* 0 takes all */
+    scanner_arg x = {.s = s, .v = 0};
+    scanner(&x);
+    CHECK_EQ(x.n, 3);
+    /* slot 0: the client sleeps on it (WAITER) */
+    atomic_fetch_or(shm_slot_word_at(s, 0, 0), SLOT_WAITER);
+    /* slot 1: answered and released since; a later request of the same
+     * slot is TAKEN now (by another replica), one generation on */
+    store_word(s, 0, 1, shm_slot_word(SLOT_TAKEN, 1));
+    /* and garbage past the table's real entries */
+    shm_taken *copy = shm_server_taken(s, 0);
+    shm_taken bad1 = {UINT32_MAX, 0, 0, 0}, bad2 = {0, UINT32_MAX, 0, 0};
+    copy[3] = bad1;
+    copy[4] = bad2;
+    atomic_store(&shm_server_at(s, 0)->n, 5);
+    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD), 0);
+    CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
+    CHECK_EQU(shm_requeue_replica(s, 1, 0), 2);
+    shm_collect_unlock(s);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, 0) | SLOT_WAITER);
+    CHECK_EQU(word_of(s, 0, 1), shm_slot_word(SLOT_TAKEN, 1));
+    CHECK_EQU(word_of(s, 0, 2), shm_slot_word(SLOT_READY, 0));
+    /* a table length past max_batch is cut to it */
+    atomic_store(&shm_server_at(s, 1)->n, UINT32_MAX);
+    CHECK_EQ(shm_collect_lock(s, 0, 10 * MS), SHM_OK);
+    shm_requeue_replica(s, 0, 1);
+    shm_collect_unlock(s);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, 0) | SLOT_WAITER);
+    seg_free(&t);
+}
+
+/* The weights floor holds while a replica serves it: a replica behind it
+ * waits, and takes no share of the work; when every replica at the floor
+ * is gone, the floor comes down to the ones left, which serve (a scribbled
+ * floor too).  Never a state where requests wait for ever. */
+static void test_version_floor(void) {
+    start_test("version_floor", 60);
+    test_seg t;
+    shm_seg *s = two_replicas(&t, 4);
+    shm_replica_version(s, 0, 2);
+    shm_replica_version(s, 1, 1);
+    CHECK_EQ(shm_version_ok(s, 0, 2), 1);
+    CHECK_EQ(shm_version_ok(s, 1, 1), 0); /* replica 0 serves version 2 */
+    CHECK_EQU(shm_replicas_current(s), 1);
+    CHECK_EQU(shm_fair_share(s, 0, 0, 8), 4); /* all 4 READY are replica 0's */
+    /* the owner saw version 3 applied (by replica 0) */
+    shm_replica_version(s, 0, 3);
+    shm_raise_floor(s, 3);
+    shm_raise_floor(s, 2); /* never lowers it */
+    CHECK_EQU(atomic_load(&shm_hdr(s)->version_floor), 3);
+    CHECK_EQ(shm_version_ok(s, 1, 1), 0);
+    /* replica 0 dies */
+    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD), 1);
+    CHECK_MSG(shm_version_ok(s, 1, 1) == 1,
+              "the replica left waits for weights nobody serves any more");
+    CHECK_EQU(atomic_load(&shm_hdr(s)->version_floor), 1);
+    CHECK_EQU(shm_replicas_current(s), 1);
+    /* a floor scribbled on */
+    atomic_store(&shm_hdr(s)->version_floor, UINT64_MAX);
+    CHECK_EQ(shm_version_ok(s, 1, 1), 1);
+    seg_free(&t);
+}
+
+/* Several replicas each take at most their share of the work ready. */
+static void test_fair_share(void) {
+    start_test("fair_share", 60);
+    test_seg t;
+    shm_seg *s = two_replicas(&t, 8);
+    scanner_arg x = {.s = s, .v = 0};
+    scanner(&x);
+    CHECK_MSG(x.n == 4, "one of two replicas took %d of 8 requests", x.n);
+    scanner_arg y = {.s = s, .v = 1};
+    scanner(&y);
+    CHECK_EQ(y.n, 4);
+    seg_free(&t);
+}
+
+typedef struct {
+    shm_seg *s;
+    int rc;
+    uint64_t ns;
+} locker_arg;
+
+static void *locker(void *arg) {
+    locker_arg *a = arg;
+    uint64_t t0 = shm_now_ns();
+    a->rc = shm_collect_lock(a->s, 1, 10000 * MS);
+    a->ns = shm_now_ns() - t0;
+    if (a->rc == SHM_OK) shm_collect_unlock(a->s);
+    return NULL;
+}
+
+/* A server asleep on the collect lock is woken when it is released, and
+ * a lock word naming no server (scribbled) can be taken over. */
+static void test_lock_wake(void) {
+    start_test("lock_wake", 60);
+    test_seg t;
+    shm_seg *s = two_replicas(&t, 1);
+    CHECK_EQ(shm_collect_lock(s, 0, 10 * MS), SHM_OK);
+    locker_arg a = {.s = s};
+    pthread_t tl;
+    CHECK_EQ(pthread_create(&tl, NULL, locker, &a), 0);
+    /* until it sleeps on the word (its waiters bit set) */
+    uint64_t t0 = shm_now_ns();
+    while (!(atomic_load(&shm_hdr(s)->collect_lock) & SHM_LOCK_WAITERS)) {
+        CHECK(shm_now_ns() - t0 < 5000 * MS);
+        sleep_ns(100 * US);
+    }
+    sleep_ns(20 * MS);
+    shm_collect_unlock(s);
+    CHECK_EQ(pthread_join(tl, NULL), 0);
+    CHECK_EQ(a.rc, SHM_OK);
+    CHECK_MSG(a.ns < PROMPT_NS, "the waiter got the lock after %.3f s",
+              secs(a.ns));
+    atomic_store(&shm_hdr(s)->collect_lock, 999u);
+    CHECK_EQ(shm_collect_holder(s), 998);
+    CHECK_EQ(shm_collect_steal(s, 1, 998), SHM_OK);
+    CHECK_EQ(shm_collect_holder(s), 1);
+    shm_collect_unlock(s);
+    seg_free(&t);
+}
+
+typedef struct {
+    shm_seg *s;
+    hook_t hook;
+    int rc;
+    uint32_t gen;
+} stale_begin_arg;
+
+static void *stale_beginner(void *arg) {
+    stale_begin_arg *a = arg;
+    hook_arm(&a->hook, "begin_checked", 1);
+    a->rc = shm_slot_begin(a->s, 0, 0, 801, &a->gen);
+    return NULL;
+}
+
+/* A begin by a process whose entry is reclaimed and claimed by another
+ * after its owner check: it must not take the new owner's slot (whose own
+ * begin of it would fail, for as long as the slot stays WRITING). */
+static void test_begin_owner(void) {
+    start_test("begin_owner", 60);
+    const shm_params P = mkparams(64, 32, 1, 1, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    CHECK_EQ(shm_client_register(s, 801, 1, 0), 0);
+    stale_begin_arg b = {.s = s};
+    pthread_t tb;
+    CHECK_EQ(pthread_create(&tb, NULL, stale_beginner, &b), 0);
+    hook_wait_parked(&b.hook);
+    shm_client_detach(s, 0);
+    CHECK_EQ(shm_client_reclaim(s, 0), 0);
+    CHECK_EQ(shm_client_register(s, 802, 1, 0), 0);
+    hook_release(&b.hook);
+    CHECK_EQ(pthread_join(tb, NULL), 0);
+    CHECK_MSG(b.rc == SHM_STALE,
+              "a begin of the former owner took the new owner's slot (%d)",
+              b.rc);
+    uint32_t gen;
+    CHECK_EQ(shm_slot_begin(s, 0, 0, 802, &gen), SHM_OK);
+    CHECK_EQ(shm_slot_publish(s, 0, 0, gen), SHM_OK);
+    seg_free(&t);
+}
+
+/* A slot begun and given up (a post of several slots whose later begin
+ * failed) can be begun again; a publish or abort of a slot reclaimed
+ * since its begin changes nothing. */
+static void test_abort(void) {
+    start_test("abort", 60);
+    const shm_params P = mkparams(64, 32, 1, 2, 8);
+    test_seg t;
+    shm_seg *s = serving_seg(&t, &P);
+    CHECK_EQ(shm_client_register(s, 901, 1, 0), 0);
+    uint32_t g0, g1;
+    CHECK_EQ(shm_slot_begin(s, 0, 0, 901, &g0), SHM_OK);
+    CHECK_EQ(shm_slot_abort(s, 0, 0, g0), SHM_OK);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_FREE, g0 + 1));
+    CHECK_EQ(shm_slot_abort(s, 0, 0, g0), SHM_STALE);
+    CHECK_EQ(shm_slot_begin(s, 0, 0, 901, &g0), SHM_OK);
+    CHECK_EQ(shm_slot_begin(s, 0, 1, 901, &g1), SHM_OK);
+    shm_client_detach(s, 0);
+    CHECK_EQ(shm_client_reclaim(s, 0), 2);
+    CHECK_EQ(shm_client_register(s, 902, 1, 0), 0);
+    CHECK_EQ(shm_slot_publish(s, 0, 0, g0), SHM_STALE);
+    CHECK_EQ(shm_slot_abort(s, 0, 1, g1), SHM_STALE);
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_FREE, g0 + 1));
+    CHECK_EQU(word_of(s, 0, 1), shm_slot_word(SLOT_FREE, g1 + 1));
+    seg_free(&t);
+}
+
+/* Completion reads only the caller's own table: the segment's copy of a
+ * batch table, scribbled with indexes past the segment while a batch is
+ * in flight, changes nothing (ASan watches the accesses). */
+static void test_scribbled_tables(void) {
+    start_test("scribbled_tables", 60);
+    test_seg t;
+    shm_seg *s = two_replicas(&t, 2);
+    CHECK_EQ(shm_replica_stop(s, 1, REPLICA_STOPPED), 1); /* 0 takes all */
+    scanner_arg x = {.s = s, .v = 0};
+    scanner(&x);
+    CHECK_EQ(x.n, 2);
+    shm_taken *copy = shm_server_taken(s, 0);
+    memset(copy, 0xff, sizeof *copy * 8);
+    shm_server_at(s, 0)->replica = UINT32_MAX;
+    char out[2 * REP_OUT];
+    memset(out, 7, sizeof out);
+    CHECK_EQU(shm_complete(s, x.own, 2, out, 1), 2);
+    CHECK_EQ(t_wait(s, 0, 0, 0, 10 * MS), SLOT_DONE);
+    CHECK_EQ(t_wait(s, 0, 1, 0, 10 * MS), SLOT_DONE);
+    /* and a collect of that server goes on */
+    CHECK_EQ(t_release(s, 0, 0), SHM_OK);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
+    t_publish(s, 0, 0);
+    scanner(&x);
+    CHECK_EQ(x.n, 1);
+    seg_free(&t);
 }
 
 /* ------------------------------------------------------------------ */
@@ -4245,6 +4709,12 @@ static const test_case k_tests[] = {
     {"stop_reason", test_stop_reason}, {"replicas", test_replicas},
     {"wait_any", test_wait_any}, {"cache", test_cache},
     {"report", test_report}, {"cache_torn", test_cache_torn}, {"cache_threads", test_cache_threads},
+    {"take_race", test_take_race}, {"listed_first", test_listed_first},
+    {"requeue_once", test_requeue_once}, {"requeue_words", test_requeue_words},
+    {"version_floor", test_version_floor}, {"fair_share", test_fair_share},
+    {"lock_wake", test_lock_wake}, {"begin_owner", test_begin_owner},
+    {"abort", test_abort}, {"scribbled_tables", test_scribbled_tables},
+    {"cache_check", test_cache_check}, {"reclaim_wakes", test_reclaim_wakes},
 };
 
 int main(int argc, char **argv) {
@@ -4254,7 +4724,9 @@ int main(int argc, char **argv) {
      * SHM_TEST_SEED; thread interleavings differ from run to run anyway) */
     g_seed = env_u64("SHM_TEST_SEED", mix64(shm_now_ns() ^ (uint64_t)getpid()));
     g_sleep_ns = env_u64("SHM_TEST_SLEEP_MS", 10000) * MS;
-    printf("ring_test (%s build), seed %" PRIu64 "\n", BUILD_KIND, g_seed);
+    g_slow = BUILD_SLOW || env_u64("SHM_TEST_SLOW", 0) != 0;
+    printf("ring_test (%s build, %s%s), seed %" PRIu64 "\n", BUILD_KIND,
+           BUILD_ARCH, g_slow ? ", slow" : "", g_seed);
     const size_t nt = sizeof k_tests / sizeof k_tests[0];
     for (int i = 1; i < argc; i++) {
         size_t j = 0;
