@@ -5,8 +5,8 @@ evaluator drains them into large batches for the model and writes results
 back in place.  See README.md and docs/protocol.md.
 """
 from .client import Client, connect
-from .errors import (ClientTableFull, EvaluatorClosed, EvaluatorDied, ModelError, SegmentError,
-                     ShmevalError)
+from .errors import (ClientTableFull, EvaluatorClosed, EvaluatorDied, ModelError,
+                     NotTheMainProcess, SegmentError, ShmevalError, ShmevalTimeout)
 from .evaluator import BatchPolicy, Evaluator
 from .sched import use_batch_scheduling
 
@@ -15,5 +15,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Evaluator", "Client", "connect", "BatchPolicy", "use_batch_scheduling",
     "ShmevalError", "SegmentError", "ClientTableFull", "EvaluatorClosed", "EvaluatorDied",
-    "ModelError", "__version__",
+    "ModelError", "ShmevalTimeout", "NotTheMainProcess", "__version__",
 ]

@@ -52,7 +52,8 @@ from time import monotonic as _monotonic, sleep as _sleep
 
 import numpy as np
 
-from shmeval.errors import ClientTableFull, EvaluatorClosed, ModelError, SegmentError, ShmevalError
+from shmeval.errors import (ClientTableFull, EvaluatorClosed, ModelError, SegmentError,
+                            ShmevalError, ShmevalTimeout)
 
 cnp.import_array()
 
@@ -101,6 +102,7 @@ STAT_NAMES = (
     "model_ns", "busy_ns", "serve_start_ns", "model_version",
     "reclaimed_clients", "reclaimed_writing", "stale_completions", "warmup_ns",
     "weight_updates", "cache_hits", "cache_misses", "cache_stale", "cache_replaced",
+    "isolated_rows", "isolation_calls",
 )
 STAT_INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
 
@@ -1851,7 +1853,7 @@ cdef class Pending:
         """The outputs, as ``evaluate_many`` returns them (with
         ``submit(..., return_version=True)``, the pair ``(outputs,
         versions)``).  Waits up to ``timeout`` seconds (None: as long as
-        the evaluator lives), then raises TimeoutError with the request
+        the evaluator lives), then raises ShmevalTimeout (a TimeoutError) with the request
         still in flight (call again to go on waiting).  Raises ModelError,
         EvaluatorClosed and EvaluatorDied as evaluate_many does; a second
         call returns (or raises) the same."""
@@ -1899,7 +1901,7 @@ cdef class Pending:
                     self._fail(e)
                     raise
                 if timeout is not None and _monotonic() >= deadline:
-                    raise TimeoutError(f"{self!r}: no answer within {timeout} s")
+                    raise ShmevalTimeout(f"{self!r}: no answer within {timeout} s")
                 continue
             port.give_back(k)
             self._record(i, r)

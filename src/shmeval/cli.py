@@ -7,6 +7,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -94,7 +95,22 @@ def run_application(name: str, argv: List[str]) -> int:
 
 
 def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str))
+    """Strict JSON: NaN and inf as null."""
+    print(json.dumps(_nan_to_null(obj), indent=2, default=str, allow_nan=False))
+
+
+def _nan_to_null(obj: Any) -> Any:
+    """``obj`` with every float that strict JSON cannot spell (NaN, inf)
+    as None, in nested dicts, lists and tuples: ``stats()`` reports a
+    percentile of nothing measured yet as NaN, and strict parsers reject a
+    bare ``NaN``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _nan_to_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_nan_to_null(v) for v in obj]
+    return obj
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

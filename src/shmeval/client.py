@@ -31,13 +31,20 @@ WAIT_TIMEOUT_NS = 100_000_000
 MAX_SPIN_US = 1_000_000.0
 
 
-def check_spin_us(name: str, value: float) -> float:
-    """A spin budget in µs (``spin_us``, ``evaluator_spin_us``) as a float
-    from 0 to MAX_SPIN_US; ValueError otherwise (NaN included)."""
-    us = float(value)
+def check_spin_us(name: str, us: float) -> float:
+    """A spin budget in µs (``spin_us``, ``evaluator_spin_us``; check_auto
+    made it a float) from 0 to MAX_SPIN_US; ValueError otherwise (NaN
+    included)."""
     if not 0 <= us <= MAX_SPIN_US:
-        raise ValueError(f"{name} must be from 0 to {MAX_SPIN_US:g}, got {value}")
+        raise ValueError(f"{name} must be from 0 to {MAX_SPIN_US:g}, got {us}")
     return us
+
+
+def check_spin_auto(spin_us: Union[float, str, None]) -> Union[float, str]:
+    """The client's ``spin_us``: "auto" or a budget; None is an alias of
+    "auto" (the default before it was spelled so), kept for callers that
+    pass it."""
+    return AUTO if spin_us is None else check_auto("spin_us", spin_us, check_spin_us)
 
 
 class Client(_ring.ClientBase):
@@ -48,14 +55,13 @@ class Client(_ring.ClientBase):
     """
 
     def __init__(self, address: str, spec: Optional[Spec] = None,
-                 spin_us: Union[float, str, None] = None,
+                 spin_us: Union[float, str, None] = AUTO,
                  _segment: Optional["_ring.Segment"] = None) -> None:
         self._address = address
         self._spec = spec
-        # "auto" (None): two budgets measured against each other by the
-        # waits themselves (_ring.SpinArms).
-        self._spin_us: Union[float, str] = (
-            AUTO if spin_us is None else check_auto("spin_us", spin_us, check_spin_us))
+        # "auto": two budgets measured against each other by the waits
+        # themselves (_ring.SpinArms).
+        self._spin_us: Union[float, str] = check_spin_auto(spin_us)
         self._seg: Optional[_ring.Segment] = _segment
         self._pid = -1           # process that owns the registration below
         self._c = -1             # client-table index in this process
@@ -325,7 +331,11 @@ class Client(_ring.ClientBase):
     def stats(self) -> Dict[str, Any]:
         """Evaluator statistics read from the segment (any process may ask).
         ``clients`` counts the processes attached now: an exited process's
-        entry is not counted, even before the evaluator reclaims it.
+        entry is not counted, even before the evaluator reclaims it.  The
+        serving processes are judged alive when read (pid and start time):
+        a killed one's replica reads ``dead``, and with none left serving
+        the evaluator reads ``died``, ``stopped_because`` saying that its
+        process vanished.
         ``tuner``, while any setting is ``"auto"``: what the tuner chose and
         why (the first replica's; with several, each replica's in its
         ``replicas`` entry).  ``client_spin``, once this process has
@@ -337,6 +347,13 @@ class Client(_ring.ClientBase):
         raw["clients"] = live_clients(seg)
         raw["stop"] = seg.stop_reason()
         raw["replicas"] = seg.replicas()
+        # A serving process killed outright (SIGKILL) leaves its replica
+        # "serving" in the segment: judge it here, by pid and start time.
+        raw["vanished"] = []
+        for rep in raw["replicas"]:
+            if rep["state"] == "serving" and not segment.is_alive(rep["pid"], rep["starttime"]):
+                rep["state"] = "dead"
+                raw["vanished"].append(rep["pid"])
         if seg.cache_entries:
             raw["cache"] = _cache_raw(seg)
         st = summarize(raw)
@@ -352,7 +369,7 @@ class Client(_ring.ClientBase):
             st["client_spin"] = port.spin
         return st
 
-    def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
+    def set_weights(self, weights: Any, *, version: Optional[int] = None,
                     timeout: float = 60.0) -> int:
         """Weights are pushed from the process that created the evaluator,
         through its :class:`~shmeval.Evaluator` object; this handle (a
@@ -701,7 +718,7 @@ def _unpickle(address: str, spec_json: Optional[bytes], spin_us: Union[float, st
     return Client(address, spec, spin_us)
 
 
-def connect(address: str, spin_us: Union[float, str, None] = None) -> Client:
+def connect(address: str, spin_us: Union[float, str, None] = AUTO) -> Client:
     """Attaches to a running evaluator by its address (``ev.address``).
 
     Raises :class:`~shmeval.SegmentError` when there is no such segment or it

@@ -1,5 +1,6 @@
 """Exceptions.  Everything shmeval raises derives from ShmevalError, except bad
-arguments, which raise ValueError / TypeError."""
+arguments, which raise ValueError / TypeError (pipeline.NoFreeSlots lives
+beside what raises it)."""
 from __future__ import annotations
 
 import os
@@ -25,6 +26,19 @@ class EvaluatorClosed(ShmevalError):
 
 class EvaluatorDied(ShmevalError):
     """The evaluator's process or serving thread is gone."""
+
+
+class ShmevalTimeout(ShmevalError, TimeoutError):
+    """A wait given a ``timeout`` ran out (``set_weights``, ``load_weights``,
+    ``Pending.result``, ``wait_any``, ``as_completed``, a cluster's calls);
+    what was waited for may still happen.  Also a builtin TimeoutError."""
+
+
+class NotTheMainProcess(ShmevalError, RuntimeError):
+    """An evaluator was created while the process was starting as a child
+    of multiprocessing's spawn or forkserver start method: the script's
+    entry point lacks its ``if __name__ == "__main__":`` guard.  Also a
+    RuntimeError, as it was before it had a class of its own."""
 
 
 class ModelError(ShmevalError):

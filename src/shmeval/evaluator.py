@@ -20,17 +20,20 @@ import typing
 import warnings
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _ring, segment
 from ._main_script import unreachable_reason
 from .backends._device import share_gpus
-from .client import Client, check_spin_us
-from .errors import EvaluatorDied, ModelError, ShmevalError, exception_text
+from .client import Client, check_spin_auto, check_spin_us
+from .errors import (EvaluatorDied, ModelError, NotTheMainProcess, ShmevalError, ShmevalTimeout,
+                     exception_text)
 from .spec import OutputsLike, ShapeLike, Spec
-from .tuning import AUTO, Board, Overrides, ServingTuner, check_auto, model_concurrency
+from .tuning import (AUTO, Board, Overrides, ServingTuner, as_number, check_auto,
+                     model_concurrency)
+from .weights import plain_weights
 
 Model = Callable[[np.ndarray], Any]
 Buckets = Union[None, str, Sequence[int]]
@@ -57,6 +60,17 @@ EXIT_STUCK = 70
 #: or two model calls in flight (a second overlaps one batch's gathering
 #: and answering with another's computation).
 AUTO_SERVING_THREADS = 2
+#: A batch whose model call raises is split to find the rows that raise
+#: (_ServingLoop.isolate): at most this many extra model calls per batch
+#: (enough to find one bad row in 65536, or a few in a full batch); rows
+#: still undecided then fail with the error of the part that held them.
+ISOLATE_CALLS = 32
+#: After this many failed batches in a row where no row could be answered
+#: (a model that raises on everything), batches that raise fail whole,
+#: without extra calls, for ISOLATE_PAUSE_NS; the next failure after that
+#: is isolated again.
+ISOLATE_GIVE_UP = 3
+ISOLATE_PAUSE_NS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -132,10 +146,9 @@ class BatchPolicy:
             None if self.auto_threads else self.threads)
 
 
-def _check_wait(name: str, value: Any) -> float:
-    us = float(value)
+def _check_wait(name: str, us: float) -> float:
     if not us >= 0:
-        raise ValueError(f"{name} must be 'auto' or >= 0, got {value}")
+        raise ValueError(f"{name} must be 'auto' or >= 0, got {us}")
     return us
 
 
@@ -199,10 +212,16 @@ class _ServingLoop:
         self.replica = replica
         self.device = device
         self.group = _ring.ServeGroup()
-        self.servers = [
-            _ring.Server(seg, np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype),
-                         self.group, replica * policy.threads + i, replica)
-            for i in range(policy.threads)]
+        # Each server's batch buffer; isolate() reads a failed batch there.
+        self.batches = [np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype)
+                        for _ in range(policy.threads)]
+        self.servers = [_ring.Server(seg, batch, self.group, replica * policy.threads + i,
+                                     replica)
+                        for i, batch in enumerate(self.batches)]
+        # Row isolation (isolate()): failed batches in a row where no row
+        # could be answered, and until when isolating is paused.
+        self.hopeless = 0
+        self.isolate_paused_until = 0
         self.version = 0
         self.housekeeping_at = 0
         self.control_until = 0  # a control message is announced but not here yet
@@ -465,40 +484,133 @@ class _ServingLoop:
     def finish_slow(self, server: "_ring.Server", out: Any, n: int, rows: int,
                     model_ns: int) -> None:
         """Outputs that finish_fast could not take as they are: convert them,
-        or fail the batch with a message saying what is wrong."""
+        or fail the batch with a message saying what is wrong (outputs that
+        do not fit the spec are the model's fault, not a row's: the whole
+        batch fails)."""
         try:
             arrays = self.check_outputs(out, n, rows)
-            bad, name = self.nonfinite_rows(arrays, n)
         except Exception as e:
-            self.finish_failed(server, e, n, rows, model_ns)
+            server.record(n, rows, model_ns, True)
+            server.fail(self.error_text(e))
             return
         # Statistics first: a client that sees its answer also sees them.
         server.record(n, rows, model_ns, False)
+        self.answer(server, arrays, n, {})
+
+    def finish_failed(self, server: "_ring.Server", e: Exception, n: int, rows: int,
+                      model_ns: int) -> None:
+        """The model raised for the batch: the rows that raise on their own
+        get ModelError with the model's message, every other row is answered
+        (isolate()).  A call of one row (no padding) fails at once, and so
+        does every batch while isolating is paused: after ISOLATE_GIVE_UP
+        failed batches in a row where no row could be answered, for
+        ISOLATE_PAUSE_NS."""
+        now = _ring.now_ns()
+        if rows == 1 or now < self.isolate_paused_until:
+            server.record(n, rows, model_ns, True)
+            server.fail(self.error_text(e))
+            return
+        server.record(n, rows, model_ns, False)
+        arrays, failed = self.isolate(server, e, n, rows)
+        if len(failed) == n:
+            self.seg.stat_inc("failed_batches", 1)
+            self.hopeless += 1
+            if self.hopeless >= ISOLATE_GIVE_UP:
+                self.isolate_paused_until = now + ISOLATE_PAUSE_NS
+        else:
+            self.hopeless = 0
+        self.answer(server, arrays, n, failed)
+
+    def isolate(self, server: "_ring.Server", error: Exception, n: int,
+                rows: int) -> tuple[list[np.ndarray], dict[int, str]]:
+        """Finds the rows of a batch that make the model raise: each part of
+        the batch that raised is split in two and the model called on each
+        half, down to single rows, with at most ISOLATE_CALLS calls; a part
+        left undecided then fails with the error of the call that held it.
+        Runs in the serving thread that holds the batch (other threads keep
+        serving meanwhile); the normal path never comes here.  Returns the
+        outputs (n rows, zeros where a row failed) and {row: error text}
+        of the rows that fail."""
+        batch = self.batches[self.servers.index(server)]
+        part = np.empty_like(batch)
+        arrays = [np.zeros((n,) + o.shape, o.dtype) for o in self.spec.outputs]
+        failed: dict[int, str] = {}
+        # Parts [lo, hi) of the batch, with the error of the call that
+        # raised for them (or for the part that held them), and whether
+        # they raised on their own: a padded batch's call also held stale
+        # rows of earlier batches, so it is tried again first.
+        todo: list[tuple[int, int, Exception, bool]] = [(0, n, error, rows == n)]
+        calls = isolated = 0
+        while todo:
+            lo, hi, err, tested = todo.pop()
+            if not tested and calls < ISOLATE_CALLS:
+                calls += 1
+                try:
+                    got = self.call_part(batch[lo:hi], part)
+                except Exception as e:
+                    todo.append((lo, hi, e, True))
+                    continue
+                for dst, src in zip(arrays, got):
+                    dst[lo:hi] = src
+            elif not tested or hi - lo == 1:  # out of calls, or a row that raises
+                isolated += tested
+                failed.update(dict.fromkeys(range(lo, hi), self.error_text(err)))
+            else:
+                mid = (lo + hi) // 2
+                todo += [(mid, hi, err, False), (lo, mid, err, False)]
+        self.seg.stat_inc("isolation_calls", calls)
+        self.seg.stat_inc("isolated_rows", isolated)
+        return arrays, failed
+
+    def call_part(self, x: np.ndarray, part: np.ndarray) -> list[np.ndarray]:
+        """The model's checked outputs for the rows x (isolate()): called
+        on them in ``part``, padded to a bucket size with copies of x's
+        first row, so that no other request's state (nor a stale one) is
+        in the call."""
+        m = len(x)
+        b = next(s for s in self.policy.buckets if s >= m) if self.policy.buckets else m
+        part[:m] = x
+        part[m:b] = x[0]
+        return [a[:m] for a in self.check_outputs(self.model(part[:b]), m, b)]
+
+    def answer(self, server: "_ring.Server", arrays: list[np.ndarray], n: int,
+               failed: dict[int, str]) -> None:
+        """Answers the outstanding batch's n requests with the rows of
+        ``arrays``, except the rows in ``failed`` ({row: error text}) and,
+        with reject_nonfinite, those whose outputs hold NaN or inf: these
+        get ModelError with their text (a NaN in one client's state must
+        not fail the others batched with it)."""
+        bad, name = self.nonfinite_rows(arrays, n)
         if bad.size:
-            # Only the requests whose rows hold NaN/inf fail (e.g. a NaN in
-            # one client's state must not fail the others batched with it).
-            self.seg.stat_inc("failed_requests", int(bad.size))
-            server.fail_rows(bad.tolist(), ModelError(
-                f"model output {name!r} holds NaN or infinite values for this request "
-                "(pass reject_nonfinite=False to allow them)").message)
-            if bad.size == n:
+            text = ModelError(f"model output {name!r} holds NaN or infinite values for this "
+                              "request (pass reject_nonfinite=False to allow them)").message
+            for r in bad.tolist():
+                failed.setdefault(r, text)
+        if failed:
+            self.seg.stat_inc("failed_requests", len(failed))
+            by_text: dict[str, list[int]] = {}
+            for r in sorted(failed):
+                by_text.setdefault(failed[r], []).append(r)
+            left = np.arange(n)  # the batch rows still outstanding
+            for text, failing in by_text.items():
+                at = np.searchsorted(left, failing)
+                server.fail_rows(at.tolist(), text)
+                left = np.delete(left, at)
+            if not left.size:
                 return
-            keep = np.setdiff1d(np.arange(n), bad)
-            arrays = [a[keep] for a in arrays]
+            arrays = [a[left] for a in arrays]
         try:
             server.complete(arrays, self.version)
         except ValueError as e:  # a shape check_outputs let through: fail, keep serving
             server.fail(f"ModelError: {e}")
 
-    def finish_failed(self, server: "_ring.Server", e: Exception, n: int, rows: int,
-                      model_ns: int) -> None:
-        """Fails the batch's requests with the exception's text, its type and
-        message first, fitted to what a slot carries (exception_text)."""
+    def error_text(self, e: Exception) -> str:
+        """A failed request's text for e: its type and message first, fitted
+        to what a slot carries (exception_text)."""
         limit = self.seg.error_bytes
         text = e.message if isinstance(e, ModelError) else exception_text(e, limit)
-        server.record(n, rows, model_ns, True)
-        server.fail(text if len(text.encode("utf-8", "replace")) <= limit
-                    else exception_text(e, limit))
+        return (text if len(text.encode("utf-8", "replace")) <= limit
+                else exception_text(e, limit))
 
     def check_outputs(self, out: Any, n: int, rows: int) -> list[np.ndarray]:
         """The model's outputs as C-contiguous arrays of the declared dtypes,
@@ -612,8 +724,7 @@ def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, m
                spin_us: Union[float, str, None],
                serving_threads: Union[int, str] = AUTO) -> tuple[Spec, BatchPolicy]:
     # Every argument is checked before the segment is created.
-    if spin_us is not None:
-        check_auto("spin_us", spin_us, check_spin_us)
+    check_spin_auto(spin_us)
     spec = Spec.build(input_shape, input_dtype, outputs, max_batch, max_clients,
                       slots_per_client)
     policy = BatchPolicy.make(spec.max_batch, max_wait_us, buckets, evaluator_spin_us,
@@ -687,6 +798,10 @@ class Evaluator(Client):
         callable taking an ``ndarray [n, *input_shape]`` and returning a dict
         of arrays (by name), a tuple/list (in the order of ``outputs``) or one
         array (when one output is declared), each with a leading dim n.
+        When it raises for a batch, the evaluator calls it again on halves
+        of the batch to find the rows that raise, which alone get
+        ModelError (at most ISOLATE_CALLS extra calls per batch, paused
+        for a model that raises on everything; docs/guide.md, *Errors*).
     input_shape, input_dtype:
         of one state.  Client inputs are cast with NumPy 'same_kind' casting.
     outputs:
@@ -709,7 +824,8 @@ class Evaluator(Client):
         processes and the evaluator fit on the CPU cores, a spin that yields
         the CPU between looks when they are one more than the cores, none
         beyond (docs/protocol.md, *Waiting*).  ``"auto"`` (default): the
-        measured cost of a sleep and a wake-up in the client's process.
+        measured cost of a sleep and a wake-up in the client's process
+        (None is an alias of ``"auto"``).
     evaluator_spin_us:
         how long the idle evaluator spins before it sleeps on its doorbell,
         by the same rule.  ``"auto"`` (default): the tuner's budget, and
@@ -735,8 +851,8 @@ class Evaluator(Client):
         Entries carry the model version; after ``set_weights`` returns no
         lookup accepts an older answer.  Keys are hashes of the states'
         bytes, or the caller's (``evaluate(state, key=...)``).  One entry
-        takes 32 bytes plus the outputs' (docs/guide.md, *The evaluation
-        cache*).
+        takes 32 bytes plus a result row, its outputs each 8-byte aligned
+        (docs/guide.md, *The evaluation cache*).
     metrics_port:
         serve Prometheus metrics of the evaluator on this port of 127.0.0.1
         (0: a port the system picks, see ``metrics_port``), from a thread of
@@ -747,7 +863,7 @@ class Evaluator(Client):
                  input_dtype: Any = "float32", max_batch: int = 256,
                  max_wait_us: Union[float, str] = AUTO, buckets: Buckets = None,
                  max_clients: int = 64, slots_per_client: int = 16,
-                 spin_us: Union[float, str, None] = None,
+                 spin_us: Union[float, str, None] = AUTO,
                  evaluator_spin_us: Union[float, str] = AUTO, reject_nonfinite: bool = True,
                  name: Optional[str] = None, serving_threads: Union[int, str] = AUTO,
                  cache_entries: int = 0, metrics_port: Optional[int] = None) -> None:
@@ -788,7 +904,7 @@ class Evaluator(Client):
               outputs: OutputsLike, input_dtype: Any = "float32", max_batch: int = 256,
               max_wait_us: Union[float, str] = AUTO, buckets: Buckets = None,
               max_clients: int = 64, slots_per_client: int = 16,
-              spin_us: Union[float, str, None] = None,
+              spin_us: Union[float, str, None] = AUTO,
               evaluator_spin_us: Union[float, str] = AUTO, reject_nonfinite: bool = True,
               name: Optional[str] = None, start_timeout: float = 600.0,
               mp_context: str = "spawn", serving_threads: Union[int, str] = AUTO,
@@ -812,6 +928,8 @@ class Evaluator(Client):
             raise TypeError(f"factory must be callable, got {type(factory).__name__}")
         _ring.cache_log2_of(cache_entries)
         _check_metrics_port(metrics_port)
+        if not as_number("start_timeout", start_timeout) > 0:
+            raise ValueError(f"start_timeout must be > 0 seconds, got {start_timeout!r}")
         _check_not_bootstrapping("Evaluator.spawn()")
         method = mp.get_context(mp_context).get_start_method()
         if method != "fork":
@@ -902,12 +1020,17 @@ class Evaluator(Client):
         """The version of the weights serving now (0: as started)."""
         return self._version
 
-    def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
-                    timeout: float = 60.0) -> int:
-        """Replaces the model's weights between two batches, e.g. with a
-        learner's ``keras_model.get_weights()``; requests in flight are not
-        failed or dropped.  The model must have ``set_weights(list of
-        arrays)`` (:class:`shmeval.backends.tensorflow.TFModel` has).
+    def set_weights(self, weights: Union[Sequence[Any], Mapping[str, Any]], *,
+                    version: Optional[int] = None, timeout: float = 60.0) -> int:
+        """Replaces the model's weights between two batches, with what the
+        model's framework hands out: a Keras ``get_weights()`` list, a
+        PyTorch ``state_dict()`` (tensors or arrays, matched by name), a
+        JAX params pytree.  Requests in flight are not failed or dropped.
+        Tensors are copied to NumPy arrays here (shmeval.weights); the
+        model's ``set_weights`` gets the same structure (TFModel,
+        TorchModel and JaxModel match it, and say what is missing or
+        extra).  TypeError here for anything but a mapping, a list or a
+        tuple.
 
         Returns the new model version: ``version`` if given (it must be
         larger than the current one), else the current one plus 1.  Every
@@ -915,8 +1038,7 @@ class Evaluator(Client):
         return_version=True)``).  Returns once the evaluator applied them;
         raises :class:`ModelError` (weights unchanged) if the model refused
         them.  Only the process that created the evaluator can call this."""
-        arrays = [np.asarray(w) for w in weights]
-        return self._request("set_weights", arrays, version, timeout)
+        return self._request("set_weights", plain_weights(weights), version, timeout)
 
     def load_weights(self, path: Union[str, "os.PathLike[str]"], *,
                      version: Optional[int] = None, timeout: float = 60.0) -> int:
@@ -974,8 +1096,8 @@ class Evaluator(Client):
                     break
                 self._check_alive(seg)
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the evaluator did not apply {method} within "
-                                       f"{timeout} s (it may still do so)")
+                    raise ShmevalTimeout(f"the evaluator did not apply {method} within "
+                                         f"{timeout} s (it may still do so)")
             if applied:
                 # Before returning: no cache lookup accepts older answers now,
                 # and no replica that refused the update collects any more
@@ -1072,7 +1194,7 @@ def _check_not_bootstrapping(what: str) -> None:
     script running again in the child, because its entry point is not
     guarded, and the child would create an evaluator of its own."""
     if getattr(mp.current_process(), "_inheriting", False):
-        raise RuntimeError(
+        raise NotTheMainProcess(
             f"{what} was called while this process was starting as a child process "
             f"(multiprocessing's spawn start method runs the main script again in each "
             f"child): guard the script's entry point with `if __name__ == \"__main__\":` "

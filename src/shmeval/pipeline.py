@@ -62,7 +62,7 @@ from . import client as _client
 # so that a submit and a collect in the common case run no Python frame; it
 # calls the lane below for what is unusual.  Public here.
 from ._ring import Pending as Pending
-from .errors import EvaluatorClosed, ShmevalError
+from .errors import EvaluatorClosed, ShmevalError, ShmevalTimeout
 
 if TYPE_CHECKING:
     from .client import Client
@@ -295,7 +295,7 @@ def wait_any(client: "Client", pendings: Iterable[Pending],
              timeout: Optional[float] = None) -> Pending:
     """``Client.wait_any``: the first of ``pendings`` that is done (its
     ``result()`` returns or raises without waiting), waiting up to
-    ``timeout`` seconds; TimeoutError after that."""
+    ``timeout`` seconds; ShmevalTimeout (a TimeoutError) after that."""
     ps = list(pendings)
     lane = _lane_of_all(client, ps)
     ps[0]._check_process()
@@ -332,13 +332,13 @@ def wait_any(client: "Client", pendings: Iterable[Pending],
                     p._fail(e)
             continue
         if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError(f"none of {len(ps)} Pending(s) done within {timeout} s")
+            raise ShmevalTimeout(f"none of {len(ps)} Pending(s) done within {timeout} s")
 
 
 def as_completed(client: "Client", pendings: Iterable[Pending],
                  timeout: Optional[float] = None) -> Iterator[Pending]:
     """``Client.as_completed``: yields each of ``pendings`` once it is done,
-    the first done first; TimeoutError if ``timeout`` seconds (from the
+    the first done first; ShmevalTimeout (a TimeoutError) if ``timeout`` seconds (from the
     call) pass before all are."""
     left = list(pendings)
     if not left:

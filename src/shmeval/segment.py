@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 import struct
 from typing import NamedTuple, Optional
 
@@ -301,9 +302,13 @@ def _inspect(entry: str) -> Optional[dict[str, object]]:
         st = os.stat(path, follow_symlinks=False)
     except OSError:
         return None                  # removed meanwhile
+    if not stat.S_ISREG(st.st_mode):
+        return None
     # The header says who created a formatted segment (a name given with
     # Evaluator(name=...) need not hold the creator's pid); otherwise the name.
     head = _read_header(path)
+    if head is None and not entry.startswith(PREFIX):
+        return None                  # another program's (or another user's: unreadable)
     pid = (head.owner_pid if head else 0) or _name_pid(entry)
     # A creator in another pid or time namespace cannot be judged from here:
     # its pid means another process, or none, in ours.
@@ -320,7 +325,9 @@ def _inspect(entry: str) -> Optional[dict[str, object]]:
 
 
 def list_segments() -> list[dict[str, object]]:
-    """Every shmeval segment in /dev/shm: address, owner pid (0 when unknown),
+    """Every shmeval segment in /dev/shm (named shmeval-..., or given another
+    name with ``name=`` and known by the magic number of its header, where
+    this user can read it): address, owner pid (0 when unknown),
     whether the owner is alive (an owner that cannot be judged from here --
     unknown, or in another pid or time namespace -- counts as alive), whether
     it was created in another namespace, the segment's uid and its size."""
@@ -330,10 +337,9 @@ def list_segments() -> list[dict[str, object]]:
     except FileNotFoundError:
         return out
     for entry in names:
-        if entry.startswith(PREFIX):
-            info = _inspect(entry)
-            if info is not None:
-                out.append(info)
+        info = _inspect(entry)
+        if info is not None:
+            out.append(info)
     return out
 
 

@@ -72,9 +72,20 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
     sizes = np.nonzero(bh)[0]
     wait = hist_percentiles(raw["hist_wait"], (50, 90, 99))
     model = hist_percentiles(raw["hist_model"], (50, 90, 99))
+    state = _STATES.get(int(raw["ev_state"]), "unknown")
+    stopped = _stopped_because(raw.get("stop"))
+    vanished = raw.get("vanished")
+    if vanished and int(raw["ev_state"]) < _ring.CLOSED_STATE and \
+            not any(r["state"] == "serving" for r in raw["replicas"]):
+        # Its serving processes are gone without a word (killed outright):
+        # nobody recorded the stop in the segment.
+        state = "died"
+        pids = ", ".join(map(str, vanished))
+        stopped = (f"its process vanished (pid {pids}: killed, e.g. by SIGKILL or the "
+                   f"OOM killer, before it could record why)")
     return {
-        "state": _STATES.get(int(raw["ev_state"]), "unknown"),
-        "stopped_because": _stopped_because(raw.get("stop")),
+        "state": state,
+        "stopped_because": stopped,
         "requests": requests,
         "batches": batches,
         "mean_batch": requests / batches if batches else 0.0,
@@ -82,6 +93,8 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
         "padded_rows": int(raw["padded_rows"]),
         "failed_requests": int(raw["failed_requests"]),
         "failed_batches": int(raw["failed_batches"]),
+        "isolated_rows": int(raw["isolated_rows"]),
+        "isolation_calls": int(raw["isolation_calls"]),
         "queue_wait_us": {k: v / 1e3 for k, v in wait.items()},
         "model_ms": {k: v / 1e6 for k, v in model.items()},
         "model_time_share": raw["model_ns"] / uptime_ns if uptime_ns else 0.0,

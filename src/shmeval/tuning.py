@@ -95,6 +95,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 import os
 import statistics
 import threading
@@ -198,15 +199,24 @@ def _lower_quartile(x: np.ndarray) -> float:
     return float(np.partition(x, k)[k])
 
 
-def check_auto(name: str, value: Any, check: Callable[[str, Any], Any]) -> Any:
-    """``value`` if it is ``"auto"``, else ``check(name, value)`` (which
-    returns the number or raises ValueError / TypeError); any other string
-    is a ValueError naming both forms."""
+def check_auto(name: str, value: Any, check: Callable[[str, float], Any]) -> Any:
+    """``value`` if it is ``"auto"``, else ``check(name, number)`` with the
+    value as a float (check raises ValueError when it is out of range);
+    any other string is a ValueError, and anything else that is not a
+    number (None, a list) a TypeError, naming the argument and both forms."""
     if isinstance(value, str):
         if value != AUTO:
             raise ValueError(f"{name} must be 'auto' or a number, got {value!r}")
         return AUTO
-    return check(name, value)
+    return check(name, as_number(name, value, "'auto' or a number"))
+
+
+def as_number(name: str, value: Any, expected: str = "a number") -> float:
+    """``value`` as a float; TypeError naming the argument and what it
+    must be for anything but a real number (None, a bool, a list)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+    return float(value)
 
 
 @functools.lru_cache(maxsize=1)

@@ -389,3 +389,19 @@ def test_an_answer_is_cached_under_the_bytes_it_was_computed_from() -> None:
         assert sum(m.calls) == n + 1  # a miss: nothing was cached under state 1
         check_answer(ev.evaluate(make_state(2)), 2)
         assert sum(m.calls) == n + 1  # a hit: cached under the bytes sent
+
+
+def test_the_guide_quotes_the_entry_size_of_the_demo_net() -> None:
+    """docs/guide.md, *The evaluation cache*: the demo net's entry size
+    is what the core lays out."""
+    import re
+    from pathlib import Path
+
+    from shmeval.bench.demo import INPUT_SHAPE, OUTPUTS
+
+    guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text()
+    quoted = re.search(r"One entry takes 32 bytes plus one result row.*?(\d+)\s+bytes for "
+                       r"the demo's net", guide, re.S)
+    assert quoted, "the guide no longer quotes the demo net's entry size"
+    spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 1, 1)
+    assert int(quoted.group(1)) == _ring.cache_entry_bytes(spec.out_bytes) == 72

@@ -8,9 +8,10 @@ are accepted and answered correctly.
 Constructor: every bad argument raises ValueError/TypeError naming the
 argument, and never leaves a segment behind.
 
-Model errors: a model that raises or returns outputs that do not fit the
-spec fails only the requests of that batch, with shmeval.ModelError carrying
-the original text; the evaluator keeps serving.
+Model errors: a model that raises fails only the requests whose rows raise
+(test_row_isolation.py), one that returns outputs that do not fit the spec
+the requests of that batch, with shmeval.ModelError carrying the original
+text; the evaluator keeps serving.
 """
 from __future__ import annotations
 
@@ -412,15 +413,15 @@ def test_model_exception_fails_only_that_batch() -> None:
             e.evaluate_many(np.stack([make_state(t) for t in (3, 666, 4)]))
         check_many(e.evaluate_many(np.stack([make_state(t) for t in range(20)])), list(range(20)))
         s = settled_stats(e, "requests", 1 + 1 + 10 + 3 + 20)
-        assert s["failed_requests"] >= 2 and s["failed_batches"] >= 2
+        # Only the two poisoned rows failed; 3 and 4 were answered.
+        assert s["failed_requests"] == 2 and s["failed_batches"] >= 1
         assert s["state"] == "serving"
 
 
 @pytest.mark.timeout(30)
 def test_model_exception_from_many_threads() -> None:
     """Concurrent requests: the poisoned ones fail, every other one is answered
-    with its own result (a failed batch may include innocent requests, which
-    then see ModelError too, never a wrong answer)."""
+    with its own result (a batch that raises is split to find them)."""
     errors: list[str] = []
     outcome = {"ok": 0, "model_error": 0, "poisoned_ok": 0}
     lock = threading.Lock()
@@ -446,7 +447,7 @@ def test_model_exception_from_many_threads() -> None:
         run_threads(run, 4, 20)
         assert not errors, errors[:3]
         assert outcome["poisoned_ok"] == 0
-        assert outcome["model_error"] >= 24   # every poisoned request failed
+        assert outcome["model_error"] == 24   # every poisoned request, and only those
         assert outcome["ok"] + outcome["model_error"] == 240
         check_answer(e.evaluate(make_state(5)), 5)
 

@@ -204,6 +204,16 @@ def test_hot_swap_through_evaluator(jax: Any, backend: Any, tmp_path: Any) -> No
         assert jm.trace_count == traces
 
 
+def test_a_params_pytree_pushed_through_the_evaluator(jax: Any, backend: Any) -> None:
+    """ev.set_weights(params) with the params pytree itself (JAX arrays at
+    the leaves) reaches the model: the answers follow it."""
+    jm = backend.JaxModel(apply_fn(), params_of(1))
+    with shmeval.Evaluator(jm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
+                           max_clients=4, slots_per_client=32) as ev:
+        assert ev.set_weights(jax.tree_util.tree_map(jax.numpy.asarray, params_of(2))) == 1
+        serve_and_compare(ev, reference("dict", params_of(2)), tuple(OUTPUTS), sizes=(3, 40))
+
+
 @pytest.mark.timeout(240)
 def test_jax_hot_swap_under_load(jax: Any) -> None:
     """A spawned evaluator (pv_factory) under load from spawn workers that

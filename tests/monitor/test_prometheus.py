@@ -188,3 +188,28 @@ def test_the_metrics_command_serves_until_the_evaluator_closes() -> None:
     assert p.returncode == 0 and err == "", err
     assert out.strip() == f"the evaluator serving {ev.address} is closed"
     assert port_is_free(port)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_evaluator_is_not_up() -> None:
+    """shmeval_up follows the serving process's liveness, judged when
+    scraped: an Evaluator.spawn process killed with SIGKILL reads 0."""
+    import os
+    import signal
+    import time
+
+    import shmeval
+    from helpers import INPUT_SHAPE, OUTPUTS, fake_factory
+    from shmeval import segment
+
+    with shmeval.Evaluator.spawn(fake_factory, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
+                                 max_batch=8, max_clients=4, start_timeout=60) as ev:
+        with start_exporter(ev.address, 0) as exporter:
+            assert value(scrape(exporter.port)["shmeval_up"], "shmeval_up") == 1
+            os.kill(ev.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while segment.is_alive(ev.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            m = scrape(exporter.port)
+    assert value(m["shmeval_up"], "shmeval_up") == 0
+    assert value(m["shmeval_state"], "shmeval_state", state="died") == 1

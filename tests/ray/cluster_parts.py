@@ -31,8 +31,9 @@ class PidNet:
         return {"pid": np.full(n, os.getpid(), np.int64),
                 "weight": np.full(n, self.weight, np.float32)}
 
-    def set_weights(self, weights: List[Any]) -> None:
-        (w,) = weights
+    def set_weights(self, weights: Any) -> None:
+        """A list of one array, or a state dict {"weight": array}."""
+        (w,) = weights.values() if isinstance(weights, dict) else weights
         self.weight = np.float32(w)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ import cluster_parts  # noqa: E402
 import shmeval  # noqa: E402
 from cluster_parts import SPEC, Player  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+from shmeval import segment  # noqa: E402
 from shmeval.ray import ClusterEvaluator, simulated_cluster  # noqa: E402
 
 TIMEOUT = 60.0
@@ -177,6 +179,22 @@ def test_weights_reach_every_node_once_and_in_order(cluster: Any,
         ce.set_weights([np.float32(11)])
 
 
+def test_a_state_dict_reaches_every_node(cluster: Any) -> None:
+    """ClusterEvaluator.set_weights takes a state dict as Evaluator's does
+    (shmeval.weights): the workers of both nodes see its weight."""
+    with ClusterEvaluator(cluster_parts.pid_net, **SPEC) as ce:
+        assert ce.set_weights({"weight": np.float32(6.0)}) == 1
+        players = [on_node(n, ce) for n in alive_nodes()]
+        playing = [p.play.remote() for p in players]
+        wait_for("every player to evaluate", lambda: all(
+            ray.get([p.progress.remote() for p in players], timeout=TIMEOUT)), START_TIMEOUT)
+        reports = ray.get([p.halt.remote() for p in players], timeout=TIMEOUT)
+        ray.get(playing, timeout=TIMEOUT)
+        assert [(r["error"], r["weights_seen"]) for r in reports] == [(None, [6.0])] * 2
+        for p in players:
+            ray.kill(p)
+
+
 def test_node_joins_and_leaves_under_load(cluster: Any) -> None:
     with ClusterEvaluator(cluster_parts.pid_net, watch_s=0.2, **SPEC) as ce:
         ce.set_weights([np.float32(2.0)])
@@ -259,6 +277,22 @@ def test_a_factory_of_the_driver_script_is_refused(cluster: Any) -> None:
     finally:
         _driver_factory.__module__ = __name__
     assert not left_behind("driver")
+
+
+def test_the_name_reaches_each_nodes_segment(cluster: Any) -> None:
+    """name names each node's segment too (with the actor's pid: nodes of
+    one machine share /dev/shm), so that shmeval ls shows whose it is."""
+    with ClusterEvaluator(cluster_parts.pid_net, name="named", start_timeout=START_TIMEOUT,
+                          **SPEC) as ce:
+        addresses = ce.addresses()
+        assert len(addresses) == 2
+        assert all(re.fullmatch(r"/shmeval-\d+-named", a) for a in addresses.values()), addresses
+        listed = {s["address"] for s in segment.list_segments()}
+        assert set(addresses.values()) <= listed
+    with pytest.raises(ValueError, match="name must be"):
+        ClusterEvaluator(cluster_parts.pid_net, name="a/b", **SPEC)
+    with pytest.raises(TypeError, match="start_timeout must be a number"):
+        ClusterEvaluator(cluster_parts.pid_net, name="no-timeout", start_timeout=None, **SPEC)
 
 
 def test_a_name_in_use_is_refused(cluster: Any) -> None:

@@ -514,6 +514,8 @@ def test_keras_weights(freeze: bool, keras: Any, backend: Any, tmp_path: Any) ->
         tm.set_weights(bad)
     with pytest.raises(ValueError, match=f"got {len(w1) - 1} arrays"):
         tm.set_weights(w1[:-1])
+    with pytest.raises(TypeError, match=r"takes a list of arrays .*, got a dict"):
+        tm.set_weights(dict(enumerate(w1)))
     assert_weights_equal(tm.get_weights(), w2)
     # A Keras weights file.
     path = str(tmp_path / "three.weights.h5")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 import sys
 from typing import Any
 
@@ -423,6 +424,18 @@ def test_frozen_on_the_cpu(torch: Any, backend: Any) -> None:
         backend.TorchModel(pv_net(1), freeze="yes")
     with pytest.raises(ValueError, match="freeze=True.*compile"):
         backend.TorchModel(pv_net(1), freeze=True, compile="aot_eager")
+    with pytest.raises(ValueError, match="freeze=True.*dtype"):
+        backend.TorchModel(pv_net(1), freeze=True, dtype="bfloat16")
+
+
+def test_the_guide_says_what_freeze_true_raises() -> None:
+    """The options table and the code agree: ValueError from TorchModel()
+    for arguments that rule freezing out, ModelError for a module that
+    cannot be frozen."""
+    guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text()
+    row = next(line for line in guide.splitlines()
+               if line.startswith('| `freeze` | `"auto"` | on the CPU'))
+    assert "`ValueError` from `TorchModel(...)`" in row and "`ModelError` at start-up" in row
 
 
 def test_weight_updates_freeze_again(torch: Any, backend: Any) -> None:
@@ -578,6 +591,35 @@ def test_hot_swap_through_evaluator(torch: Any, backend: Any, tmp_path: Any) -> 
         updates_through_evaluator(ev, [reference(pv_net(v)) for v in (1, 2, 3)],
                                   version_weights(2), tmp_path / "three.pt")
         assert tm.compile_count == compiled
+
+
+def test_a_state_dict_pushed_through_the_evaluator(torch: Any, backend: Any) -> None:
+    """ev.set_weights(net.state_dict()) reaches the model, tensors or arrays
+    matched by name: the answers follow; names missing or extra are listed
+    in the refusal, and a wrong type is named."""
+    tm = backend.TorchModel(pv_net(1))
+    with shmeval.Evaluator(tm, input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=64,
+                           max_clients=4, slots_per_client=32) as ev:
+        names = tuple(OUTPUTS)
+        assert ev.set_weights(pv_net(2).state_dict()) == 1
+        serve_and_compare(ev, reference(pv_net(2)), names, sizes=(3, 40))
+        # Arrays, in another order: matched by name.
+        arrays = {k: v.numpy() for k, v in reversed(pv_net(3).state_dict().items())}
+        assert ev.set_weights(arrays) == 2
+        serve_and_compare(ev, reference(pv_net(3)), names, sizes=(3, 40))
+        bad = dict(pv_net(4).state_dict())
+        first = next(iter(bad))
+        del bad[first]
+        bad["head.extra"] = torch.zeros(2)
+        with pytest.raises(shmeval.ModelError, match=rf"lacks \['{first}'\].*"
+                                                     r"unexpected \['head.extra'\]"):
+            ev.set_weights(bad)
+        with pytest.raises(TypeError, match=r"state dict.*; got a .*PVNet"):
+            ev.set_weights(pv_net(4))
+        with pytest.raises(TypeError, match=r"got a numpy.ndarray of shape \(3,\)"):
+            ev.set_weights(np.zeros(3, np.float32))
+        assert ev.model_version == 2
+        serve_and_compare(ev, reference(pv_net(3)), names, sizes=(3, 40))
 
 
 @pytest.mark.timeout(240)

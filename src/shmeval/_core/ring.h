@@ -171,6 +171,8 @@ enum shm_stat {
     ST_CACHE_MISSES,
     ST_CACHE_STALE,
     ST_CACHE_REPLACED,
+    ST_ISOLATED_ROWS,     /* rows of failed batches found raising on their own */
+    ST_ISOLATION_CALLS,   /* the extra model calls that found them */
     SHM_N_STATS = 24,
 };
 

@@ -651,7 +651,12 @@ class TFModel:
         """Assigns new values to the weights in place (no retracing; with
         freeze, folds them into new functions before it returns).  Counts,
         shapes and dtypes are checked first: a bad update raises ValueError
-        and leaves every weight as it was."""
+        and leaves every weight as it was; a mapping (a state dict is
+        PyTorch's) raises TypeError."""
+        if isinstance(weights, Mapping):
+            raise TypeError(f"TFModel.set_weights takes a list of arrays in get_weights() "
+                            f"order, got a {type(weights).__name__} with keys "
+                            f"{list(weights)[:3]}... (a state dict is what TorchModel takes)")
         variables = self._variables()
         arrays = checked_weights(weights, [
             (v.name, tuple(v.shape),

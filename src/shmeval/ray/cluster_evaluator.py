@@ -18,16 +18,17 @@ import multiprocessing as mp
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .._main_script import from_main
 from ..client import Client, connect
-from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError
+from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError, ShmevalTimeout
 from ..evaluator import Evaluator
+from ..tuning import as_number
+from ..weights import plain_weights
 from .node_evaluator import MP_CONTEXT, NodeEvaluator, actor_name
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,13 @@ class ClusterEvaluator:
     ``max_batch``, ...): each node's actor calls
     ``Evaluator.spawn(factory, **evaluator_kwargs)``, so the factory must be
     importable on every node.  ``name`` (default: a new unique one) names
-    the actors in Ray's namespace ``namespace``; ``actor_options`` are Ray
+    the actors in Ray's namespace ``namespace`` and each node's segment
+    (``/shmeval-<actor pid>-<name>``, see ``shmeval ls``); ``start_timeout``
+    bounds each node's start-up, its ``Evaluator.spawn`` included.
+    ``mp_context`` defaults to ``"forkserver"``, not spawn's ``"spawn"``:
+    Ray kills a worker's direct children with it, and an evaluator started
+    through a fork server outlives its actor long enough to remove its
+    segment (:mod:`shmeval.ray.node_evaluator`); ``actor_options`` are Ray
     options of each node's actor (such as ``{"num_gpus": 1}``, whose
     devices the evaluator process inherits).  Every ``watch_s`` seconds a
     thread places an evaluator on each node that joined, with the latest
@@ -155,8 +162,13 @@ class ClusterEvaluator:
                  namespace: str = NAMESPACE, start_timeout: float = 600.0,
                  watch_s: float = 1.0, actor_options: Optional[Dict[str, Any]] = None,
                  **evaluator_kwargs: Any) -> None:
-        # Unknown or missing arguments fail here, before anything is placed.
+        # Unknown or missing arguments fail here, before anything is placed
+        # (name and start_timeout are the cluster's and, per node, spawn's).
         inspect.signature(Evaluator.spawn).bind(factory, **evaluator_kwargs)
+        if name is not None and (not isinstance(name, str) or not name or "/" in name):
+            raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
+        if not as_number("start_timeout", start_timeout) > 0:
+            raise ValueError(f"start_timeout must be > 0 seconds, got {start_timeout!r}")
         _check_not_in_driver_script(factory, evaluator_kwargs.get("mp_context", MP_CONTEXT))
         if not ray.is_initialized():
             raise ShmevalError("ClusterEvaluator needs a Ray cluster: call ray.init() first")
@@ -206,8 +218,9 @@ class ClusterEvaluator:
                    "name": actor_name(self.name, node_id), "namespace": self.handle.namespace,
                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
                    "max_concurrency": 4}
+        kwargs = {**self._kwargs, "name": self.name, "start_timeout": self._start_timeout}
         actor = _remote_node_evaluator.options(**options).remote(
-            self._factory, self._kwargs, self._weights_ref, self._version)
+            self._factory, kwargs, self._weights_ref, self._version)
         self._starting[node_id] = (actor, actor.ready.remote())
 
     def _await_ready(self, starting: Dict[str, Tuple[Any, Any]], timeout: float) -> None:
@@ -287,8 +300,8 @@ class ClusterEvaluator:
         """The version of the latest weights sent (0: as started)."""
         return self._version
 
-    def set_weights(self, weights: Sequence[Any], *, version: Optional[int] = None,
-                    timeout: float = 60.0) -> int:
+    def set_weights(self, weights: Union[Sequence[Any], Mapping[str, Any]], *,
+                    version: Optional[int] = None, timeout: float = 60.0) -> int:
         """Sends ``weights`` to every node's evaluator: one copy into Ray's
         object store, read by each node's actor, applied between two
         batches as in :meth:`shmeval.Evaluator.set_weights`.  Returns the
@@ -296,8 +309,10 @@ class ClusterEvaluator:
         the current one plus 1) once every node serving applied it.  Updates
         are sent one at a time and in order, so no worker sees versions go
         backwards; a node joining later starts with the latest weights.  A
-        node that left during the update is skipped."""
-        arrays = [np.asarray(w) for w in weights]
+        node that left during the update is skipped.  ``weights`` as for
+        :meth:`shmeval.Evaluator.set_weights` (a list, a state dict, a
+        pytree)."""
+        arrays = plain_weights(weights)
         with self._lock:
             if self._closed.is_set():
                 raise EvaluatorClosed(f"the cluster evaluator {self.name!r} is closed")
@@ -335,7 +350,7 @@ class ClusterEvaluator:
                 if tolerate and node_id in tolerate:
                     continue
                 if isinstance(e, ray.exceptions.GetTimeoutError):
-                    raise TimeoutError(f"the evaluator on Ray node {node_id} did not answer "
+                    raise ShmevalTimeout(f"the evaluator on Ray node {node_id} did not answer "
                                        f"{method} within {timeout:g} s") from None
                 cause = getattr(e, "cause", None)
                 raise (cause if isinstance(cause, Exception) else e) from None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional
 
 from ..errors import ShmevalError
 from ..evaluator import Evaluator
@@ -50,6 +50,14 @@ def actor_name(name: str, node_id: str) -> str:
     return f"{name}:{node_id}"
 
 
+def segment_name(name: str) -> str:
+    """The address of cluster evaluator ``name``'s segment made by this
+    actor (``Evaluator.spawn(name=...)``): ``shmeval ls`` shows whose it is;
+    the actor's pid, where a segment's name keeps its creator's, makes it
+    differ per node (nodes of one machine share ``/dev/shm``)."""
+    return f"/shmeval-{os.getpid()}-{name}"
+
+
 class NodeEvaluator:
     """One node's evaluator, as a Ray actor (the class is wrapped with
     ``ray.remote`` where it is placed).  A failed start-up is kept and
@@ -57,11 +65,12 @@ class NodeEvaluator:
     exception (``ModelError``, ``EvaluatorDied``, ``ValueError``, ...)."""
 
     def __init__(self, factory: Callable[[], Any], evaluator_kwargs: Dict[str, Any],
-                 weights: Optional[Sequence[Any]], version: int) -> None:
+                 weights: Any, version: int) -> None:
         self._ev: Optional[Evaluator] = None
         self._error: Optional[BaseException] = None
         try:
             kwargs = {"mp_context": MP_CONTEXT, **evaluator_kwargs}
+            kwargs["name"] = segment_name(kwargs["name"])
             self._ev = Evaluator.spawn(functools.partial(detached, factory), **kwargs)
             if weights is not None:
                 # Before the address is handed out: this node's workers never
@@ -84,7 +93,7 @@ class NodeEvaluator:
         """The evaluator's address, once it serves; its start-up error otherwise."""
         return self._serving().address
 
-    def set_weights(self, weights: Sequence[Any], version: int, timeout: float) -> int:
+    def set_weights(self, weights: Any, version: int, timeout: float) -> int:
         """Applies ``weights`` (the driver's one object-store copy, resolved
         by Ray on this node) as ``version``; returns it."""
         return self._serving().set_weights(weights, version=version, timeout=timeout)
