@@ -39,6 +39,13 @@ def caches_line(caches: Dict[str, CacheSetting]) -> str:
         " (entries per table; the queue and local modes have no shared table)")
 
 
+def like_for_like_phrase(caches: Dict[str, CacheSetting]) -> str:
+    """What the ratios compare, in a few words."""
+    if all(c.kind == "none" for c in caches.values()):
+        return "like for like: no mode with a cache"
+    return "like for like: every mode with a cache"
+
+
 def ratios(results: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
     """shmeval's moves/s and evals/s over each other mode's, and the RSS of
     the workers holding a net over shmeval's workers'.  Raises ValueError

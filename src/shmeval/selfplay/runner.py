@@ -33,7 +33,8 @@ from .mode_run import ModeRun
 from .modes import MODE_CLASSES
 from .records import GameStore, load_games, save_games
 from .replay_buffer import ReplayBuffer
-from .report import caches_line, combine_runs, format_table, mixed_caches, ratios, round_ratios
+from .report import (caches_line, combine_runs, format_table, like_for_like_phrase, mixed_caches,
+                     ratios, round_ratios)
 from .settings import MODES, Settings
 
 #: CPU cores used by other programs in a window above which the summary warns.
@@ -136,7 +137,7 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
                      f"{', '.join(busy)} ('other load', in cores): those figures are skewed")
     shm_ratios = ratios(results)
     if shm_ratios:
-        display.line(f"ratios ({caches_line(caches)}): " + "; ".join(f"{k} {v:.2f}x" for k, v in shm_ratios.items()))
+        display.line(f"ratios ({like_for_like_phrase(caches)}): " + "; ".join(f"{k} {v:.2f}x" for k, v in shm_ratios.items()))
     paired = round_ratios(runs)
     if paired:
         display.line("round by round: " + "; ".join(
