@@ -81,10 +81,12 @@ def test_a_mixed_comparison_is_refused() -> None:
     assert r["worker RSS local-batched/shmeval"] == 1.0
 
     # through the command line: refused before anything starts
+    # (and a per-worker cache that no mode would use)
     codes, tf = exit_codes_in_a_fresh_interpreter([
         ["selfplay", "--compare", "--cache", "1024", "--seconds", "1"],
-        ["selfplay", "--compare", "shmeval,local-batched", "--cache", "1024", "--seconds", "1"]])
-    assert codes == [1, 1]
+        ["selfplay", "--compare", "shmeval,local-batched", "--cache", "1024", "--seconds", "1"],
+        ["selfplay", "--local-cache", "64", "--seconds", "1"]])
+    assert codes == [1, 1, 1]
     assert not tf
 
 

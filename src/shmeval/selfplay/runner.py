@@ -72,6 +72,10 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
     problem = mixed_caches(caches) if len(modes) > 1 else None
     if problem:
         raise ValueError(problem)
+    if s.local_cache and all(c.kind == "shared" for c in caches.values()):
+        raise ValueError("--local-cache is the cache of the modes without the shared one, and "
+                         "shmeval's shared cache is on: add --cache 0 to give shmeval's workers "
+                         "a cache each instead")
     if s.train and list(modes) != ["shmeval"]:
         raise ValueError("--train runs in shmeval mode only (the learner pushes its weights "
                          "into the shmeval evaluator)")
