@@ -132,7 +132,8 @@ def format_table(results: Dict[str, Dict[str, Any]], workers: int) -> str:
         return text
 
     for mode, r in results.items():
-        rows.append([mode, CacheSetting(**r["cache_setting"]).label(), rate(r, "moves_per_s"), rate(r, "evals_per_s"),
+        rows.append([mode, CacheSetting(**r["cache_setting"]).label(),
+                     rate(r, "moves_per_s"), rate(r, "evals_per_s"),
                      f"{r['mean_batch']:.1f}" if r["mean_batch"] else "-", f"{round(r['games']):,}",
                      f"{r['worker_rss_mb']:.0f}" if r["worker_rss_mb"] else "-",
                      f"{r['evaluator_rss_mb']:.0f}" if r["evaluator_rss_mb"] else "-",
