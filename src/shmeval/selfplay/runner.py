@@ -141,7 +141,8 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
                      f"{', '.join(busy)} ('other load', in cores): those figures are skewed")
     shm_ratios = ratios(results)
     if shm_ratios:
-        display.line(f"ratios ({like_for_like_phrase(caches)}): " + "; ".join(f"{k} {v:.2f}x" for k, v in shm_ratios.items()))
+        display.line(f"ratios ({like_for_like_phrase(caches)}): "
+                     + "; ".join(f"{k} {v:.2f}x" for k, v in shm_ratios.items()))
     paired = round_ratios(runs)
     if paired:
         display.line("round by round: " + "; ".join(
