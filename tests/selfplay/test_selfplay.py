@@ -501,7 +501,8 @@ def test_repeats_are_summarised_by_medians() -> None:
     def fake(moves: float, rss: float, other: float) -> Dict[str, Any]:
         return {"moves_per_s": moves, "evals_per_s": 30 * moves, "mean_batch": 2.0,
                 "worker_rss_mb": rss, "evaluator_rss_mb": None, "games": int(moves),
-                "startup_s": 1.0, "cpu": {"other_cores": other}, "tag": moves}
+                "startup_s": 1.0, "cpu": {"other_cores": other}, "tag": moves,
+                "cache_setting": {"kind": "none", "entries": 0}}
 
     runs = [fake(300, 40, 0.0), fake(100, 50, 0.5), fake(200, 45, 0.1)]
     r = report.combine_runs(runs)

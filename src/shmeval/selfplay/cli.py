@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 from dataclasses import replace
-from typing import Any
+from typing import Any, List
 
 from .._util.display import Display
 from ..games.connect4_net import NetConfig
@@ -21,8 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n = NetConfig()
     p.add_argument("--mode", choices=MODES, default="shmeval",
                    help="how the workers reach the net (default shmeval)")
-    p.add_argument("--compare", action="store_true",
-                   help=f"run {', '.join(COMPARE_MODES)} one after the other, same settings")
+    p.add_argument("--compare", nargs="?", const=list(COMPARE_MODES), type=_modes,
+                   metavar="MODES",
+                   help=f"run several modes one after the other, same settings: MODES "
+                        f"comma-separated or all (default {','.join(COMPARE_MODES)}: local, "
+                        f"one net call per leaf, only when named; it adds about half a minute "
+                        f"of start-up). Every mode runs without a cache unless --cache and "
+                        f"--local-cache give each one (a mix is refused)")
     p.add_argument("--workers", type=int, default=d.workers,
                    help=f"worker processes playing games (default {d.workers})")
     p.add_argument("--games-per-worker", type=int, default=d.games_per_worker,
@@ -34,18 +39,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shmeval mode: K groups of --games-per-worker games per worker, each "
                         "searched while the others' leaves are evaluated (default 1: the "
                         "blocking search; see docs/selfplay.md)")
-    p.add_argument("--cache", type=int, default=d.cache, metavar="N",
+    p.add_argument("--cache", type=int, metavar="N",
                    help="shmeval mode: a shared evaluation cache of N entries (a power of "
                         "two; 0: none), consulted by every worker before it sends a position "
-                        f"(default {d.cache:,}, 16 MiB; see docs/selfplay.md)")
+                        f"(default {d.cache:,}, 16 MiB; with --compare 0; see docs/selfplay.md)")
     p.add_argument("--local-cache", type=int, default=d.local_cache, metavar="N",
-                   help="a cache of N entries in each worker instead (any mode), the scheme "
-                        "of engines that run one search per process; to compare with --cache")
+                   help="a cache of N entries in each worker, the scheme of engines that run "
+                        "one search per process: in every mode but shmeval with its shared "
+                        "cache (--cache 0 gives shmeval this one too; default: none)")
     p.add_argument("--seconds", type=float, default=d.seconds,
                    help=f"measured window per mode (default {d.seconds:g})")
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="run each mode this many times (with --compare: in rounds, "
-                        "shmeval, queue, local, shmeval, ...) and report medians (default 1)")
+                        "shmeval, queue, local-batched, shmeval, ...) and report medians "
+                        "(default 1)")
     p.add_argument("--warmup", type=float, default=d.warmup,
                    help=f"seconds of play before the window opens (default {d.warmup:g})")
     p.add_argument("--seed", type=int, default=d.seed, help="initial weights and games (default 0)")
@@ -110,12 +117,29 @@ def _auto_or_int(text: str) -> "int | str":
     return text if text == "auto" else int(text)
 
 
+def _modes(text: str) -> List[str]:
+    """``--compare``'s MODES: comma-separated names, or all."""
+    if text == "all":
+        return list(MODES)
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(unknown) or '(none)'}; choose from "
+            f"{', '.join(MODES)} or all")
+    if len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"a mode named twice in {text!r}")
+    return modes
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     net = replace(NetConfig(), blocks=args.blocks, filters=args.filters,
                   learning_rate=args.learning_rate)
     return Settings(workers=args.workers, games_per_worker=args.games_per_worker,
                     simulations=args.simulations, pipeline=args.pipeline,
-                    cache=args.cache, local_cache=args.local_cache,
+                    cache=(args.cache if args.cache is not None
+                           else 0 if args.compare else Settings.cache),
+                    local_cache=args.local_cache,
                     seconds=args.seconds, warmup=args.warmup,
                     repeats=args.repeats,
                     seed=args.seed, evaluator_threads=args.evaluator_threads,
@@ -151,7 +175,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     """``shmeval selfplay``: returns the exit code."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # inherited by every child
-    modes = list(COMPARE_MODES) if args.compare else [args.mode]
+    modes = args.compare or [args.mode]
     display = Display()
     try:
         s = settings_from_args(args)

@@ -56,6 +56,8 @@ class ModeRun:
                  buffer: Optional[ReplayBuffer] = None, learner: Optional[Learner] = None) -> None:
         self.name = mode
         self.mode = MODE_CLASSES[mode](s)
+        #: The mode's one cache (shared, per worker or none).
+        self.cache = self.mode.cache()
         self.s = s
         self.display = display
         self.store = store
@@ -133,7 +135,8 @@ class ModeRun:
         for i in range(s.workers):
             self.procs.append(start_process(
                 self.ctx, worker_main, f"selfplay-{self.name}-{i}",
-                (i, s, self.counters, self.flags, self.go, self.out_q, links[i], worker_cpus)))
+                (i, s, self.counters, self.flags, self.go, self.out_q, links[i],
+                 self.cache.per_worker, worker_cpus)))
 
         def while_waiting() -> None:
             self._drain()
@@ -177,7 +180,7 @@ class ModeRun:
                 f"evals/s {fmt_rate((b['evals'] - a['evals']) / dt)}  "
                 + (f"mean batch {mb:.1f}" if mb is not None else "mean batch -"))
         text += self.mode.status(b)
-        if self.s.local_cache and b["local_lookups"]:
+        if self.cache.per_worker and b["local_lookups"]:
             text += f"  local caches {b['local_hits'] / b['local_lookups']:.0%} hits"
         if self.learner is not None:
             loss = self.learner.loss
@@ -285,6 +288,8 @@ class ModeRun:
             # As the workers reported it: one policy, or "mixed".
             "worker_sched": _one({i.get("sched") for i in self.infos.values()}),
             "precision": self.mode.precision(),
+            # The one cache the mode ran with: {"kind", "entries"}.
+            "cache_setting": self.cache.to_json(),
             "probe": self.infos.get(0, {}).get("probe"),
             "cpu": {
                 "workers_cores": d["cpu_workers"] / dt,
@@ -305,8 +310,9 @@ class ModeRun:
             },
         }
         r.update(self.mode.result(d, dt))
-        if s.local_cache:
-            r["local_cache"] = {"entries_per_worker": s.local_cache, "hits": d["local_hits"],
+        if self.cache.per_worker:
+            r["local_cache"] = {"entries_per_worker": self.cache.per_worker,
+                                "hits": d["local_hits"],
                                 "misses": d["local_lookups"] - d["local_hits"],
                                 "hit_rate": (d["local_hits"] / d["local_lookups"]
                                              if d["local_lookups"] else 0.0)}

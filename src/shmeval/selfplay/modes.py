@@ -38,7 +38,7 @@ from .net import OUTPUTS, EvaluateBatch, evaluator_model, local_net
 from .pinning import cpu_split
 from .queue_evaluator import (N_COUNTERS, Q_BATCHES, Q_BUSY_NS, Q_MODEL_NS, Q_REQUESTS, Q_ROWS,
                               QueueLink, queue_evaluator_main)
-from .settings import Settings
+from .settings import CacheSetting, Settings
 from .worker import NetLink
 
 Snapshot = Dict[str, Any]
@@ -64,6 +64,11 @@ class Mode:
     central = False
     #: The net is called with batches of rows, not one row at a time.
     batched = True
+    #: The evaluator has a cache shared by every worker (``--cache``); the
+    #: other modes' only cache is one in each worker (``--local-cache``).
+    #: The queue evaluator has none: a table there would save rows of the
+    #: net but not a hit's round trip through the queues.
+    shared_cache = False
 
     def __init__(self, s: Settings) -> None:
         self.s = s
@@ -105,6 +110,10 @@ class Mode:
     def precision(self) -> str:
         """What the net computes in (:meth:`Settings.net_precision`)."""
         return self.s.net_precision(self.batched)
+
+    def cache(self) -> CacheSetting:
+        """The mode's one cache (:meth:`Settings.cache_of`)."""
+        return self.s.cache_of(self.shared_cache)
 
     def result(self, d: Snapshot, dt: float) -> Dict[str, Any]:
         """What the mode's result adds, from the counters' change ``d``
@@ -172,6 +181,7 @@ class ShmevalMode(_CentralMode):
     ``evaluate_many`` round trip through shared memory."""
 
     name = "shmeval"
+    shared_cache = True
 
     def tf_threads(self) -> int:
         """``--evaluator-threads``, else the CPUs the evaluator may use (one

@@ -1,24 +1,62 @@
-"""The summary of a self-play run: one mode's runs combined into medians,
-shmeval's ratios to the other modes, and the table printed at the end."""
+"""The summary of a self-play run: the caches compared (like for like or
+refused), one mode's runs combined into medians, shmeval's ratios to the
+other modes, and the table printed at the end."""
 from __future__ import annotations
 
 import statistics
 from typing import Any, Dict, List, Optional
 
 from .._util.display import fmt_rate
+from .settings import CacheSetting
 
 
 #: The modes the summary compares shmeval with, in this order.
-COMPARED = ("local", "queue", "local-batched")
+COMPARED = ("queue", "local-batched", "local")
+#: The modes whose workers each hold a net: their RSS is compared with shmeval's.
+NET_IN_WORKERS = ("local-batched", "local")
+
+
+def mixed_caches(caches: Dict[str, CacheSetting]) -> Optional[str]:
+    """Why a comparison of the modes ``caches`` names is not like for like,
+    or None when it is: every mode with a cache (of whichever kind) or none
+    with one.  A ratio of a mode answering from a cache over one without
+    would credit the transport with the cache's answers."""
+    cached = [m for m, c in caches.items() if c.kind != "none"]
+    bare = [m for m, c in caches.items() if c.kind == "none"]
+    if not cached or not bare:
+        return None
+    return (f"not like for like: {', '.join(f'{m} ({caches[m].label()})' for m in cached)} "
+            f"would answer from a cache and {', '.join(bare)} from none; give every mode a "
+            "cache (--local-cache N: one in each worker of the modes without the shared one) "
+            "or none (--cache 0)")
+
+
+def caches_line(caches: Dict[str, CacheSetting]) -> str:
+    """The summary's line on the caches the modes ran with."""
+    if all(c.kind == "none" for c in caches.values()):
+        return "caches: none in any mode"
+    return "caches: " + "; ".join(f"{m} {c.label()}" for m, c in caches.items()) + (
+        " (entries per table; the queue and local modes have no shared table)")
+
+
+def like_for_like_phrase(caches: Dict[str, CacheSetting]) -> str:
+    """What the ratios compare, in a few words."""
+    if all(c.kind == "none" for c in caches.values()):
+        return "like for like: no mode with a cache"
+    return "like for like: every mode with a cache"
 
 
 def ratios(results: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
-    """shmeval's moves/s and evals/s over each other mode's, and the local
-    workers' RSS over shmeval's."""
+    """shmeval's moves/s and evals/s over each other mode's, and the RSS of
+    the workers holding a net over shmeval's workers'.  Raises ValueError
+    when the modes' caches are mixed (:func:`mixed_caches`)."""
     out: Dict[str, float] = {}
     shm = results.get("shmeval")
     if shm is None:
         return out
+    problem = mixed_caches({m: CacheSetting(**r["cache_setting"]) for m, r in results.items()})
+    if problem:
+        raise ValueError(problem)
     for other in COMPARED:
         o = results.get(other)
         if o is None:
@@ -26,8 +64,8 @@ def ratios(results: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
         for k in ("moves_per_s", "evals_per_s"):
             if o[k]:
                 out[f"shmeval/{other} {k}"] = shm[k] / o[k]
-        if other == "local" and shm["worker_rss_mb"] and o["worker_rss_mb"]:
-            out["worker RSS local/shmeval"] = o["worker_rss_mb"] / shm["worker_rss_mb"]
+        if other in NET_IN_WORKERS and shm["worker_rss_mb"] and o["worker_rss_mb"]:
+            out[f"worker RSS {other}/shmeval"] = o["worker_rss_mb"] / shm["worker_rss_mb"]
     return out
 
 
@@ -82,7 +120,7 @@ def combine_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def format_table(results: Dict[str, Dict[str, Any]], workers: int) -> str:
     """The summary table, one row per mode (each ran ``workers`` workers)."""
-    headers = ["mode", "moves/s", "evals/s", "mean batch", "games", "worker RSS MB",
+    headers = ["mode", "cache", "moves/s", "evals/s", "mean batch", "games", "worker RSS MB",
                "evaluator RSS MB", "TF in workers", "start-up s", "other load"]
     rows = []
 
@@ -94,7 +132,8 @@ def format_table(results: Dict[str, Dict[str, Any]], workers: int) -> str:
         return text
 
     for mode, r in results.items():
-        rows.append([mode, rate(r, "moves_per_s"), rate(r, "evals_per_s"),
+        rows.append([mode, CacheSetting(**r["cache_setting"]).label(),
+                     rate(r, "moves_per_s"), rate(r, "evals_per_s"),
                      f"{r['mean_batch']:.1f}" if r["mean_batch"] else "-", f"{round(r['games']):,}",
                      f"{r['worker_rss_mb']:.0f}" if r["worker_rss_mb"] else "-",
                      f"{r['evaluator_rss_mb']:.0f}" if r["evaluator_rss_mb"] else "-",

@@ -11,6 +11,10 @@ already run side by side; TensorFlow's pools would make each slower and
 costlier), TensorFlow's default pools (one thread per CPU) for queue (its
 one evaluator thread reaches the other CPUs only through them).
 
+A comparison runs every mode with a cache or every mode without one (each
+mode's one cache: :meth:`Settings.cache_of`); a mix is refused before
+anything starts (:func:`~shmeval.selfplay.report.mixed_caches`).
+
 Moves/s and evals/s are measured over a window that opens ``warmup``
 seconds after every worker has started playing and lasts ``seconds``.
 """
@@ -29,7 +33,8 @@ from .mode_run import ModeRun
 from .modes import MODE_CLASSES
 from .records import GameStore, load_games, save_games
 from .replay_buffer import ReplayBuffer
-from .report import combine_runs, format_table, ratios, round_ratios
+from .report import (caches_line, combine_runs, format_table, like_for_like_phrase, mixed_caches,
+                     ratios, round_ratios)
 from .settings import MODES, Settings
 
 #: CPU cores used by other programs in a window above which the summary warns.
@@ -63,6 +68,14 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
     if s.pipeline > 1 and list(modes) != ["shmeval"]:
         raise ValueError("--pipeline searches through Client.submit: the shmeval mode only "
                          "(no --mode or --compare)")
+    caches = {m: MODE_CLASSES[m](s).cache() for m in modes}
+    problem = mixed_caches(caches) if len(modes) > 1 else None
+    if problem:
+        raise ValueError(problem)
+    if s.local_cache and all(c.kind == "shared" for c in caches.values()):
+        raise ValueError("--local-cache is the cache of the modes without the shared one, and "
+                         "shmeval's shared cache is on: add --cache 0 to give shmeval's workers "
+                         "a cache each instead")
     if s.train and list(modes) != ["shmeval"]:
         raise ValueError("--train runs in shmeval mode only (the learner pushes its weights "
                          "into the shmeval evaluator)")
@@ -92,6 +105,7 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         f"{'folded into the graph' if s.freeze else 'in variables'}; net in "
         + ", ".join(f"{m} {MODE_CLASSES[m](s).precision()}" for m in modes)
         + ("; central evaluator pinned to its own CPU" if s.pin else ""))
+    display.line(caches_line(caches))
     if s.train:
         buffer = ReplayBuffer(s.buffer_size)
         if loaded is not None:
@@ -127,7 +141,8 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
                      f"{', '.join(busy)} ('other load', in cores): those figures are skewed")
     shm_ratios = ratios(results)
     if shm_ratios:
-        display.line("ratios: " + "; ".join(f"{k} {v:.2f}x" for k, v in shm_ratios.items()))
+        display.line(f"ratios ({like_for_like_phrase(caches)}): "
+                     + "; ".join(f"{k} {v:.2f}x" for k, v in shm_ratios.items()))
     paired = round_ratios(runs)
     if paired:
         display.line("round by round: " + "; ".join(
@@ -148,6 +163,7 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
             display.line(win_rate_line(r["win_rate"]))
     out: Dict[str, Any] = {
         "settings": {**asdict(s), "modes": list(modes)}, "machine": machine,
+        "caches": {m: c.to_json() for m, c in caches.items()},
         "modes": results, "ratios": shm_ratios, "round_ratios": paired, "wall_s": wall,
         "games_received": len(store), "loaded_samples": len(loaded) if loaded is not None else 0}
     if games_path:

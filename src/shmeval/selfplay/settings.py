@@ -4,18 +4,47 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from ..backends._device import cpu_bfloat16, gpu_visible
 from ..games.connect4_net import NetConfig
 
 #: The ways the workers reach the net (see :mod:`shmeval.selfplay.modes`).
 MODES = ("shmeval", "queue", "local", "local-batched")
-#: What ``--compare`` runs, in this order.
-COMPARE_MODES = ("shmeval", "queue", "local")
+#: What ``--compare`` runs unless told otherwise, in this order: shmeval
+#: and the two baselines a user would build (``local``, one call per leaf,
+#: only on request: it adds half a minute and compares with what nobody
+#: would run).
+COMPARE_MODES = ("shmeval", "queue", "local-batched")
 #: The most games a pipelined worker keeps in flight: an evaluator client's
 #: slots (``slots_per_client`` <= 64), one per game.
 MAX_PIPELINED_GAMES = 64
+
+
+@dataclass(frozen=True)
+class CacheSetting:
+    """Where a mode's workers find answers before they reach the net:
+    ``kind`` "shared" (the shmeval evaluator's table), "per worker" (a
+    table in each worker, ``--local-cache``) or "none"; ``entries`` the
+    shared table's, or each worker's."""
+
+    kind: str
+    entries: int = 0
+
+    @property
+    def per_worker(self) -> int:
+        """Entries of each worker's own table (0: none)."""
+        return self.entries if self.kind == "per worker" else 0
+
+    def label(self) -> str:
+        """As the summary names it: "shared 262,144", "per worker 8,192", "none"."""
+        return self.kind if self.kind == "none" else f"{self.kind} {self.entries:,}"
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"kind": self.kind, "entries": self.entries}
+
+
+NO_CACHE = CacheSetting("none")
 
 
 @dataclass(frozen=True)
@@ -31,9 +60,11 @@ class Settings:
     #: Entries of the shmeval evaluator's shared evaluation cache (0: none;
     #: a power of two).  On by default: 16 MiB hold about all the demo
     #: revisits (bench/cache.py), and a miss costs well under a microsecond.
+    #: ``--compare`` defaults to 0 (the cli), every mode without a cache.
     cache: int = 1 << 18
     #: Entries of a cache in each worker (a dict, least recently used out;
-    #: 0: none): the per-process scheme, to compare with the shared one.
+    #: 0: none): the per-process scheme, in the modes without the shared
+    #: one (:meth:`Settings.cache_of`).
     local_cache: int = 0
     seconds: float = 10.0
     warmup: float = 1.0
@@ -76,6 +107,18 @@ class Settings:
         if cpus is None:
             cpus = len(os.sched_getaffinity(0))
         return "batch" if self.workers > cpus else "normal"
+
+    def cache_of(self, shared: bool) -> CacheSetting:
+        """The one cache of a mode whose evaluator has a shared table
+        (``shared``: the shmeval mode) or has none: the shared table when
+        ``cache`` is set, else a table in each worker when ``local_cache``
+        is, else none.  One cache per mode, so that a comparison compares
+        caches (shared against per worker), not one cache against two."""
+        if shared and self.cache:
+            return CacheSetting("shared", self.cache)
+        if self.local_cache:
+            return CacheSetting("per worker", self.local_cache)
+        return NO_CACHE
 
     def calls_in_flight(self) -> int:
         """The most model calls the shmeval evaluator keeps in flight:

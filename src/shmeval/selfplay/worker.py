@@ -91,10 +91,12 @@ def probe_states() -> np.ndarray:
 
 
 def worker_main(wid: int, s: Settings, counters_raw: Any, flags_raw: Any, go: Any,
-                out_q: Any, link: NetLink, cpus: Optional[set[int]] = None) -> None:
-    """One self-play worker: opens its way to the net, evaluates the probe
-    states (worker 0), reports ready, waits for ``go``, then plays until the
-    stop flag is set.  Sends ("ready" | "done" | "error", worker id, info)
+                out_q: Any, link: NetLink, local_cache: int,
+                cpus: Optional[set[int]] = None) -> None:
+    """One self-play worker: opens its way to the net (behind a
+    :class:`LocalCache` of ``local_cache`` entries unless 0), evaluates the
+    probe states (worker 0), reports ready, waits for ``go``, then plays
+    until the stop flag is set.  Sends ("ready" | "done" | "error", worker id, info)
     and ("game", worker id, moves, policies) on ``out_q``."""
     child_setup()
     # Decided before pinning, on the CPUs the run was given.
@@ -106,9 +108,9 @@ def worker_main(wid: int, s: Settings, counters_raw: Any, flags_raw: Any, go: An
         if policy == "batch":
             use_batch_scheduling()
         inner = link.open(s)
-        if s.local_cache:
+        if local_cache:
             c = np.frombuffer(counters_raw, dtype=np.int64)[wid * NF:(wid + 1) * NF]
-            inner = LocalCache(inner, s.local_cache, c)
+            inner = LocalCache(inner, local_cache, c)
         submit: Optional[mcts.SubmitBatch] = None
         if s.pipeline > 1:
             if not isinstance(link, PipelinedLink):
