@@ -161,9 +161,8 @@ MUTATIONS = [
         shm_futex_wake(lock, 1);""",
         """    atomic_exchange_explicit(lock, 0, memory_order_release);"""),)),
     Mutation("no fair share between replicas", "fair_share", "plain", ((
-        """        uint32_t cap = s->p.replicas > 1
-                           ? shm_fair_share(s, v, n, max_batch) : max_batch;""",
-        """        uint32_t cap = max_batch;"""),)),
+        """        n = shm_scan(s, v, own, batch, n, &cap, s->p.replicas > 1, cursor, now);""",
+        """        n = shm_scan(s, v, own, batch, n, &cap, 0, cursor, now);"""),)),
     Mutation("the weights floor never comes down", "version_floor", "plain", ((
         """    /* Nobody serves the floor: bring it down to us (unless it moved). */
     return atomic_compare_exchange_strong_explicit(
@@ -202,6 +201,12 @@ MUTATIONS = [
     for (; i + 2 <= nw; i += 2) h = shm_check_step(h, data[i], data[i + 1]);""",
         """    uint64_t i = nw;
     for (; i + 2 <= nw; i += 2) h = shm_check_step(h, data[i], data[i + 1]);"""),)),
+    Mutation("a put-back does not ring for completed slots", "requeue_rings", "plain", ((
+        """        if (shm_state_is_final(shm_word_state(cur)) &&
+            shm_word_gen(cur) == taken[i].gen)
+            shm_ring_word""",
+        """        if (0)
+            shm_ring_word"""),)),
     Mutation("a reclaim wakes nobody", "reclaim_wakes", "plain", ((
         """    shm_ring_word(&h->done_seq[c / 32u], 1u << (c % 32u));\n""", ""),)),
     Mutation("one word can zero the cache check's history", "cache_check", "plain", ((

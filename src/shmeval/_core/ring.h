@@ -1702,9 +1702,10 @@ static inline void shm_cache_census(shm_seg *s, uint64_t sample,
 /* ------------------------------------------------------------------ */
 
 /* Scans client entries starting at *cursor and takes READY slots (up to
- * max_batch in total) into `own`, server v's batch table in the caller's
- * memory, gathering their inputs into batch rows [n, ...).  Returns the
- * new n.
+ * *cap in total; with `share`, *cap comes down to server v's fair share,
+ * shm_fair_share, counted when the first READY slot is found) into `own`,
+ * server v's batch table in the caller's memory, gathering their inputs
+ * into batch rows [n, ...).  Returns the new n.
  *
  * `own` is the authoritative table: completion (shm_finish and the
  * functions that call it) reads only it, never indexes read back from the
@@ -1712,9 +1713,12 @@ static inline void shm_cache_census(shm_seg *s, uint64_t sample,
  * table (shm_server_taken) exists only so that, should this replica die,
  * another can put its requests back (shm_requeue, which bounds-checks what
  * it reads). */
+static inline uint32_t shm_fair_share(shm_seg *s, uint32_t v, uint32_t n,
+                                      uint32_t max_batch);
+
 static inline uint32_t shm_scan(shm_seg *s, uint32_t v, shm_taken *own,
-                                char *batch, uint32_t n, uint32_t max_batch,
-                                uint32_t *cursor, uint64_t now) {
+                                char *batch, uint32_t n, uint32_t *cap,
+                                int share, uint32_t *cursor, uint64_t now) {
     shm_header *h = shm_hdr(s);
     shm_server_head *head = shm_server_at(s, v);
     shm_taken *copy = shm_server_taken(s, v);
@@ -1722,13 +1726,20 @@ static inline uint32_t shm_scan(shm_seg *s, uint32_t v, shm_taken *own,
     uint32_t K = s->p.slots_per_client;
     if (hwm == 0) return n;
     uint32_t start = *cursor % hwm;
-    for (uint32_t i = 0; i < hwm && n < max_batch; i++) {
+    for (uint32_t i = 0; i < hwm && n < *cap; i++) {
         uint32_t c = (start + i) % hwm;
-        for (uint32_t k = 0; k < K && n < max_batch; k++) {
+        for (uint32_t k = 0; k < K && n < *cap; k++) {
             _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
             /* MO: relaxed; the take below decides. */
             uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
             if (shm_word_state(cur) != SLOT_READY) continue;
+            if (share) {
+                /* The share is counted at the first request found, not
+                 * on every round of an idle collect. */
+                share = 0;
+                *cap = shm_fair_share(s, v, n, *cap);
+                if (n >= *cap) break;
+            }
             uint32_t gen = shm_word_gen(cur);
             /* The segment's table lists the slot before it is TAKEN, so
              * that a replica that finds this one dead finds every slot it
@@ -1888,9 +1899,8 @@ static inline int shm_collect(shm_seg *s, uint32_t v, shm_taken *own,
                 atomic_load_explicit(&h->version_floor, memory_order_relaxed))
             return n > 0 ? (int)n : SHM_BEHIND;
         uint32_t before = n;
-        uint32_t cap = s->p.replicas > 1
-                           ? shm_fair_share(s, v, n, max_batch) : max_batch;
-        n = shm_scan(s, v, own, batch, n, cap, cursor, now);
+        uint32_t cap = max_batch;
+        n = shm_scan(s, v, own, batch, n, &cap, s->p.replicas > 1, cursor, now);
         if (n > before && before == 0) first = now;
         if (n >= cap) return (int)n;
         if (n > 0 && (max_wait_ns == 0 || now - first >= max_wait_ns))
@@ -2076,11 +2086,11 @@ static inline uint32_t shm_requeue(shm_seg *s, uint32_t v) {
         for (uint32_t tries = 0;
              (cur & ~SLOT_WAITER) == want && tries < SHM_CAS_TRIES; tries++) {
             /* MO: relaxed.  The input stays published: every write of the
-             * word since the client's release store of READY is a
-             * read-modify-write (the take's fetch_add, the client's
-             * WAITER CAS, this CAS), so they all belong to that store's
-             * release sequence, and the next taker's acquire fence, which
-             * reads this CAS's value, synchronises with the client. */
+             * word since the client's release CAS of READY is a
+             * read-modify-write (the take's CAS, the client's WAITER CAS,
+             * this CAS), so they all belong to that CAS's release
+             * sequence, and the next taker's acquire fence, which reads
+             * this CAS's value, synchronises with the client. */
             if (atomic_compare_exchange_weak_explicit(
                     w, &cur,
                     shm_slot_word(SLOT_READY, taken[i].gen) |
@@ -2090,6 +2100,14 @@ static inline uint32_t shm_requeue(shm_seg *s, uint32_t v) {
                 break;
             }
         }
+        /* A slot the dead server had completed: it may have died between
+         * its completion, which clears the WAITER bit, and the ring of the
+         * doorbell (shm_finish), and then nobody else would wake the
+         * client before its tick.  A spare ring costs one look. */
+        if (shm_state_is_final(shm_word_state(cur)) &&
+            shm_word_gen(cur) == taken[i].gen)
+            shm_ring_word(&shm_hdr(s)->done_seq[taken[i].client / 32u],
+                          1u << (taken[i].client % 32u));
     }
     atomic_store_explicit(&head->n, 0, memory_order_relaxed);
     return back;

@@ -4687,6 +4687,40 @@ static void test_scribbled_tables(void) {
     seg_free(&t);
 }
 
+/* A replica killed between its completion of a slot (which clears the
+ * client's WAITER bit) and the ring of the client's doorbell: the put-back
+ * of its tables rings it, so the client sees its answer now, not at its
+ * next timeout. */
+static void test_requeue_rings(void) {
+    start_test("requeue_rings", 60);
+    test_seg t;
+    shm_seg *s = two_replicas(&t, 1);
+    CHECK_EQ(shm_replica_stop(s, 1, REPLICA_STOPPED), 1); /* 0 takes it */
+    scanner_arg x = {.s = s, .v = 0};
+    scanner(&x);
+    CHECK_EQ(x.n, 1);
+    slot_waiter_arg a = {.s = s, .gen = 0};
+    pthread_t tw;
+    CHECK_EQ(pthread_create(&tw, NULL, slot_waiter, &a), 0);
+    uint64_t t0 = shm_now_ns();
+    while (!(word_of(s, 0, 0) & SLOT_WAITER)) { /* until it sleeps */
+        CHECK(shm_now_ns() - t0 < 5000 * MS);
+        sleep_ns(100 * US);
+    }
+    sleep_ns(20 * MS);
+    /* replica 0 completes (WAITER cleared) and dies before its ring */
+    store_word(s, 0, 0, shm_slot_word(SLOT_DONE, 0));
+    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD), 0);
+    CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
+    CHECK_EQU(shm_requeue_replica(s, 1, 0), 0);
+    shm_collect_unlock(s);
+    CHECK_EQ(pthread_join(tw, NULL), 0);
+    CHECK_EQ(a.rc, SLOT_DONE);
+    CHECK_MSG(a.ns < PROMPT_NS, "the client saw its answer after %.3f s",
+              secs(a.ns));
+    seg_free(&t);
+}
+
 /* ------------------------------------------------------------------ */
 
 typedef struct {
@@ -4715,6 +4749,7 @@ static const test_case k_tests[] = {
     {"lock_wake", test_lock_wake}, {"begin_owner", test_begin_owner},
     {"abort", test_abort}, {"scribbled_tables", test_scribbled_tables},
     {"cache_check", test_cache_check}, {"reclaim_wakes", test_reclaim_wakes},
+    {"requeue_rings", test_requeue_rings},
 };
 
 int main(int argc, char **argv) {
