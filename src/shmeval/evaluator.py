@@ -860,7 +860,7 @@ class Evaluator(Client):
             senders.append(sender)
             self._processes.append(proc)
         self._init_control()
-        self._healer = Healer(seg, restarts, self._processes) if restarts else None
+        self._healer = Healer(seg, restarts, self._processes)
         self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
                                           None, self._processes, 10.0, self._healer)
         try:
@@ -878,7 +878,7 @@ class Evaluator(Client):
             for receiver in self._controls:
                 receiver.close()
             raise
-        if self._healer is not None:
+        if restarts:
             # A weak reference: the watcher must not keep the evaluator alive.
             restart = weakref.WeakMethod(self._restart)
             self._healer.run_in_thread(
@@ -926,7 +926,7 @@ class Evaluator(Client):
 
     _controls: list[Any]  # our ends of the control pipes, one per replica
     _launcher: "_Launcher"  # starts the serving processes (spawn)
-    _healer: Optional[Healer]  # restarts dead ones (spawn with restarts > 0)
+    _healer: Optional[Healer]  # restarts dead ones (spawn; watching if restarts > 0)
     _exporter: Any = None  # the Prometheus exporter (metrics_port)
 
     def _start_metrics(self, port: Optional[int]) -> None:

@@ -113,6 +113,7 @@ def test_a_dead_replica_is_replaced_by_the_others_until_none_is_left() -> None:
             for _ in range(100):
                 ev.evaluate(make_state(12))
     assert ev.stats()["state"] == "died"
+    assert ev.stats()["restarts"] == []
 
 
 @pytest.mark.timeout(120)
