@@ -50,6 +50,9 @@ MAX_SERVING_THREADS = 8
 MAX_REPLICAS = 64
 #: How long the serving loop waits for its other threads when it stops.
 THREAD_JOIN_S = 10.0
+#: How often set_weights looks whether a restarted replica serves, when
+#: every one died before it applied an update.
+RESTART_POLL_S = 0.05
 #: The exit code of a replica process that ends itself because a serving
 #: thread did not return within THREAD_JOIN_S (_ServingLoop.leave).
 EXIT_STUCK = 70
@@ -988,11 +991,32 @@ class Evaluator(Client):
         return self._request("load_weights", os.fspath(path), version, timeout)
 
     def _request(self, method: str, arg: Any, version: Optional[int], timeout: float) -> int:
+        """Sends the update to every replica.  When every replica died
+        before applying it and the owner restarts them (restarts=), it is
+        sent again once one serves, within the timeout."""
         if os.getpid() != self._owner_pid:
             raise ShmevalError(f"only the process that created the evaluator "
                                f"({self._owner_pid}) can change its model")
         seg = self._seg
         assert seg is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            new = self._request_once(seg, method, arg, version, deadline, timeout)
+            if new is not None:
+                return new
+            while seg.restarts_left() and not any(p.is_alive() for p in self._processes):
+                self._check_alive(seg)  # EvaluatorDied once no restart is left
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the evaluator did not apply {method} within "
+                                       f"{timeout} s: its serving processes are restarting")
+                time.sleep(RESTART_POLL_S)
+
+    def _request_once(self, seg: "_ring.Segment", method: str, arg: Any,
+                      version: Optional[int], deadline: float,
+                      timeout: float) -> Optional[int]:
+        """One round of _request: the new version, or None when no replica
+        applied the update because every one died, and a restart is
+        coming."""
         with self._control_lock:
             new = self._version + 1 if version is None else operator.index(version)
             if new <= self._version:
@@ -1010,10 +1034,9 @@ class Evaluator(Client):
                 except OSError:
                     continue
             if not pending:
-                self._check_alive(seg)
-                raise EvaluatorDied(f"the evaluator serving {self._address} is gone")
+                self._raise_unless_restarting(seg)
+                return None
             applied, refused = 0, dict[int, str]()
-            deadline = time.monotonic() + timeout
             while pending:
                 for ready in mp_connection.wait(list(pending), timeout=0.05):
                     conn = typing.cast(mp_connection.Connection, ready)
@@ -1052,12 +1075,19 @@ class Evaluator(Client):
                                          f"serve alone until these accept a newer version)"
                                          if applied else ""))
             if not applied:
-                self._check_alive(seg)
-                raise EvaluatorDied(f"the evaluator serving {self._address} is gone")
+                self._raise_unless_restarting(seg)
+                return None
             # Counted once per update, however many replicas applied it.
             seg.stat_put("model_version", new)
             seg.stat_inc("weight_updates", 1)
             return new
+
+    def _raise_unless_restarting(self, seg: "_ring.Segment") -> None:
+        """No replica got an update: EvaluatorDied, unless a restart is
+        coming."""
+        self._check_alive(seg)
+        if not seg.restarts_left():
+            raise EvaluatorDied(f"the evaluator serving {self._address} is gone")
 
     @property
     def pid(self) -> int:

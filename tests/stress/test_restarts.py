@@ -150,7 +150,8 @@ def test_a_killed_replica_is_restarted_and_serves_again() -> None:
 def test_a_restarted_replica_serves_the_current_weights(replicas: int) -> None:
     """set_weights(v1), then the serving process is killed: the restarted
     one answers with v1's weights, stamped version 1, never 0."""
-    with shmeval.Evaluator.spawn(WeightedModel, replicas=replicas, restarts=2, **KW) as ev:
+    with shmeval.Evaluator.spawn(WeightedModel, replicas=replicas, restarts=replicas + 1,
+                                 **KW) as ev:
         assert ev.set_weights([np.float32(1000.0)]) == 1
         for r in range(replicas):
             kill_and_await_restart(ev, r, r + 1)
@@ -161,6 +162,17 @@ def test_a_restarted_replica_serves_the_current_weights(replicas: int) -> None:
         assert ev.set_weights([np.float32(2000.0)]) == 2  # the new pipes carry updates
         out, version = ev.evaluate(make_state(7), return_version=True)
         assert version == 2 and out["value"] == -7 + 2000.0
+        # An update while replica 0 is down (between its death and its
+        # restart): the others, or the restarted one, apply it.
+        os.kill(ev.pids[0], signal.SIGKILL)
+        assert ev.set_weights([np.float32(3000.0)]) == 3
+        out, version = ev.evaluate(make_state(8), return_version=True)
+        assert version == 3 and out["value"] == -8 + 3000.0
+        deadline = time.monotonic() + STEP_S
+        while len(ev.stats()["restarts"]) < replicas + 1:
+            assert time.monotonic() < deadline, "the killed process was not restarted"
+            time.sleep(0.01)
+        assert [rep["model_version"] for rep in ev.stats()["replicas"]] == [3] * replicas
 
 
 @pytest.mark.timeout(60)
