@@ -180,3 +180,36 @@ def test_a_restarted_replica_serves_the_current_weights(replicas: int) -> None:
 def test_restarts_is_checked(restarts: Any) -> None:
     with pytest.raises(ValueError, match="restarts must be an int >= 0"):
         shmeval.Evaluator.spawn(slow_factory, restarts=restarts, **KW)
+
+
+CRASH_TAG = 4242
+
+
+def crash_once(flag: str, x: np.ndarray) -> dict[str, np.ndarray]:
+    """The fake model, whose first batch holding CRASH_TAG ends the serving
+    loop (an error that is not an Exception, which no batch catches)."""
+    if (x[:, 0, 0, 0] == CRASH_TAG).any() and not os.path.exists(flag):
+        open(flag, "w").close()
+        raise SystemExit("the serving loop ends")
+    return WeightedModel()(x)
+
+
+def crash_once_factory(flag: str) -> Any:
+    return functools.partial(crash_once, flag)
+
+
+@pytest.mark.timeout(120)
+def test_a_crashed_serving_loop_is_restarted(tmp_path: Any) -> None:
+    """The serving loop raises out (its process exits with code 1): the
+    evaluator stays open, the restarted process answers the request whose
+    batch crashed, and later ones."""
+    factory = functools.partial(crash_once_factory, str(tmp_path / "crashed"))
+    with shmeval.Evaluator.spawn(factory, restarts=1, serving_threads=1, **KW) as ev:
+        old = ev.pid
+        out = ev.evaluate(make_state(CRASH_TAG))
+        assert out["value"] == -CRASH_TAG
+        assert ev.pid != old
+        rec, = ev.stats()["restarts"]
+        assert rec["why"] == "exited with code 1" and rec["error"] == "", rec
+        for i in range(20):
+            assert ev.evaluate(make_state(i))["value"] == -i
