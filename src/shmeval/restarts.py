@@ -14,7 +14,6 @@ from __future__ import annotations
 import multiprocessing.connection as mp_connection
 import threading
 import time
-import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -106,20 +105,37 @@ class Healer:
             self.thread.join()
 
     def run(self) -> None:
-        while not self.stop.is_set():
-            alive = {p.sentinel: r for r, p in enumerate(self.processes) if p.exitcode is None}
+        try:
+            self.watch()
+        finally:
+            # However the watching ends (closed, every process gone, or an
+            # error here), no restart comes any more: clients must not wait
+            # for one.
+            self.left = 0
+            self.seg.set_restarts_left(0)
+
+    def watch(self) -> None:
+        given_up: set[int] = set()  # replicas left dead: no restart was left
+        while not self.stop.is_set() and self.seg.ev_state() < _ring.CLOSING:
+            # Every dead one, not only those whose sentinel fired in this
+            # wait: processes killed together fire one by one.  One look at
+            # each process per round: a second could find it exited.
+            codes = [p.exitcode for p in self.processes]
+            dead = [r for r, code in enumerate(codes) if code is not None and r not in given_up]
+            if dead:
+                if not self.heal(dead[0]):
+                    given_up.add(dead[0])
+                continue
+            alive = [p.sentinel for p, code in zip(self.processes, codes) if code is None]
             if not alive:
                 return
-            for sentinel in mp_connection.wait(list(alive), timeout=POLL_S):
-                if self.stop.is_set() or self.seg.ev_state() >= _ring.CLOSING:
-                    return
-                self.heal(alive[typing.cast(int, sentinel)])
+            mp_connection.wait(alive, timeout=POLL_S)
 
-    def heal(self, r: int) -> None:
+    def heal(self, r: int) -> bool:
         """Replica r's process died: start it again, after the backoff,
         until one serves or no restart is left (then, if no replica's
         process is left either, the evaluator dies as it did without
-        restarts)."""
+        restarts).  False when it stays dead."""
         dead = self.processes[r]
         # Its sentinel closes as it exits, a moment before it can be reaped.
         dead.join(REAP_S)
@@ -128,18 +144,19 @@ class Healer:
         while self.left > 0:
             delay = min(BACKOFF_S * 2 ** len(self.records), BACKOFF_MAX_S)
             if self.stop.wait(delay):
-                return
+                return True  # closing
             assert self.start is not None
             started = time.time()
             new_pid, error = self.start(r)
             if self.stop.is_set() and error:
-                return  # closing: not a restart that failed
+                return True  # closing: not a restart that failed
             self.left -= 1
             self.records.append(RestartRecord(started, r, pid, why, new_pid, error))
             # After the attempt ended: until then a client waits for it.
             self.seg.set_restarts_left(self.left)
             if not error:
-                return
+                return True
             why = f"its restart failed ({error})"
         if not any(p.exitcode is None for p in self.processes):
             self.seg.close_and_wake(_ring.STOP_EXITED, exitcode if exitcode is not None else 0)
+        return False

@@ -208,8 +208,42 @@ def test_a_crashed_serving_loop_is_restarted(tmp_path: Any) -> None:
         old = ev.pid
         out = ev.evaluate(make_state(CRASH_TAG))
         assert out["value"] == -CRASH_TAG
+        deadline = time.monotonic() + STEP_S
+        while not ev.stats()["restarts"]:  # the answer may come before the record
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         assert ev.pid != old
         rec, = ev.stats()["restarts"]
         assert rec["why"] == "exited with code 1" and rec["error"] == "", rec
         for i in range(20):
             assert ev.evaluate(make_state(i))["value"] == -i
+
+
+@pytest.mark.timeout(300)
+def test_every_replica_killed_at_once_is_restarted() -> None:
+    """Both replicas SIGKILLed at once under load: the first restarted one
+    finds nobody serving and puts its own batches back, then takes the
+    lock over from the other dead one; the second waits until the first
+    put its batches back.  No worker sees an error or a wrong answer."""
+    ctx = mp.get_context("spawn")
+    with shmeval.Evaluator.spawn(slow_device_factory, devices=["cpu:0", "cpu:1"], restarts=2,
+                                 **KW) as ev:
+        stop, q = ctx.Event(), ctx.Queue()
+        ps = [ctx.Process(target=load, args=(ev, w, stop, q)) for w in range(WORKERS)]
+        with running(ps, stop, JOIN_S):
+            served(ev, BETWEEN_KILLS)
+            for pid in ev.pids:
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + STEP_S
+            while len(ev.stats()["restarts"]) < 2:
+                assert time.monotonic() < deadline, "the killed processes were not restarted"
+                time.sleep(0.01)
+            served(ev, BETWEEN_KILLS, replica=0)
+            served(ev, BETWEEN_KILLS, replica=1)
+            assert q.empty(), "a worker stopped"
+            stop.set()
+            results = [q.get(timeout=JOIN_S) for _ in ps]
+        assert all(r[3] is None and r[2] == 0 and r[1] > 0 for r in results), results
+        st = ev.stats()
+        assert [r["state"] for r in st["replicas"]] == ["serving", "serving"]
+        assert sorted(r["replica"] for r in st["restarts"]) == [0, 1]
