@@ -2108,6 +2108,7 @@ static inline int shm_replica_settled(shm_seg *s, uint32_t r) {
         if (atomic_load_explicit(&shm_server_at(s, u)->n,
                                  memory_order_relaxed))
             return 0;
+    /* MO: relaxed; as the table lengths above. */
     uint32_t cur = atomic_load_explicit(&shm_hdr(s)->collect_lock,
                                         memory_order_relaxed) &
                    ~SHM_LOCK_WAITERS;
@@ -2488,9 +2489,10 @@ static inline void shm_replica_version(shm_seg *s, uint32_t r,
 }
 
 /* Replica r leaves REPLICA_SERVING for `state` (STOPPED: by itself;
- * DEAD: found dead by another, or by its restarted self).  Returns the replicas still serving after
- * it, or -1 when r was not serving (another got there first: the CAS lets
- * one caller only do what follows, such as putting r's batches back). */
+ * DEAD: found dead by another, or by its restarted self).  Returns the
+ * replicas still serving after it, or -1 when r was not serving (another
+ * got there first: the CAS lets one caller only do what follows, such as
+ * putting r's batches back) or is no longer process `pid`. */
 static inline int shm_replica_stop(shm_seg *s, uint32_t r, uint32_t state,
                                    int32_t pid) {
     uint32_t cur = REPLICA_SERVING;
