@@ -489,13 +489,46 @@ cdef class Segment:
         n = shm_report_read(&self.seg, r, buf, sizeof(buf))
         return buf[:n] if n > 0 else None
 
-    def replica_stop(self, uint32_t r, str state):
+    def replica_stop(self, uint32_t r, str state, int32_t pid=0):
         """Replica r leaves "serving" for "stopped" (by itself) or "dead"
-        (found dead by another).  Returns the replicas still serving, or -1
-        when r was not serving (someone else got there first)."""
+        (found dead by another: ``pid``, the process found gone, so that
+        one restarted meanwhile is not stopped).  Returns the replicas
+        still serving, or -1 when r was not serving (someone else got there
+        first) or is another process than ``pid`` now."""
         self._replica(r)
         return shm_replica_stop(&self.seg, r, REPLICA_STOPPED if state == "stopped"
-                                else REPLICA_DEAD)
+                                else REPLICA_DEAD, pid)
+
+    def replica_restart(self, uint32_t r, int32_t pid, uint64_t starttime):
+        """Replica r's restarted process (pid, start time) takes its entry
+        over: out of "serving" if the old process still held it, then named
+        by the new process (shm_replica_restart).  Before its servers are
+        set up: see replica_settled and requeue_restarted."""
+        self._replica(r)
+        return shm_replica_restart(&self.seg, r, pid, starttime)
+
+    def replica_settled(self, uint32_t r):
+        """True once replica r's batch tables are empty and the collect lock
+        names none of its servers (the other replicas put back what its
+        dead process held)."""
+        self._replica(r)
+        return bool(shm_replica_settled(&self.seg, r))
+
+    def requeue_restarted(self, uint32_t r):
+        """Restarted replica r puts back what its dead process held, itself:
+        only when no other replica serves (shm_requeue_restarted).  Returns
+        how many requests went back."""
+        self._replica(r)
+        return shm_requeue_restarted(&self.seg, r)
+
+    def restarts_left(self):
+        """How many restarts of a dead serving process the owner may still
+        make (0: it does not heal)."""
+        return shm_restarts_left(&self.seg)
+
+    def set_restarts_left(self, uint32_t n):
+        """Owner side: announces how many restarts it may still make."""
+        shm_set_restarts_left(&self.seg, n)
 
     def raise_version_floor(self, uint64_t version):
         """No replica collects with weights older than `version` from now

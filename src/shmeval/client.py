@@ -488,6 +488,10 @@ class Client(_ring.ClientBase):
         serving = [r for r in replicas if r["state"] == "serving"]
         if any(segment.is_alive(r["pid"], r["starttime"]) for r in serving):
             return
+        if seg.restarts_left() and segment.is_alive(seg.owner_pid):
+            # Its owner restarts a dead serving process: this request is
+            # served by the new one (Evaluator.spawn(restarts=)).
+            return
         if not serving and all(r["state"] == "empty" for r in replicas):
             # Not serving yet: its creator must at least be alive.
             if segment.is_alive(seg.owner_pid, seg.owner_starttime):

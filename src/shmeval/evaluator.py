@@ -19,7 +19,7 @@ import time
 import typing
 import warnings
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -30,6 +30,7 @@ from .backends._device import share_gpus
 from .client import Client, check_spin_auto, check_spin_us
 from .errors import (EvaluatorDied, ModelError, NotTheMainProcess, ShmevalError, ShmevalTimeout,
                      exception_text)
+from .restarts import DEFAULT_RESTARTS, Healer, Restart, WeightsUpdate, check_restarts
 from .spec import OutputsLike, ShapeLike, Spec
 from .tuning import (AUTO, Board, Overrides, ServingTuner, as_number, check_auto,
                      model_concurrency)
@@ -53,6 +54,9 @@ MAX_SERVING_THREADS = 8
 MAX_REPLICAS = 64
 #: How long the serving loop waits for its other threads when it stops.
 THREAD_JOIN_S = 10.0
+#: How often set_weights looks whether a restarted replica serves, when
+#: every one died before it applied an update.
+RESTART_POLL_S = 0.05
 #: The exit code of a replica process that ends itself because a serving
 #: thread did not return within THREAD_JOIN_S (_ServingLoop.leave).
 EXIT_STUCK = 70
@@ -239,7 +243,9 @@ class _ServingLoop:
                                    _ring.SPIN_YIELD)
                       if policy.tuned else None)
 
-    def run(self, started: Optional[threading.Event] = None) -> None:
+    def run(self, started: Optional[Callable[[], None]] = None) -> None:
+        """Serves until closed; calls ``started()`` once this replica
+        serves (its entry says so: a restart counts as done then)."""
         seg = self.seg
         me = os.getpid()
         _ring.set_timer_slack_ns(1000)  # this thread's max_wait_us sleeps stay precise
@@ -251,7 +257,7 @@ class _ServingLoop:
         for t in others:
             t.start()
         if started is not None:
-            started.set()
+            started()
         try:
             self.serve(self.servers[0])
         except BaseException:
@@ -284,8 +290,15 @@ class _ServingLoop:
         others had taken again (each replica has a process of its own)."""
         if not joined and self.seg.replicas_serving() > 1:
             os._exit(EXIT_STUCK)
-        if self.seg.replica_stop(self.replica, "stopped") == 0:
+        if self.seg.replica_stop(self.replica, "stopped") == 0 and not self.restarted():
             self.seg.close_and_wake(self.stop_reason)
+
+    def restarted(self) -> bool:
+        """Whether the owner will start this crashed replica again
+        (Evaluator.spawn(restarts=)): then the last one out leaves the
+        evaluator open, its batches to be put back by the next process."""
+        return (self.stop_reason == _ring.STOP_CRASHED and self.seg.restarts_left() > 0
+                and self.owner != os.getpid() and segment.is_alive(self.owner))
 
     def serve_guarded(self, server: "_ring.Server") -> None:
         """serve() in one of the other threads: an error there stops this
@@ -409,7 +422,8 @@ class _ServingLoop:
             if rep["state"] != "dead" and segment.is_alive(rep["pid"], rep["starttime"]):
                 continue
             if rep["state"] == "serving":
-                seg.replica_stop(r, "dead")
+                # Named by the process judged: one restarted meanwhile serves.
+                seg.replica_stop(r, "dead", rep["pid"])
             if holder is not None:
                 holder.requeue_replica(r)
     def catch_up(self) -> None:
@@ -462,6 +476,19 @@ class _ServingLoop:
         self.control_until = _ring.now_ns() + CONTROL_WAIT_NS if waiting else 0
         # Whatever happened, the loop must not come straight back here.
         seg.control_done(self.replica, req)
+
+    def resume(self, restart: Restart) -> None:
+        """A restarted replica takes up where its dead process left off,
+        before it serves: the weights serving now, applied as any update
+        is, and the control requests made before counted as handled (the
+        owner makes none while it restarts a replica)."""
+        if restart.update is not None:
+            u = restart.update
+            ok, detail = self.apply(u.method, u.arg, u.version)
+            if not ok:
+                raise ModelError(detail)
+        req, _ = self.seg.control_pending(self.replica)
+        self.seg.control_done(self.replica, req)
 
     def apply(self, method: str, arg: Any, version: int) -> tuple[bool, Any]:
         if version <= self.version:
@@ -734,10 +761,14 @@ def _configure(input_shape: ShapeLike, input_dtype: Any, outputs: OutputsLike, m
 
 def _shutdown(seg: "_ring.Segment", address: str, owner_pid: int,
               thread: Optional[threading.Thread], processes: Sequence[Any],
-              timeout: float = 10.0) -> None:
-    """Stops serving, wakes every waiter, removes the segment's name."""
+              timeout: float = 10.0, healer: Optional[Healer] = None) -> None:
+    """Stops serving, wakes every waiter, removes the segment's name.
+    The watcher that restarts dead serving processes stops first: nothing
+    is restarted during a close."""
     if os.getpid() != owner_pid:
         return
+    if healer is not None:
+        healer.close()
     seg.request_close()
     reason, detail = _ring.STOP_CLOSED, 0
     if thread is not None:
@@ -889,12 +920,13 @@ class Evaluator(Client):
         self._init_control()
         loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, loop_end)
         started = threading.Event()
-        thread = threading.Thread(target=loop.run, args=(started,),
+        thread = threading.Thread(target=loop.run, args=(started.set,),
                                   name=f"shmeval-evaluator {address}", daemon=True)
         thread.start()
         started.wait(10.0)
         self._thread: Optional[threading.Thread] = thread
         self._processes: list[Any] = []
+        self._healer = None  # a thread evaluator is not restarted
         self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
                                           thread, [])
         self._start_metrics(metrics_port)
@@ -910,7 +942,8 @@ class Evaluator(Client):
               mp_context: str = "spawn", serving_threads: Union[int, str] = AUTO,
               replicas: Optional[int] = None,
               devices: Optional[Sequence[str]] = None, cache_entries: int = 0,
-              metrics_port: Optional[int] = None) -> "Evaluator":
+              metrics_port: Optional[int] = None,
+              restarts: int = DEFAULT_RESTARTS) -> "Evaluator":
         """Serves from new processes, each of which calls the picklable
         ``factory`` to build its model (so e.g. TensorFlow is imported only
         there).  Returns once every model is built and serving.
@@ -923,9 +956,19 @@ class Evaluator(Client):
         work outstanding, so that their batches stay even; workers do not
         know how many there are.  Weight updates reach every replica, and a worker never
         sees versions go backwards.  A replica that dies has its requests
-        served by the others; the evaluator dies with its last replica."""
+        served by the others; the evaluator dies with its last replica.
+
+        ``restarts=N`` (default 3): a serving process that dies (killed, a
+        crash in the framework, an out-of-memory) is started again, the
+        factory called again and the weights serving now applied before it
+        serves, after a backoff of 0.2 s doubling per restart; its requests
+        in flight are served again, and workers see nothing.  At most N
+        restarts in the evaluator's life; after that a death is final as
+        before (``EvaluatorDied`` once no replica is left).  0: none.
+        ``stats()["restarts"]`` lists each one and why it happened."""
         if not callable(factory):
             raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+        check_restarts(restarts)
         _ring.cache_log2_of(cache_entries)
         _check_metrics_port(metrics_port)
         if not as_number("start_timeout", start_timeout) > 0:
@@ -949,31 +992,27 @@ class Evaluator(Client):
         self._owner_pid = os.getpid()
         self._policy = policy
         self._thread = None
-        ctx: Any = mp.get_context(mp_context)
+        self._launcher = _Launcher(mp.get_context(mp_context), address, spec, factory, policy,
+                                   reject_nonfinite, devs, start_timeout)
         # One pipe per replica, for its start-up report and then for control
         # requests.
         self._controls, senders, self._processes = [], [], []
-        for r, device in enumerate(devs):
-            receiver, sender = ctx.Pipe()
+        for r in range(len(devs)):
+            proc, receiver, sender = self._launcher.process(r, None)
             self._controls.append(receiver)
             senders.append(sender)
-            self._processes.append(ctx.Process(
-                target=_serve_in_process, name=f"shmeval-evaluator {address} #{r}",
-                args=(address, spec.to_json(), factory, policy, reject_nonfinite, sender, r,
-                      device),
-                daemon=True))
+            self._processes.append(proc)
         self._init_control()
+        self._healer = Healer(seg, restarts, self._processes)
         self._shutdown = weakref.finalize(self, _shutdown, seg, address, self._owner_pid,
-                                          None, self._processes)
+                                          None, self._processes, 10.0, self._healer)
         try:
             for proc, sender in zip(self._processes, senders):
                 proc.start()
                 sender.close()
             deadline = time.monotonic() + start_timeout
             for r, (proc, receiver) in enumerate(zip(self._processes, self._controls)):
-                _await_ready(proc, receiver, deadline, start_timeout,
-                             f" (replica {r}{', ' + devs[r] if devs[r] else ''})"
-                             if len(devs) > 1 else "")
+                self._launcher.await_ready(r, proc, receiver, deadline)
         except BaseException:
             # Start-up failed: nothing was served, so there is nothing to wait
             # for before terminating the processes (start_timeout is honoured).
@@ -982,10 +1021,55 @@ class Evaluator(Client):
             for receiver in self._controls:
                 receiver.close()
             raise
+        if restarts:
+            # A weak reference: the watcher must not keep the evaluator alive.
+            restart = weakref.WeakMethod(self._restart)
+            self._healer.run_in_thread(
+                lambda r: _call_weak(restart, r), f"shmeval-restarts {address}")
         self._start_metrics(metrics_port)
         return self
 
+    def _restart(self, r: int) -> tuple[int, str]:
+        """Starts replica r again after its process died, with the weights
+        serving now (the last update applied), and swaps it in once it
+        serves.  Under the control lock, so that no update is sent meanwhile
+        (the new process would miss it).  Returns (its pid, "") or (0, why
+        it failed to start)."""
+        assert self._healer is not None
+        with self._control_lock:
+            if self._healer.stop.is_set():
+                return 0, "the evaluator is closing"
+            proc, receiver, sender = self._launcher.process(r, Restart(self._last_update))
+            proc.start()
+            sender.close()
+            try:
+                self._launcher.await_ready(r, proc, receiver,
+                                           time.monotonic() + self._launcher.start_timeout,
+                                           self._healer.stop)
+            except Exception as e:
+                receiver.close()
+                if proc.is_alive():
+                    proc.kill()
+                proc.join(1.0)
+                return 0, f"{type(e).__name__}: {e}"
+            self._controls[r].close()
+            self._controls[r] = receiver
+            self._processes[r] = proc
+            return proc.pid, ""
+
+    def stats(self) -> dict[str, Any]:
+        """As :meth:`Client.stats`; for ``Evaluator.spawn``, in the
+        process that created it, also ``restarts``: one entry per restart
+        of a dead serving process (when, which replica, the dead process and
+        how it ended, the new one, or why it failed to start)."""
+        st = super().stats()
+        if self._healer is not None and os.getpid() == self._owner_pid:
+            st["restarts"] = [asdict(rec) for rec in self._healer.records]
+        return st
+
     _controls: list[Any]  # our ends of the control pipes, one per replica
+    _launcher: "_Launcher"  # starts the serving processes (spawn)
+    _healer: Optional[Healer]  # restarts dead ones (spawn; watching if restarts > 0)
     _exporter: Any = None  # the Prometheus exporter (metrics_port)
 
     def _start_metrics(self, port: Optional[int]) -> None:
@@ -1014,6 +1098,8 @@ class Evaluator(Client):
     def _init_control(self) -> None:
         self._control_lock = threading.Lock()
         self._version = 0
+        # What a restarted replica applies before it serves.
+        self._last_update: Optional[WeightsUpdate] = None
 
     @property
     def model_version(self) -> int:
@@ -1049,11 +1135,32 @@ class Evaluator(Client):
         return self._request("load_weights", os.fspath(path), version, timeout)
 
     def _request(self, method: str, arg: Any, version: Optional[int], timeout: float) -> int:
+        """Sends the update to every replica.  When every replica died
+        before applying it and the owner restarts them (restarts=), it is
+        sent again once one serves, within the timeout."""
         if os.getpid() != self._owner_pid:
             raise ShmevalError(f"only the process that created the evaluator "
                                f"({self._owner_pid}) can change its model")
         seg = self._seg
         assert seg is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            new = self._request_once(seg, method, arg, version, deadline, timeout)
+            if new is not None:
+                return new
+            while seg.restarts_left() and not any(p.is_alive() for p in self._processes):
+                self._check_alive(seg)  # EvaluatorDied once no restart is left
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the evaluator did not apply {method} within "
+                                       f"{timeout} s: its serving processes are restarting")
+                time.sleep(RESTART_POLL_S)
+
+    def _request_once(self, seg: "_ring.Segment", method: str, arg: Any,
+                      version: Optional[int], deadline: float,
+                      timeout: float) -> Optional[int]:
+        """One round of _request: the new version, or None when no replica
+        applied the update because every one died, and a restart is
+        coming."""
         with self._control_lock:
             new = self._version + 1 if version is None else operator.index(version)
             if new <= self._version:
@@ -1071,10 +1178,9 @@ class Evaluator(Client):
                 except OSError:
                     continue
             if not pending:
-                self._check_alive(seg)
-                raise EvaluatorDied(f"the evaluator serving {self._address} is gone")
+                self._raise_unless_restarting(seg)
+                return None
             applied, refused = 0, dict[int, str]()
-            deadline = time.monotonic() + timeout
             while pending:
                 for ready in mp_connection.wait(list(pending), timeout=0.05):
                     conn = typing.cast(mp_connection.Connection, ready)
@@ -1104,6 +1210,7 @@ class Evaluator(Client):
                 # while one that applied it serves.
                 seg.cache_set_version(new)
                 seg.raise_version_floor(new)
+                self._last_update = WeightsUpdate(method, arg, new)
             if refused:
                 if len(self._controls) == 1:
                     raise ModelError(next(iter(refused.values())))
@@ -1112,12 +1219,19 @@ class Evaluator(Client):
                                          f"serve alone until these accept a newer version)"
                                          if applied else ""))
             if not applied:
-                self._check_alive(seg)
-                raise EvaluatorDied(f"the evaluator serving {self._address} is gone")
+                self._raise_unless_restarting(seg)
+                return None
             # Counted once per update, however many replicas applied it.
             seg.stat_put("model_version", new)
             seg.stat_inc("weight_updates", 1)
             return new
+
+    def _raise_unless_restarting(self, seg: "_ring.Segment") -> None:
+        """No replica got an update: EvaluatorDied, unless a restart is
+        coming."""
+        self._check_alive(seg)
+        if not seg.restarts_left():
+            raise EvaluatorDied(f"the evaluator serving {self._address} is gone")
 
     @property
     def pid(self) -> int:
@@ -1143,7 +1257,7 @@ class Evaluator(Client):
             self._shutdown.detach()
             assert self._seg is not None
             _shutdown(self._seg, self._address, self._owner_pid, self._thread,
-                      self._processes, timeout)
+                      self._processes, timeout, self._healer)
             with self._control_lock:
                 for conn in self._controls:
                     conn.close()
@@ -1162,15 +1276,60 @@ def _check_metrics_port(port: Optional[int]) -> None:
                          f"picks), got {port!r}")
 
 
+def _call_weak(method: "weakref.WeakMethod[Any]", r: int) -> tuple[int, str]:
+    """Evaluator._restart through a weak reference (the healer's thread
+    must not keep the evaluator alive)."""
+    fn = method()
+    return typing.cast("tuple[int, str]", fn(r)) if fn is not None else (
+        0, "the evaluator is gone")
+
+
+class _Launcher:
+    """Starts the serving processes of an Evaluator.spawn: each replica's
+    at start-up, and again for a restart, by the one path."""
+
+    def __init__(self, ctx: Any, address: str, spec: Spec, factory: Callable[..., Model],
+                 policy: BatchPolicy, reject_nonfinite: bool, devices: list[str],
+                 start_timeout: float) -> None:
+        self.ctx = ctx
+        self.address = address
+        self.spec_json = spec.to_json()
+        self.factory = factory
+        self.policy = policy
+        self.reject_nonfinite = reject_nonfinite
+        self.devices = devices
+        self.start_timeout = start_timeout
+
+    def process(self, r: int, restart: Optional[Restart]) -> tuple[Any, Any, Any]:
+        """Replica r's process (not started yet) and the two ends of its
+        pipe: ours, and the one it takes (close it once it started)."""
+        receiver, sender = self.ctx.Pipe()
+        proc = self.ctx.Process(
+            target=_serve_in_process, name=f"shmeval-evaluator {self.address} #{r}",
+            args=(self.address, self.spec_json, self.factory, self.policy,
+                  self.reject_nonfinite, sender, r, self.devices[r], restart),
+            daemon=True)
+        return proc, receiver, sender
+
+    def await_ready(self, r: int, proc: Any, receiver: Any, deadline: float,
+                    stop: Optional[threading.Event] = None) -> None:
+        d = self.devices
+        _await_ready(proc, receiver, deadline, self.start_timeout,
+                     f" (replica {r}{', ' + d[r] if d[r] else ''})" if len(d) > 1 else "", stop)
+
+
 def _await_ready(proc: Any, receiver: Any, deadline: float, start_timeout: float,
-                 which: str) -> None:
+                 which: str, stop: Optional[threading.Event] = None) -> None:
     """Waits for one evaluator process's start-up report; raises what went
-    wrong ('which' names the replica in the message)."""
+    wrong ('which' names the replica in the message).  A restart also gives
+    up when ``stop`` is set (the evaluator is closing)."""
     while not receiver.poll(0.05):
         if not proc.is_alive():
             raise EvaluatorDied(_died_starting(proc) + which)
         if time.monotonic() > deadline:
             raise EvaluatorDied(f"the evaluator{which} did not start within {start_timeout} s")
+        if stop is not None and stop.is_set():
+            raise EvaluatorDied("the evaluator is closing")
     try:
         kind, detail = receiver.recv()
     except EOFError:
@@ -1214,7 +1373,7 @@ def _check_picklable(factory: Callable[[], Model]) -> None:
 
 def _serve_in_process(address: str, spec_json: bytes, factory: Callable[..., Model],
                       policy: BatchPolicy, reject_nonfinite: bool, conn: Any, replica: int = 0,
-                      device: str = "") -> None:
+                      device: str = "", restart: Optional[Restart] = None) -> None:
     # Ctrl-C reaches the whole process group: the parent decides when to
     # close, so the evaluator ignores SIGINT rather than dying mid-batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1222,6 +1381,8 @@ def _serve_in_process(address: str, spec_json: bytes, factory: Callable[..., Mod
     # otherwise take every GPU for this one replica (_device.GPU_SHARING_ENV).
     share_gpus()
     seg, spec = segment.attach(address, Spec.from_json(spec_json))
+    if restart is not None:
+        _take_back(seg, replica)  # before its servers are set up
     t0 = time.perf_counter_ns()
     try:
         model = factory(device) if device else factory()
@@ -1229,13 +1390,42 @@ def _serve_in_process(address: str, spec_json: bytes, factory: Callable[..., Mod
             raise TypeError(f"factory returned a {type(model).__name__}, not a callable")
         policy = _prepare(model, spec, policy)
         loop = _ServingLoop(seg, spec, model, policy, reject_nonfinite, conn, replica, device)
+        if restart is not None:
+            loop.resume(restart)
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         conn.close()
         raise SystemExit(1)
-    seg.stat_put("warmup_ns", time.perf_counter_ns() - t0)
-    conn.send(("ready", os.getpid()))
-    loop.run()
+    if restart is None:
+        seg.stat_put("warmup_ns", time.perf_counter_ns() - t0)
+    loop.run(lambda: conn.send(("ready", os.getpid())))
+
+
+#: How often a restarted replica looks whether the others put back what its
+#: dead process held.
+TAKE_BACK_POLL_S = 0.01
+
+
+def _take_back(seg: "_ring.Segment", replica: int) -> None:
+    """A restarted replica's first step: the requests its dead process had
+    taken go back to READY, exactly once, before its servers are set up
+    again (which empties its batch tables in the segment).  With other
+    replicas serving, their housekeeping does it (it holds the collect lock,
+    which a put-back needs: docs/protocol.md, *Replicas*), and takes the
+    lock over if the dead process held it; this process waits for that.
+    With none (one replica, or every other dead too) nobody scans, and it
+    puts them back itself."""
+    me = os.getpid()
+    seg.replica_restart(replica, me, segment.process_starttime(me) or 0)
+    while not seg.replica_settled(replica):
+        if not any(rep["replica"] != replica and rep["state"] == "serving"
+                   and segment.is_alive(rep["pid"], rep["starttime"])
+                   for rep in seg.replicas()):
+            seg.requeue_restarted(replica)
+            return
+        if seg.ev_state() >= _ring.CLOSING:
+            return
+        time.sleep(TAKE_BACK_POLL_S)
 
 
 __all__ = ["Evaluator", "BatchPolicy", "ShmevalError"]

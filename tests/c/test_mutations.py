@@ -143,6 +143,19 @@ MUTATIONS = [
         """    if (r >= s->p.replicas || cur != v + 1) return 0;""",
         """    if (r >= s->p.replicas) return 0;
     (void)cur, (void)v;"""),)),
+    Mutation("a put-back of a replica serving again", "restart", "plain", ((
+        """    if (atomic_load_explicit(&shm_replica_at(s, r)->state,
+                             memory_order_relaxed) == REPLICA_SERVING)
+        return 0;""", ""),)),
+    Mutation("a finder stops the restarted process", "restart", "plain", ((
+        """    if (pid && atomic_load_explicit(&shm_replica_at(s, r)->pid,
+                                    memory_order_relaxed) != pid)
+        return -1;""", "    (void)pid;"),)),
+    Mutation("a restart leaves the dead process's lock", "restart", "plain", ((
+        """    if (id > r * per && id <= (r + 1) * per &&
+        atomic_compare_exchange_strong_explicit(lock, &cur, 0,""",
+        """    if (0 && id > r * per && id <= (r + 1) * per &&
+        atomic_compare_exchange_strong_explicit(lock, &cur, 0,"""),)),
     Mutation("the put-back drops the waiter bit", "requeue_words", "plain", ((
         """                    shm_slot_word(SLOT_READY, taken[i].gen) |
                         (cur & SLOT_WAITER),""",

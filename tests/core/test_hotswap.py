@@ -174,7 +174,7 @@ def test_set_weights_after_close_and_after_death() -> None:
     ev.close()
     with pytest.raises(shmeval.EvaluatorClosed):
         ev.set_weights(weights_of(1))
-    ev = make("spawn")
+    ev = make("spawn", restarts=0)  # with restarts: tests/stress/test_restarts.py
     try:
         os.kill(ev.pid, signal.SIGKILL)
         t0 = time.monotonic()

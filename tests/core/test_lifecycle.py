@@ -522,8 +522,9 @@ def test_killed_owner_leaves_a_stale_segment_that_cleanup_finds(tmp_path: Any) -
 
 @pytest.mark.timeout(90)
 def test_killed_evaluator_process() -> None:
+    """Without restarts (restarts=0: tests/stress/test_restarts.py has them)."""
     ev = shmeval.Evaluator.spawn(slow_factory, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
-                                 max_clients=4, slots_per_client=4, max_batch=8)
+                                 max_clients=4, slots_per_client=4, max_batch=8, restarts=0)
     address = ev.address
     result: list[Any] = []
 

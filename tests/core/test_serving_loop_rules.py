@@ -29,6 +29,9 @@ class FakeSegment:
     def close_and_wake(self, reason: int) -> None:
         self.calls.append("close")
 
+    def restarts_left(self) -> int:
+        return 0
+
     def clients(self) -> list[tuple[int, int, int, int, bool]]:
         return [e for e in self.entries if e[0] not in self.reclaimed]
 

@@ -531,7 +531,7 @@ def test_killed_evaluator_wakes_every_waiter() -> None:
     process's ticker, every 100 ms: their sleeps have no timer of their
     own, so a ticker that fails to wake them makes this test hang)."""
     fs = forkserver_ctx()
-    ev = make_evaluator("spawn", slow_forever_factory, max_batch=8, max_clients=8,
+    ev = make_evaluator("spawn", slow_forever_factory, restarts=0, max_batch=8, max_clients=8,
                         slots_per_client=8)
     address = ev.address
     procs = [Child(fs, death_waiter, (ev, wid), wid) for wid in range(DEATH_PROCS)]

@@ -86,10 +86,11 @@ def load(ev: Any, worker: int, stop: Any, q: Any) -> None:
 def test_a_dead_replica_is_replaced_by_the_others_until_none_is_left() -> None:
     """SIGKILL of one replica under load: no worker notices (its batch in
     flight is served by the other), stats() says it is dead.  SIGKILL of the
-    last one: every worker raises EvaluatorDied."""
+    last one: every worker raises EvaluatorDied.  Without restarts
+    (restarts=0: tests/stress/test_restarts.py has them)."""
     ctx = mp.get_context("spawn")
     with shmeval.Evaluator.spawn(functools.partial(slow_fake_factory, 0.003), replicas=2,
-                                 **KW) as ev:
+                                 restarts=0, **KW) as ev:
         stop, q = ctx.Event(), ctx.Queue()
         ps = [ctx.Process(target=load, args=(ev, w, stop, q)) for w in range(6)]
         with running(ps, stop, JOIN_S):
@@ -112,6 +113,7 @@ def test_a_dead_replica_is_replaced_by_the_others_until_none_is_left() -> None:
             for _ in range(100):
                 ev.evaluate(make_state(12))
     assert ev.stats()["state"] == "died"
+    assert ev.stats()["restarts"] == []
 
 
 @pytest.mark.timeout(120)
@@ -163,9 +165,9 @@ def test_a_crashed_serving_thread_stops_only_its_replica() -> None:
     """One serving thread of replica 1 raises out of its loop: replica 1
     stops (its batch is served by replica 0 once its process is gone), the
     evaluator stays open, and every request is answered, the crashing one
-    too."""
+    too.  Without restarts (restarts=0), which would start replica 1 again."""
     with shmeval.Evaluator.spawn(crashing_on_one, devices=["cpu:0", "cpu:1"],
-                                 serving_threads=2, **KW) as ev:
+                                 serving_threads=2, restarts=0, **KW) as ev:
         deadline = time.monotonic() + 60
         while ev.stats()["replicas"][1]["state"] in ("empty", "serving"):
             assert time.monotonic() < deadline, "replica 1 never took the crashing request"

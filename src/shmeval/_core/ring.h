@@ -81,7 +81,7 @@
 /* ------------------------------------------------------------------ */
 
 #define SHM_MAGIC 0x314C4156454D4853ULL /* "SHMEVAL1" little-endian */
-#define SHM_LAYOUT_VERSION 8u
+#define SHM_LAYOUT_VERSION 9u
 #define SHM_LINE 64u
 #define SHM_SPEC_MAX 4096u       /* bytes of JSON spec kept in the header */
 #define SHM_HIST_BINS 256u       /* log-scale latency histogram bins */
@@ -264,7 +264,12 @@ typedef struct {
      * The payload travels outside the segment; these words only make the
      * loops return between batches and say how many requests are pending. */
     _Atomic uint32_t ctl_req;
-    uint32_t _pad1;
+    /* Restarts of a dead serving process its owner may still make
+     * (Evaluator.spawn(restarts=)); lowered by the owner once each restart
+     * ended, 0 for an evaluator that does not heal.  While it is not 0 and
+     * the owner lives, a client waits through a moment with no replica
+     * alive instead of raising EvaluatorDied (shm_restarts_left). */
+    _Atomic uint32_t restarts_left;
     /* Why it stopped: reason << 32 | (uint32_t)detail, written once by
      * shm_close_and_wake (the first caller's reason wins). */
     _Atomic uint64_t stop;
@@ -2135,9 +2140,70 @@ static inline uint32_t shm_requeue_replica(shm_seg *s, uint32_t v,
                                         memory_order_relaxed) &
                    ~SHM_LOCK_WAITERS;
     if (r >= s->p.replicas || cur != v + 1) return 0;
+    /* A replica serving again (restarted) is never put back: its tables
+     * are its new process's batches.  MO: relaxed; it stored SERVING
+     * before it took the collect lock for its first scan, and our holding
+     * the lock came after that scan's unlock (release) if its tables hold
+     * anything, so then we read SERVING here. */
+    if (atomic_load_explicit(&shm_replica_at(s, r)->state,
+                             memory_order_relaxed) == REPLICA_SERVING)
+        return 0;
     uint32_t per = s->p.servers / s->p.replicas, back = 0;
     for (uint32_t u = r * per; u < (r + 1) * per; u++)
         back += shm_requeue(s, u);
+    if (back) shm_notify_evaluator(s, back);
+    return back;
+}
+
+/* Whether replica r's batch tables in the segment are empty and the
+ * collect lock names none of its servers: what a restarted replica waits
+ * for, before it sets its servers up again (shm_server_init empties the
+ * tables), while other replicas serve; their housekeeping puts its dead
+ * process's batches back and takes the lock over from it.  MO: relaxed;
+ * the put-backs are made under the collect lock, and a restarted replica
+ * collects only under it too. */
+static inline int shm_replica_settled(shm_seg *s, uint32_t r) {
+    uint32_t per = s->p.servers / s->p.replicas;
+    if (r >= s->p.replicas) return 0;
+    for (uint32_t u = r * per; u < (r + 1) * per; u++)
+        if (atomic_load_explicit(&shm_server_at(s, u)->n,
+                                 memory_order_relaxed))
+            return 0;
+    /* MO: relaxed; as the table lengths above. */
+    uint32_t cur = atomic_load_explicit(&shm_hdr(s)->collect_lock,
+                                        memory_order_relaxed) &
+                   ~SHM_LOCK_WAITERS;
+    return !(cur > r * per && cur <= (r + 1) * per);
+}
+
+/* A restarted replica r puts back what its dead process left in its batch
+ * tables, itself, when no other replica serves (one replica, or none other
+ * with a live process: the caller checks, and the owner restarts one
+ * replica at a time, so none starts meanwhile).  Safe without the collect
+ * lock because nobody scans: the old process is gone (the owner restarts
+ * only once it has exited), so each listed slot still TAKEN with its
+ * generation is its take, and a slot it listed but had not taken is READY
+ * and stays so.  Frees the collect lock if the old process died holding
+ * it: it names a server of r, which no one would take over once r serves
+ * again.  Call before r's servers are set up again (shm_server_init
+ * empties the tables).  Returns how many requests went back. */
+static inline uint32_t shm_requeue_restarted(shm_seg *s, uint32_t r) {
+    if (r >= s->p.replicas) return 0;
+    uint32_t per = s->p.servers / s->p.replicas, back = 0;
+    for (uint32_t u = r * per; u < (r + 1) * per; u++)
+        back += shm_requeue(s, u);
+    _Atomic uint32_t *lock = &shm_hdr(s)->collect_lock;
+    /* MO: relaxed; the CAS below decides. */
+    uint32_t cur = atomic_load_explicit(lock, memory_order_relaxed);
+    uint32_t id = cur & ~SHM_LOCK_WAITERS;
+    /* MO: release, as an unlock (shm_collect_unlock); a sleeper on the
+     * word is woken as there. */
+    if (id > r * per && id <= (r + 1) * per &&
+        atomic_compare_exchange_strong_explicit(lock, &cur, 0,
+                                                memory_order_release,
+                                                memory_order_relaxed) &&
+        (cur & SHM_LOCK_WAITERS))
+        shm_futex_wake(lock, 1);
     if (back) shm_notify_evaluator(s, back);
     return back;
 }
@@ -2496,11 +2562,22 @@ static inline void shm_replica_version(shm_seg *s, uint32_t r,
 }
 
 /* Replica r leaves REPLICA_SERVING for `state` (STOPPED: by itself;
- * DEAD: found dead by another).  Returns the replicas still serving after
- * it, or -1 when r was not serving (another got there first: the CAS lets
- * one caller only do what follows, such as putting r's batches back). */
-static inline int shm_replica_stop(shm_seg *s, uint32_t r, uint32_t state) {
+ * DEAD: found dead by another, or by its restarted self).  Returns the
+ * replicas still serving after it, or -1 when r was not serving (another
+ * got there first: the CAS lets one caller only do what follows, such as
+ * putting r's batches back) or is no longer process `pid`. */
+static inline int shm_replica_stop(shm_seg *s, uint32_t r, uint32_t state,
+                                   int32_t pid) {
     uint32_t cur = REPLICA_SERVING;
+    /* A replica found dead is named by the process found gone (pid, else
+     * 0): a restarted replica writes its new pid before it serves again
+     * (shm_replica_restart), so a finder that judged the old process does
+     * not stop the new one.  MO: relaxed; a hint that narrows that race to
+     * the instructions between this load and the CAS (docs/protocol.md,
+     * *Restarts*). */
+    if (pid && atomic_load_explicit(&shm_replica_at(s, r)->pid,
+                                    memory_order_relaxed) != pid)
+        return -1;
     /* MO: acq_rel; one caller wins, and sees what r did before. */
     if (!atomic_compare_exchange_strong_explicit(
             &shm_replica_at(s, r)->state, &cur, state, memory_order_acq_rel,
@@ -2509,6 +2586,34 @@ static inline int shm_replica_stop(shm_seg *s, uint32_t r, uint32_t state) {
     /* MO: acq_rel; the last one out sees every other's leaving. */
     return (int)atomic_fetch_sub_explicit(&shm_hdr(s)->replicas_serving, 1,
                                           memory_order_acq_rel) - 1;
+}
+
+/* Replica r's new process (pid, its start time), restarted by the owner
+ * after the old one died: the entry leaves SERVING if nobody found the old
+ * process dead yet (keeping replicas_serving right: shm_set_serving counts
+ * it again), then names the new process, before its tables are put back
+ * and it serves (shm_replica_settled, shm_requeue_restarted).  Returns
+ * what shm_replica_stop returned. */
+static inline int shm_replica_restart(shm_seg *s, uint32_t r, int32_t pid,
+                                      uint64_t starttime) {
+    shm_replica *rep = shm_replica_at(s, r);
+    int left = shm_replica_stop(s, r, REPLICA_DEAD, 0);
+    /* MO: relaxed; information for finders (shm_replica_stop's pid). */
+    atomic_store_explicit(&rep->starttime, starttime, memory_order_relaxed);
+    atomic_store_explicit(&rep->pid, pid, memory_order_relaxed);
+    return left;
+}
+/* How many restarts the owner may still make (shm_header.restarts_left).
+ * MO: acquire; pairs with the release store in shm_set_restarts_left: a
+ * client that reads the lowered count after a restart also sees the
+ * restarted replica serving (it served before the owner lowered it). */
+static inline uint32_t shm_restarts_left(shm_seg *s) {
+    return atomic_load_explicit(&shm_hdr(s)->restarts_left,
+                                memory_order_acquire);
+}
+static inline void shm_set_restarts_left(shm_seg *s, uint32_t n) {
+    /* MO: release; pairs with the acquire load in shm_restarts_left. */
+    atomic_store_explicit(&shm_hdr(s)->restarts_left, n, memory_order_release);
 }
 
 /* Replica r (process pid, its start time, on `device`) serves: its entry,

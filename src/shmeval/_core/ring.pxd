@@ -184,7 +184,12 @@ cdef extern from "ring.h" nogil:
     void shm_replica_version(shm_seg *s, uint32_t r, uint64_t version)
     void shm_report_write(shm_seg *s, uint32_t r, const char *text, uint64_t length)
     int64_t shm_report_read(shm_seg *s, uint32_t r, char *buf, uint64_t cap)
-    int shm_replica_stop(shm_seg *s, uint32_t r, uint32_t state)
+    int shm_replica_stop(shm_seg *s, uint32_t r, uint32_t state, int32_t pid)
+    int shm_replica_restart(shm_seg *s, uint32_t r, int32_t pid, uint64_t starttime)
+    int shm_replica_settled(shm_seg *s, uint32_t r)
+    uint32_t shm_requeue_restarted(shm_seg *s, uint32_t r)
+    uint32_t shm_restarts_left(shm_seg *s)
+    void shm_set_restarts_left(shm_seg *s, uint32_t n)
     uint32_t shm_set_serving(shm_seg *s, uint32_t r, int32_t pid, uint64_t starttime,
                              const char *device)
     uint64_t shm_heartbeat(shm_seg *s)

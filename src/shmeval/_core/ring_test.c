@@ -865,7 +865,7 @@ static void test_attach(void) {
     CORRUPT("spec_len ~0", SHM_E_SPEC, h->spec_len = UINT32_MAX);
     CORRUPT("spec_hash flipped", SHM_E_SPEC, h->spec_hash ^= 1);
     CORRUPT("order: bad version wins over bad params", SHM_E_VERSION, {
-        h->layout_version = 9;
+        h->layout_version = SHM_LAYOUT_VERSION + 1;
         h->params.max_batch = 0;
     });
     CORRUPT("order: bad params win over bad spec", SHM_E_PARAMS, {
@@ -4194,8 +4194,8 @@ static void rep_run(int die_after, int die_locked) {
             CHECK(shm_now_ns() - t0 < 10000 * MS);
             sleep_ns(100 * US);
         }
-        CHECK_EQ(shm_replica_stop(s, 1, REPLICA_DEAD), 1);
-        CHECK_EQ(shm_replica_stop(s, 1, REPLICA_DEAD), -1); /* only once */
+        CHECK_EQ(shm_replica_stop(s, 1, REPLICA_DEAD, 0), 1);
+        CHECK_EQ(shm_replica_stop(s, 1, REPLICA_DEAD, 0), -1); /* only once */
         uint32_t back = shm_requeue(s, 1);
         if (die_locked) CHECK_EQU(back, 0);
         else CHECK(back >= 1);
@@ -4403,7 +4403,7 @@ static void test_listed_first(void) {
     CHECK_EQ(pthread_create(&tx, NULL, scanner, &x), 0);
     hook_wait_parked(&x.hook);
     /* replica 0 "dies" here: replica 1 puts its batch back */
-    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD), 1);
+    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD, 0), 1);
     CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
     CHECK_MSG(shm_requeue_replica(s, 1, 0) == 1,
               "a slot taken by the dead replica was not in its table");
@@ -4442,7 +4442,7 @@ static void test_requeue_once(void) {
     atomic_store(&shm_server_at(s, 0)->n, 1);
     /* replica 1 marks it dead; without the lock it cannot put anything
      * back */
-    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD), 2);
+    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD, 0), 2);
     CHECK_EQU(shm_requeue_replica(s, 1, 0), 0);
     CHECK_EQU(atomic_load(&shm_server_at(s, 0)->n), 1);
     /* replica 2 takes the lock over and puts the dead one's batch back */
@@ -4463,6 +4463,79 @@ static void test_requeue_once(void) {
     seg_free(&t);
 }
 
+/* A replica restarted in a new process (Evaluator.spawn(restarts=)).  With
+ * another serving: the dead one took slot 0 and died holding the collect
+ * lock; its restart leaves SERVING (counted once), is not settled until
+ * the other takes the lock over and puts the slot back, then serves again;
+ * a late finder that judged the old process stops nothing, and a put-back
+ * of a replica serving again moves nothing out of its new batch.  Alone
+ * (one replica): the restart puts its dead process's batch back itself and
+ * frees the lock word. */
+static void test_restart(void) {
+    start_test("restart", 60);
+    test_seg t;
+    shm_seg *s = two_replicas(&t, 1);
+    CHECK_EQ(shm_collect_lock(s, 0, 10 * MS), SHM_OK);
+    scanner_arg x = {.s = s, .v = 0};
+    scanner(&x);
+    CHECK_EQ(x.n, 1); /* replica 0 (pid 40000) dies here, holding it */
+    CHECK_EQ(shm_replica_restart(s, 0, 50000, 2), 1);
+    CHECK_EQU(shm_replicas_serving(s), 1);
+    CHECK_EQ(shm_replica_settled(s, 0), 0);
+    /* replica 1 takes the lock over and puts the batch back */
+    CHECK_EQ(shm_collect_steal(s, 1, 0), SHM_OK);
+    CHECK_EQ(shm_replica_settled(s, 0), 0);
+    CHECK_EQU(shm_requeue_replica(s, 1, 0), 1);
+    CHECK_EQ(shm_replica_settled(s, 0), 1);
+    shm_collect_unlock(s);
+    /* the new process serves and takes the slot again */
+    shm_server_init(s, 0, 0);
+    CHECK_EQ(shm_set_serving(s, 0, 50000, 2, "cpu"), EV_SERVING);
+    CHECK_EQU(shm_replicas_serving(s), 2);
+    CHECK_EQ(shm_collect_lock(s, 0, 10 * MS), SHM_OK);
+    scanner_arg y = {.s = s, .v = 0};
+    scanner(&y);
+    CHECK_EQ(y.n, 1);
+    shm_collect_unlock(s);
+    CHECK_MSG(shm_replica_stop(s, 0, REPLICA_DEAD, 40000) == -1,
+              "a finder of the old process stopped the restarted one");
+    CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
+    CHECK_EQU(shm_requeue_replica(s, 1, 0), 0);
+    shm_collect_unlock(s);
+    CHECK_MSG((word_of(s, 0, 0) & ~SLOT_WAITER) == shm_slot_word(SLOT_TAKEN, 0),
+              "a slot in a restarted replica's batch was put back (0x%x)",
+              word_of(s, 0, 0));
+    seg_free(&t);
+
+    /* alone */
+    shm_params P = mkparams(REP_IN, REP_OUT, 2, 2, 8);
+    seg_make(&t, &P);
+    s = &t.s;
+    shm_server_init(s, 0, 0);
+    CHECK_EQ(shm_set_serving(s, 0, 40000, 1, "cpu"), EV_SERVING);
+    CHECK_EQ(t_register(s, 700, 1), 0);
+    CHECK_EQ(t_begin(s, 0, 0), SHM_OK);
+    t_publish(s, 0, 0);
+    scanner_arg z = {.s = s, .v = 0};
+    scanner(&z);
+    CHECK_EQ(z.n, 1); /* and dies */
+    CHECK_EQ(shm_replica_restart(s, 0, 50000, 2), 0);
+    CHECK_EQU(shm_replicas_serving(s), 0);
+    CHECK_EQ(shm_replica_settled(s, 0), 0);
+    /* it died holding the lock word (a replica of several would) */
+    atomic_store(&shm_hdr(s)->collect_lock, 1u | SHM_LOCK_WAITERS);
+    CHECK_EQU(shm_requeue_restarted(s, 0), 1);
+    CHECK_MSG(atomic_load(&shm_hdr(s)->collect_lock) == 0,
+              "the dead process's collect lock was left to its restart");
+    CHECK_EQU(shm_requeue_restarted(s, 0), 0); /* once */
+    CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, 0));
+    CHECK_EQ(shm_replica_settled(s, 0), 1);
+    shm_server_init(s, 0, 0);
+    CHECK_EQ(shm_set_serving(s, 0, 50000, 2, "cpu"), EV_SERVING);
+    CHECK_EQU(shm_replicas_serving(s), 1);
+    seg_free(&t);
+}
+
 /* What a put-back moves: only slots still TAKEN with the generation the
  * table names, keeping the client's WAITER bit; a table scribbled with
  * indexes past the segment changes nothing. */
@@ -4470,7 +4543,7 @@ static void test_requeue_words(void) {
     start_test("requeue_words", 60);
     test_seg t;
     shm_seg *s = two_replicas(&t, 3);
-    CHECK_EQ(shm_replica_stop(s, 1, REPLICA_STOPPED), 1); /* 0 takes all */
+    CHECK_EQ(shm_replica_stop(s, 1, REPLICA_STOPPED, 0), 1); /* 0 takes all */
     scanner_arg x = {.s = s, .v = 0};
     scanner(&x);
     CHECK_EQ(x.n, 3);
@@ -4485,7 +4558,7 @@ static void test_requeue_words(void) {
     copy[3] = bad1;
     copy[4] = bad2;
     atomic_store(&shm_server_at(s, 0)->n, 5);
-    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD), 0);
+    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD, 0), 0);
     CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
     CHECK_EQU(shm_requeue_replica(s, 1, 0), 2);
     shm_collect_unlock(s);
@@ -4522,7 +4595,7 @@ static void test_version_floor(void) {
     CHECK_EQU(atomic_load(&shm_hdr(s)->version_floor), 3);
     CHECK_EQ(shm_version_ok(s, 1, 1), 0);
     /* replica 0 dies */
-    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD), 1);
+    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD, 0), 1);
     CHECK_MSG(shm_version_ok(s, 1, 1) == 1,
               "the replica left waits for weights nobody serves any more");
     CHECK_EQU(atomic_load(&shm_hdr(s)->version_floor), 1);
@@ -4666,7 +4739,7 @@ static void test_scribbled_tables(void) {
     start_test("scribbled_tables", 60);
     test_seg t;
     shm_seg *s = two_replicas(&t, 2);
-    CHECK_EQ(shm_replica_stop(s, 1, REPLICA_STOPPED), 1); /* 0 takes all */
+    CHECK_EQ(shm_replica_stop(s, 1, REPLICA_STOPPED, 0), 1); /* 0 takes all */
     scanner_arg x = {.s = s, .v = 0};
     scanner(&x);
     CHECK_EQ(x.n, 2);
@@ -4695,7 +4768,7 @@ static void test_requeue_rings(void) {
     start_test("requeue_rings", 60);
     test_seg t;
     shm_seg *s = two_replicas(&t, 1);
-    CHECK_EQ(shm_replica_stop(s, 1, REPLICA_STOPPED), 1); /* 0 takes it */
+    CHECK_EQ(shm_replica_stop(s, 1, REPLICA_STOPPED, 0), 1); /* 0 takes it */
     scanner_arg x = {.s = s, .v = 0};
     scanner(&x);
     CHECK_EQ(x.n, 1);
@@ -4710,7 +4783,7 @@ static void test_requeue_rings(void) {
     sleep_ns(20 * MS);
     /* replica 0 completes (WAITER cleared) and dies before its ring */
     store_word(s, 0, 0, shm_slot_word(SLOT_DONE, 0));
-    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD), 0);
+    CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD, 0), 0);
     CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
     CHECK_EQU(shm_requeue_replica(s, 1, 0), 0);
     shm_collect_unlock(s);
@@ -4745,6 +4818,7 @@ static const test_case k_tests[] = {
     {"report", test_report}, {"cache_torn", test_cache_torn}, {"cache_threads", test_cache_threads},
     {"take_race", test_take_race}, {"listed_first", test_listed_first},
     {"requeue_once", test_requeue_once}, {"requeue_words", test_requeue_words},
+    {"restart", test_restart},
     {"version_floor", test_version_floor}, {"fair_share", test_fair_share},
     {"lock_wake", test_lock_wake}, {"begin_owner", test_begin_owner},
     {"abort", test_abort}, {"scribbled_tables", test_scribbled_tables},
