@@ -35,6 +35,27 @@ def make_state(tag: int) -> np.ndarray:
     s[5, 6, 1] = -tag
     return s
 
+class WeightedModel:
+    """fake_model with value = -tag + w; w set by set_weights([w]) (one
+    scalar; anything else is refused) or load_weights(an .npz of it)."""
+
+    def __init__(self) -> None:
+        self.w = np.float32(0)
+
+    def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        return {"policy": x[:, 0, :, 0] * 2 + np.arange(7, dtype=np.float32),
+                "value": x[:, 5, 6, 1] + self.w}
+
+    def set_weights(self, weights: list[np.ndarray]) -> None:
+        if len(weights) != 1 or np.shape(weights[0]) != ():
+            raise ValueError(f"expected one scalar weight, got {len(weights)} arrays")
+        self.w = np.float32(weights[0])
+
+    def load_weights(self, path: str) -> None:
+        with np.load(path) as f:
+            self.set_weights([f["arr_0"]])
+
+
 
 def expected(tag: int) -> tuple[np.ndarray, float]:
     return np.full(7, 2.0 * tag, np.float32) + np.arange(7, dtype=np.float32), float(-tag)

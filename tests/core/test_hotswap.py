@@ -20,31 +20,11 @@ import numpy as np
 import pytest
 
 import shmeval
-from helpers import (INPUT_SHAPE, OUTPUTS, make_state, run_threads, running, settled_stats,
-                     wait_for_requests)
+from helpers import (INPUT_SHAPE, OUTPUTS, WeightedModel, make_state, run_threads, running,
+                     settled_stats, wait_for_requests)
 
 WEIGHT_STEP = 1000.0
 JOIN_TIMEOUT = 120
-
-
-class WeightedModel:
-    """helpers.fake_model with value = -tag + w; w set by set_weights([w])."""
-
-    def __init__(self) -> None:
-        self.w = np.float32(0)
-
-    def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        return {"policy": x[:, 0, :, 0] * 2 + np.arange(7, dtype=np.float32),
-                "value": x[:, 5, 6, 1] + self.w}
-
-    def set_weights(self, weights: list[np.ndarray]) -> None:
-        if len(weights) != 1 or np.shape(weights[0]) != ():
-            raise ValueError(f"expected one scalar weight, got {len(weights)} arrays")
-        self.w = np.float32(weights[0])
-
-    def load_weights(self, path: str) -> None:
-        with np.load(path) as f:
-            self.set_weights([f["arr_0"]])
 
 
 class SlowWeightedModel(WeightedModel):

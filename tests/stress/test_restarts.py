@@ -16,7 +16,7 @@ import pytest
 
 import shmeval
 from conservation import KW
-from helpers import expected, make_state, running, slow_fake_model
+from helpers import WeightedModel, expected, make_state, running, slow_fake_model
 
 JOIN_S = 120
 WORKERS = 6
@@ -31,20 +31,6 @@ def slow_factory() -> Any:
 
 def slow_device_factory(device: str) -> Any:
     return slow_factory()
-
-
-class WeightedModel:
-    """helpers.fake_model with value = -tag + w; w set by set_weights([w])."""
-
-    def __init__(self) -> None:
-        self.w = np.float32(0)
-
-    def __call__(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        return {"policy": x[:, 0, :, 0] * 2 + np.arange(7, dtype=np.float32),
-                "value": x[:, 5, 6, 1] + self.w}
-
-    def set_weights(self, weights: list[np.ndarray]) -> None:
-        self.w = np.float32(weights[0])
 
 
 def load(ev: Any, worker: int, stop: Any, q: Any) -> None:

@@ -756,6 +756,16 @@ static inline uint32_t shm_hist_bin(uint64_t ns) {
  * batches at once (pipelined serving), so this is an atomic add; relaxed,
  * readers only want an eventually consistent figure, and on x86 it costs
  * one locked instruction on a line the evaluator already owns. */
+/* Raises *w to at least v, never lowering it: a CAS loop whose successful
+ * CAS has order `mo` (the caller's MO comment says what it pairs with). */
+static inline void shm_raise_word(_Atomic uint64_t *w, uint64_t v,
+                                  memory_order mo) {
+    uint64_t cur = atomic_load_explicit(w, memory_order_relaxed);
+    while (cur < v && !atomic_compare_exchange_weak_explicit(
+                          w, &cur, v, mo, memory_order_relaxed)) {
+    }
+}
+
 static inline void shm_stat_add(_Atomic uint64_t *x, uint64_t v) {
     /* MO: relaxed; statistics only, no data is published through them. */
     atomic_fetch_add_explicit(x, v, memory_order_relaxed);
@@ -1563,14 +1573,8 @@ static inline uint64_t shm_cache_version(shm_seg *s) {
 /* Raises the oldest acceptable version (never lowers it); the owner calls
  * it once every replica serves `version`, before set_weights returns. */
 static inline void shm_cache_set_version(shm_seg *s, uint64_t version) {
-    _Atomic uint64_t *w = &shm_hdr(s)->cache_version;
-    uint64_t cur = atomic_load_explicit(w, memory_order_relaxed);
     /* MO: release CAS; pairs with the acquire load in shm_cache_version. */
-    while (cur < version &&
-           !atomic_compare_exchange_weak_explicit(w, &cur, version,
-                                                  memory_order_release,
-                                                  memory_order_relaxed)) {
-    }
+    shm_raise_word(&shm_hdr(s)->cache_version, version, memory_order_release);
 }
 
 /* Looks up (key, key2) for client c: on a hit copies the entry's data
@@ -2216,13 +2220,7 @@ static inline uint32_t shm_requeue_restarted(shm_seg *s, uint32_t r) {
  * floor under the collect lock, and the owner's update is announced
  * through the control words. */
 static inline void shm_raise_floor(shm_seg *s, uint64_t version) {
-    _Atomic uint64_t *floor = &shm_hdr(s)->version_floor;
-    uint64_t cur = atomic_load_explicit(floor, memory_order_relaxed);
-    while (cur < version &&
-           !atomic_compare_exchange_weak_explicit(floor, &cur, version,
-                                                  memory_order_relaxed,
-                                                  memory_order_relaxed)) {
-    }
+    shm_raise_word(&shm_hdr(s)->version_floor, version, memory_order_relaxed);
 }
 
 /* With several replicas, each collects only with weights at least as new
