@@ -334,8 +334,9 @@ class Client(_ring.ClientBase):
         entry is not counted, even before the evaluator reclaims it.  The
         serving processes are judged alive when read (pid and start time):
         a killed one's replica reads ``dead``, and with none left serving
-        the evaluator reads ``died``, ``stopped_because`` saying that its
-        process vanished.
+        the evaluator reads ``restarting`` while its owner will start one
+        again (``Evaluator.spawn(restarts=)``), else ``died``,
+        ``stopped_because`` saying that its process vanished.
         ``tuner``, while any setting is ``"auto"``: what the tuner chose and
         why (the first replica's; with several, each replica's in its
         ``replicas`` entry).  ``client_spin``, once this process has
@@ -354,6 +355,10 @@ class Client(_ring.ClientBase):
             if rep["state"] == "serving" and not segment.is_alive(rep["pid"], rep["starttime"]):
                 rep["state"] = "dead"
                 raw["vanished"].append(rep["pid"])
+        # With restarts left and its owner alive, a vanished process is
+        # about to be started again (Evaluator.spawn(restarts=)).
+        raw["restarting"] = bool(raw["vanished"]) and seg.restarts_left() > 0 and \
+            segment.is_alive(seg.owner_pid, seg.owner_starttime)
         if seg.cache_entries:
             raw["cache"] = _cache_raw(seg)
         st = summarize(raw)

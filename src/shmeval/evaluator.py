@@ -374,6 +374,9 @@ class _ServingLoop:
                     # dead one's batches back) and keep house.
                     self.check_replicas(None)
                     if not server.take_over_lock(detail):
+                        # Locked out for a while (the others took every
+                        # turn): a weight update must still be applied.
+                        self.poll_control(_ring.now_ns())
                         continue
                 if detail is True and self.tuner is not None:
                     self.tuner.paused = True

@@ -79,10 +79,13 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
             not any(r["state"] == "serving" for r in raw["replicas"]):
         # Its serving processes are gone without a word (killed outright):
         # nobody recorded the stop in the segment.
-        state = "died"
         pids = ", ".join(map(str, vanished))
-        stopped = (f"its process vanished (pid {pids}: killed, e.g. by SIGKILL or the "
-                   f"OOM killer, before it could record why)")
+        if raw.get("restarting"):
+            state = "restarting"
+        else:
+            state = "died"
+            stopped = (f"its process vanished (pid {pids}: killed, e.g. by SIGKILL or the "
+                       f"OOM killer, before it could record why)")
     return {
         "state": state,
         "stopped_because": stopped,

@@ -90,7 +90,8 @@ def test_a_killed_evaluator_reads_died_from_any_process() -> None:
     """An Evaluator.spawn process killed with SIGKILL cannot say so in the
     segment: readers judge its liveness and report it died."""
     with shmeval.Evaluator.spawn(fake_factory, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
-                                 max_batch=8, max_clients=4, start_timeout=60) as ev:
+                                 max_batch=8, max_clients=4, start_timeout=60,
+                                 restarts=0) as ev:
         check_answer(ev.evaluate(make_state(2)), 2)
         pid = ev.pid
         os.kill(pid, signal.SIGKILL)

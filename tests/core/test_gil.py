@@ -83,8 +83,10 @@ def test_single_threaded_client_answers_across_waits() -> None:
         "from shmeval import _ring\n"
         "from helpers import INPUT_SHAPE, OUTPUTS, make_state, check_answer, slow_fake_factory\n"
         "if __name__ == '__main__':\n"
+        # restarts=0: no watcher thread in this process either.
         "    with shmeval.Evaluator.spawn(functools.partial(slow_fake_factory, 0.05),\n"
-        "                                 input_shape=INPUT_SHAPE, outputs=OUTPUTS) as ev:\n"
+        "                                 input_shape=INPUT_SHAPE, outputs=OUTPUTS,\n"
+        "                                 restarts=0) as ev:\n"
         "        ev.evaluate(make_state(0))\n"
         "        assert _ring.only_python_thread()\n"
         "        for tag in range(1, 6):\n"

@@ -203,7 +203,8 @@ def test_a_killed_evaluator_is_not_up() -> None:
     from shmeval import segment
 
     with shmeval.Evaluator.spawn(fake_factory, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
-                                 max_batch=8, max_clients=4, start_timeout=60) as ev:
+                                 max_batch=8, max_clients=4, start_timeout=60,
+                                 restarts=0) as ev:
         with start_exporter(ev.address, 0) as exporter:
             assert value(scrape(exporter.port)["shmeval_up"], "shmeval_up") == 1
             os.kill(ev.pid, signal.SIGKILL)

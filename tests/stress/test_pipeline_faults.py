@@ -196,7 +196,7 @@ def _local_waits(ev: Any) -> list[str]:
 
 @pytest.mark.timeout(180)
 def test_dead_evaluator_with_submissions_in_flight() -> None:
-    ev = shmeval.Evaluator.spawn(slow_forever_factory, **dict(KW, max_clients=8))
+    ev = shmeval.Evaluator.spawn(slow_forever_factory, **dict(KW, max_clients=8), restarts=0)
     try:
         _stranded(ev, lambda: os.kill(ev.pid, signal.SIGKILL), {"EvaluatorDied"},
                   "EvaluatorDied")

@@ -27,7 +27,7 @@ from .reader import EvaluatorReader
 #: edges so that every bucket count is exact, plus +Inf.
 LATENCY_BUCKET_BINS = tuple(range(28, 141, 4))
 #: States of ``stats()["state"]``, each a label of shmeval_state.
-STATES = ("starting", "serving", "closing", "closed", "died")
+STATES = ("starting", "serving", "restarting", "closing", "closed", "died")
 #: Cumulative counters of the segment: (metric name without _total, raw
 #: key, help text); a name ending in _seconds holds nanoseconds in the
 #: segment.

@@ -207,7 +207,10 @@ class ShmevalMode(_CentralMode):
         return factory, dict(input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS,
                              max_batch=s.max_batch, max_clients=max(64, s.workers + 8),
                              slots_per_client=min(64, max(16, s.pipeline * s.games_per_worker)),
-                             serving_threads=s.serving_threads, cache_entries=s.cache)
+                             serving_threads=s.serving_threads, cache_entries=s.cache,
+                             # A death ends the run: its figures are one
+                             # process's, not a restart's.
+                             restarts=0)
 
     def start(self, ctx: Any, cpus: Optional[set[int]]) -> List[NetLink]:
         factory, kwargs = self.spawn_args(cpus)
@@ -221,7 +224,9 @@ class ShmevalMode(_CentralMode):
 
     def check_alive(self) -> None:
         if self.ev is not None and self._stats()["state"] not in ("serving", "starting"):
-            raise WorkerError(f"the shmeval evaluator is {self._stats()['state']}")
+            st = self._stats()
+            raise WorkerError(f"the shmeval evaluator is no longer serving ({st['state']}: "
+                              f"{st['stopped_because']})")
 
     def snapshot(self) -> Snapshot:
         st = self._stats()
