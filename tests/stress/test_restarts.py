@@ -233,3 +233,33 @@ def test_every_replica_killed_at_once_is_restarted() -> None:
         st = ev.stats()
         assert [r["state"] for r in st["replicas"]] == ["serving", "serving"]
         assert sorted(r["replica"] for r in st["restarts"]) == [0, 1]
+
+
+def slow_to_restart(flag: str) -> Any:
+    """The fake model; built again (a restart), it takes 2 s to build."""
+    if os.path.exists(flag):
+        time.sleep(2.0)
+    else:
+        open(flag, "w").close()
+    return slow_factory()
+
+
+@pytest.mark.timeout(120)
+def test_a_process_being_restarted_reads_restarting(tmp_path: Any) -> None:
+    """Between a serving process's death and its restart, readers of the
+    segment say "restarting" (not "died": the owner will start it again),
+    and "serving" once the new process serves."""
+    factory = functools.partial(slow_to_restart, str(tmp_path / "built"))
+    with shmeval.Evaluator.spawn(factory, restarts=1, **KW) as ev:
+        ev.evaluate(make_state(1))
+        os.kill(ev.pid, signal.SIGKILL)
+        seen = set()
+        deadline = time.monotonic() + STEP_S
+        while not ev.stats()["restarts"] or ev.stats()["state"] != "serving":
+            assert time.monotonic() < deadline, "the killed process was not restarted"
+            seen.add(ev.stats()["state"])
+            time.sleep(0.01)
+        assert "restarting" in seen and "died" not in seen, seen
+        policy, value = expected(2)
+        out = ev.evaluate(make_state(2))
+        assert out["value"] == value and np.array_equal(out["policy"], policy)
