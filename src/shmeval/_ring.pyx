@@ -2520,7 +2520,7 @@ cdef class Server:
                 if rc == SHM_TIMEOUT:
                     return (SERVE_LOCKED_OUT, 0, 0, shm_collect_holder(&self.seg.seg), 0)
                 self.seg_locked = True
-                if not shm_version_ok(&self.seg.seg, self.replica, g.version):
+                if not shm_version_ok(&self.seg.seg, g.version):
                     self._seg_unlock()
                     return (SERVE_BEHIND, 0, 0, None, 0)
             if until_ns and shm_now_ns() >= until_ns:

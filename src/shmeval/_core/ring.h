@@ -2227,8 +2227,8 @@ static inline void shm_raise_floor(shm_seg *s, uint64_t version) {
  * as the newest any replica has collected with (the floor): then a request
  * sent after another request's answer came back is computed by the same or
  * newer weights, whichever replica takes it.  Under the collect lock:
- * returns 1 (and raises the floor to `version`) when replica r, serving
- * `version`, may collect; 0 when it must first apply the newer weights it
+ * returns 1 (and raises the floor to `version`) when a replica serving
+ * `version` may collect; 0 when it must first apply the newer weights it
  * was sent.
  *
  * The floor holds only while a replica serves it: when every replica with
@@ -2237,7 +2237,7 @@ static inline void shm_raise_floor(shm_seg *s, uint64_t version) {
  * again, so the floor comes down to this replica's version and it
  * collects (answers then go back to older weights; the alternative is a
  * hang).  So does a floor that any process scribbled on. */
-static inline int shm_version_ok(shm_seg *s, uint32_t r, uint64_t version) {
+static inline int shm_version_ok(shm_seg *s, uint64_t version) {
     _Atomic uint64_t *floor = &shm_hdr(s)->version_floor;
     /* MO: relaxed (all); the collect lock orders the collectors, and the
      * replicas' versions are read as hints: one that applies the floor's
@@ -2247,14 +2247,9 @@ static inline int shm_version_ok(shm_seg *s, uint32_t r, uint64_t version) {
         shm_raise_floor(s, version);
         return 1;
     }
-    for (uint32_t u = 0; u < s->p.replicas; u++) {
-        shm_replica *rep = shm_replica_at(s, u);
-        if (u != r &&
-            atomic_load_explicit(&rep->state, memory_order_relaxed) ==
-                REPLICA_SERVING &&
-            atomic_load_explicit(&rep->version, memory_order_relaxed) >= cur)
-            return 0;
-    }
+    /* Behind: wait while a serving replica has the floor's weights (this
+     * one, below the floor, is not counted). */
+    if (shm_replicas_current(s) > 0) return 0;
     /* Nobody serves the floor: bring it down to us (unless it moved). */
     return atomic_compare_exchange_strong_explicit(
         floor, &cur, version, memory_order_relaxed, memory_order_relaxed);

@@ -161,7 +161,7 @@ cdef extern from "ring.h" nogil:
     void shm_collect_unlock(shm_seg *s)
     int shm_collect_holder(shm_seg *s)
     int shm_collect_steal(shm_seg *s, uint32_t v, uint32_t dead)
-    int shm_version_ok(shm_seg *s, uint32_t r, uint64_t version)
+    int shm_version_ok(shm_seg *s, uint64_t version)
     void shm_raise_floor(shm_seg *s, uint64_t version)
     uint32_t shm_complete_fields(shm_seg *s, shm_taken *taken, uint32_t n,
                                  uint32_t nfields, const char *const *fields,

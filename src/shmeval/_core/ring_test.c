@@ -4242,11 +4242,11 @@ static void test_replicas(void) {
     CHECK_EQ(shm_collect_lock(s, 1, 10 * MS), SHM_OK);
     shm_collect_unlock(s);
     /* the weights floor */
-    CHECK_EQ(shm_version_ok(s, 0, 2), 1);
-    CHECK_EQ(shm_version_ok(s, 1, 1), 1); /* nobody serves the floor */
-    CHECK_EQ(shm_version_ok(s, 0, 2), 1);
-    CHECK_EQ(shm_version_ok(s, 0, 3), 1);
-    CHECK_EQ(shm_version_ok(s, 1, 2), 1);
+    CHECK_EQ(shm_version_ok(s, 2), 1);
+    CHECK_EQ(shm_version_ok(s, 1), 1); /* nobody serves the floor */
+    CHECK_EQ(shm_version_ok(s, 2), 1);
+    CHECK_EQ(shm_version_ok(s, 3), 1);
+    CHECK_EQ(shm_version_ok(s, 2), 1);
     seg_free(&t);
 
     rep_run(0, 0);
@@ -4584,8 +4584,8 @@ static void test_version_floor(void) {
     shm_seg *s = two_replicas(&t, 4);
     shm_replica_version(s, 0, 2);
     shm_replica_version(s, 1, 1);
-    CHECK_EQ(shm_version_ok(s, 0, 2), 1);
-    CHECK_EQ(shm_version_ok(s, 1, 1), 0); /* replica 0 serves version 2 */
+    CHECK_EQ(shm_version_ok(s, 2), 1);
+    CHECK_EQ(shm_version_ok(s, 1), 0); /* replica 0 serves version 2 */
     CHECK_EQU(shm_replicas_current(s), 1);
     CHECK_EQU(shm_fair_share(s, 0, 0, 8), 4); /* all 4 READY are replica 0's */
     /* the owner saw version 3 applied (by replica 0) */
@@ -4593,16 +4593,16 @@ static void test_version_floor(void) {
     shm_raise_floor(s, 3);
     shm_raise_floor(s, 2); /* never lowers it */
     CHECK_EQU(atomic_load(&shm_hdr(s)->version_floor), 3);
-    CHECK_EQ(shm_version_ok(s, 1, 1), 0);
+    CHECK_EQ(shm_version_ok(s, 1), 0);
     /* replica 0 dies */
     CHECK_EQ(shm_replica_stop(s, 0, REPLICA_DEAD, 0), 1);
-    CHECK_MSG(shm_version_ok(s, 1, 1) == 1,
+    CHECK_MSG(shm_version_ok(s, 1) == 1,
               "the replica left waits for weights nobody serves any more");
     CHECK_EQU(atomic_load(&shm_hdr(s)->version_floor), 1);
     CHECK_EQU(shm_replicas_current(s), 1);
     /* a floor scribbled on */
     atomic_store(&shm_hdr(s)->version_floor, UINT64_MAX);
-    CHECK_EQ(shm_version_ok(s, 1, 1), 1);
+    CHECK_EQ(shm_version_ok(s, 1), 1);
     seg_free(&t);
 }
 
