@@ -15,7 +15,7 @@ debug = os.environ.get("SHMEVAL_DEBUG") == "1"
 
 ext = Extension(
     "shmeval._ring",
-    sources=["src/shmeval/_ring.pyx"],
+    sources=["src/shmeval/_ring.pyx"],  # includes _core/pyx/*.pxi
     include_dirs=["src/shmeval/_core", np.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), ("_GNU_SOURCE", None)]
     + ([("SHM_DEBUG", None)] if debug else []),

@@ -64,16 +64,32 @@ cdef class Segment:
                          list dst, Py_ssize_t row)
 
 
+# SpinArms: judged waits per block (SPIN_BLOCK), the longest of them
+# (SPIN_TRIM) left out of its mean, blocks of the better arm per block of the
+# other (SPIN_EXPLORE times the ratio of their means, at most
+# SPIN_EXPLORE_MAX).  The long arm stretches to cover the answers the short
+# arm waits for (their SPIN_COVER_Q-th of SPIN_BLOCK, plus a quarter) when
+# that is at most SPIN_COVER_MAX times the long arm as given, and moves when
+# the new budget differs from it by a quarter or more.
+cdef enum:
+    SPIN_BLOCK = 64
+    SPIN_TRIM = 8
+    SPIN_EXPLORE = 32
+    SPIN_EXPLORE_MAX = 512
+    SPIN_COVER_Q = 48
+    SPIN_COVER_MAX = 4
+
+
 cdef class SpinArms:
     """A client's spin budget with spin_us "auto": a short and a long arm."""
     cdef readonly uint64_t short_ns
     cdef readonly uint64_t long_ns     # 0: one fixed budget (short_ns)
     cdef readonly uint64_t long_floor_ns  # the long arm as given (16 wake-ups)
-    cdef uint64_t short_waits[64]      # this short block's waits (SPIN_BLOCK)
+    cdef uint64_t short_waits[SPIN_BLOCK]  # this short block's waits
     cdef double mean_ns[2]             # a wait's ns under each arm, by blocks
     cdef double block_ns               # the judged waits of this block, summed
     cdef uint32_t waits                # ... and counted
-    cdef uint64_t top[8]               # ... the longest SPIN_TRIM (8) of them
+    cdef uint64_t top[SPIN_TRIM]       # ... the longest of them
     cdef uint32_t top_min              # index of the shortest in top
     cdef uint32_t explore_in           # blocks of the better arm before the other's
     cdef int arm                       # the arm of this block

@@ -104,6 +104,10 @@ def _middle_cut(text: str, limit: int) -> str:
     return cut(lo)
 
 
+#: The serving loop's Cython files (_ring.pyx and what it includes).
+_CYTHON_FILES = ("_ring.pyx", ".pxi")
+
+
 def exception_text(e: BaseException, limit: int) -> str:
     """The text a client gets for an exception raised in the evaluator, in at
     most `limit` bytes of UTF-8: the exception's type and message first,
@@ -119,7 +123,7 @@ def exception_text(e: BaseException, limit: int) -> str:
         return _middle_cut(text, limit)
     # The model's frames: not the serving loop's own.
     frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith(_PACKAGE) and not f.filename.endswith("_ring.pyx")]
+              if not f.filename.startswith(_PACKAGE) and not f.filename.endswith(_CYTHON_FILES)]
     frames = frames[-3:]
     if frames:
         where = "".join(traceback.format_list(frames)).rstrip("\n")
