@@ -1,6 +1,5 @@
 """Exceptions.  Everything shmeval raises derives from ShmevalError, except bad
-arguments, which raise ValueError / TypeError (pipeline.NoFreeSlots lives
-beside what raises it)."""
+arguments, which raise ValueError / TypeError."""
 from __future__ import annotations
 
 import os
@@ -39,6 +38,11 @@ class NotTheMainProcess(ShmevalError, RuntimeError):
     of multiprocessing's spawn or forkserver start method: the script's
     entry point lacks its ``if __name__ == "__main__":`` guard.  Also a
     RuntimeError, as it was before it had a class of its own."""
+
+
+class NoFreeSlots(ShmevalError):
+    """``submit(..., block=False)`` found fewer free slots than states: the
+    process's other requests hold them (``slots_per_client`` in all)."""
 
 
 class ModelError(ShmevalError):

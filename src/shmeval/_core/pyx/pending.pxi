@@ -26,51 +26,26 @@ cdef class Pending:
 
     A request is a state posted (one the evaluation cache did not answer at
     the submit): request i is output row ``rows[i]``, in slot ``ks[i]``
-    begun with generation ``gens[i]``.  The common case runs here in C;
+    begun with generation ``gens[i]``.  ``evaluate`` and ``evaluate_many``
+    post and collect through a Pending too (ClientPort._post, _collect);
     what is unusual (a timeout, a closed or dead evaluator, a reclaimed
-    entry) is judged by the Python of ``shmeval.pipeline`` (the lane) and
-    ``shmeval.Client``, as for ``evaluate_many``.
+    entry) is judged by the process's ``shmeval.entry.ProcessEntry``.
     """
 
-    def __init__(self, lane, Py_ssize_t n, bint versioned):
-        self._setup(lane, <ClientPort?>lane.port, n, versioned)
+    def __init__(self):
+        raise TypeError("a Pending is made by Client.submit")
 
-    cdef int _setup(self, object lane, ClientPort port, Py_ssize_t n,
-                    bint versioned) except -1:
-        cdef cnp.npy_intp dims[1]
-        if n < 0 or n > SHM_MAX_SLOTS_PER_CLIENT:
-            raise ValueError(f"a Pending holds 0 to {SHM_MAX_SLOTS_PER_CLIENT} states, not {n}")
-        self._lane = lane
-        self.port = port
-        self.seg = port.seg
-        self._n = n
-        # port.fast: every output a native built-in dtype, made in C;
-        # otherwise (another byte order, a newer dtype) by NumPy.
-        self._outs = (port._spare_outs(n) if port.fast else
-                      [np.empty((n,) + o.shape, o.dtype) for o in lane.outputs])
-        if versioned:
-            dims[0] = n
-            self._versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
-        self.error_row = -1
-        return 0
-
-    cdef void _armed(self, Py_ssize_t m):
-        """Requests 0..m-1 (ks, gens, rows set) are in flight: each slot's
-        owner on the port, which the lane's harvests and slot waits ask."""
+    cdef void _armed(self, Py_ssize_t m, bint own):
+        """Requests 0..m-1 (ks, gens, rows set) are in flight.  own: a
+        submit's, each slot's owner on the port, which the entry's harvests
+        and slot waits ask."""
         cdef Py_ssize_t i
         self._m = self.unclaimed = m
+        self.own = own
         for i in range(m):
             self.state[i] = REQ_LEFT
-            self.port.owner[self.ks[i]] = <PyObject *>self
-
-    def _arm(self, list rows, list slots, list gens):
-        """The requests posted by the general path of submit."""
-        cdef Py_ssize_t i, m = len(rows)
-        for i in range(m):
-            self.rows[i] = rows[i]
-            self.ks[i] = slots[i]
-            self.gens[i] = gens[i]
-        self._armed(m)
+            if own:
+                self.port.owner[self.ks[i]] = <PyObject *>self
 
     def __len__(self):
         return self._n
@@ -80,6 +55,11 @@ cdef class Pending:
         what = ("failed" if self.exc is not None else
                 f"{left} in flight" if left else "done")
         return f"<Pending {self._n} state(s), {what}>"
+
+    @property
+    def _entry(self):
+        """The process entry it was posted through (shmeval.entry)."""
+        return self.port.entry
 
     @property
     def _in_flight(self):
@@ -102,34 +82,48 @@ cdef class Pending:
         """The outputs, as ``evaluate_many`` returns them (with
         ``submit(..., return_version=True)``, the pair ``(outputs,
         versions)``).  Waits up to ``timeout`` seconds (None: as long as
-        the evaluator lives), then raises ShmevalTimeout (a TimeoutError) with the request
-        still in flight (call again to go on waiting).  Raises ModelError,
-        EvaluatorClosed and EvaluatorDied as evaluate_many does; a second
-        call returns (or raises) the same."""
+        the evaluator lives), then raises ShmevalTimeout (a TimeoutError)
+        with the request still in flight (call again to go on waiting).
+        Raises ModelError, EvaluatorClosed and EvaluatorDied as
+        evaluate_many does; a second call returns (or raises) the same."""
+        if self.result_ is not None:
+            return self.result_
+        self._check_process()
+        self._collect(0.0 if timeout is None else _monotonic() + timeout, timeout)
+        return self._finish()
+
+    # -------------------------------------------------------- internals
+    def _check_process(self):
+        if self.port.pid != _current_pid:
+            raise ShmevalError("a Pending is collected in the process that submitted it")
+
+    cdef int _collect(self, double deadline, object timeout) except -1:
+        """Waits for and copies out every request in flight, claiming each
+        first, so that another thread collecting the same Pending never
+        fetches it twice.  A wait that ends without an answer goes to the
+        entry's judgement (``ProcessEntry.judge``), which raises for a
+        closed, dead or reclaimed entry and returns on a timeout of a
+        healthy evaluator; with a deadline (CLOCK_MONOTONIC s, 0: none)
+        ShmevalTimeout is raised once it passes, the requests still in
+        flight."""
         cdef Py_ssize_t i
         cdef uint32_t k, gen
         cdef int rc
         cdef uint64_t wait_ns
         cdef object r
-        cdef double deadline = 0
         cdef ClientPort port = self.port
-        if self.result_ is not None:
-            return self.result_
-        self._check_process()
-        if timeout is not None:
-            deadline = _monotonic() + timeout
         while True:
             if self.exc is not None:
                 raise self.exc.with_traceback(None)
             if self.fetched == self._m:
-                return self._finish()
+                return 0
             i = self._claim()
             if i < 0:  # another thread is fetching the last requests
                 _sleep(0.001)
                 continue
             k, gen = self.ks[i], self.gens[i]
             wait_ns = port.timeout_ns
-            if timeout is not None:
+            if deadline:
                 wait_ns = <uint64_t>max(0.0, min(<double>wait_ns,
                                                  (deadline - _monotonic()) * 1e9))
             try:
@@ -145,20 +139,15 @@ cdef class Pending:
                 else:  # not ours any more
                     self._give_up(i)
                 try:
-                    self._lane.check(r, k, gen, self._outs, self.rows[i])
+                    port.entry.judge(r)
                 except ShmevalError as e:
                     self._fail(e)
                     raise
-                if timeout is not None and _monotonic() >= deadline:
+                if deadline and _monotonic() >= deadline:
                     raise ShmevalTimeout(f"{self!r}: no answer within {timeout} s")
                 continue
             port.give_back(k)
             self._record(i, r)
-
-    # -------------------------------------------------------- internals
-    def _check_process(self):
-        if self.port.pid != _current_pid:
-            raise ShmevalError("a Pending is collected in the process that submitted it")
 
     cdef Py_ssize_t _claim(self) noexcept:
         """Claims the oldest request nobody is fetching; -1 if none."""
@@ -185,8 +174,10 @@ cdef class Pending:
         if type(r) is str:
             if row > self.error_row:  # the last failed row's, as evaluate_many
                 self.error_row, self.error = row, r
-        elif self._versions is not None:
-            (<int64_t *>cnp.PyArray_DATA(self._versions))[row] = <int64_t>r
+        else:
+            self.version = <int64_t>r
+            if self._versions is not None:
+                (<int64_t *>cnp.PyArray_DATA(self._versions))[row] = <int64_t>r
         self.state[i] = REQ_FETCHED
         self.fetched += 1
         self._disown(i)
@@ -194,9 +185,9 @@ cdef class Pending:
 
     cdef int _give_up(self, Py_ssize_t i) except -1:
         """Request i, claimed, was reclaimed: not ours to fetch; its slot
-        goes to the abandoned list (Client._give_back)."""
+        goes to the abandoned list (ProcessEntry.give_back)."""
         self._disown(i)
-        self._lane.client._give_back(self.port, [], [(self.ks[i], self.gens[i])])
+        self.port.entry.give_back([], [(self.ks[i], self.gens[i])])
         return 0
 
     cdef void _disown(self, Py_ssize_t i) noexcept:
@@ -208,14 +199,14 @@ cdef class Pending:
     def __dealloc__(self):
         cdef Py_ssize_t i
         if self.port is not None:
-            if self.unclaimed and self._lane is not None and self.port.pid == _current_pid:
+            if self.unclaimed and self.port.pid == _current_pid:
                 self._abandon()
             for i in range(self._m):
                 self._disown(i)
             # Its arrays may serve a later submit once nobody holds them
             # (ClientPort._spare_outs checks); a failed Pending's are left
             # to the allocator.
-            if self.port.fast and self._n and self._outs is not None and \
+            if self.own and self.port.fast and self._n and self._outs is not None and \
                     self.fetched == self._m and self.port.pid == _current_pid:
                 self.port._keep_spare(self._outs)
 
@@ -265,7 +256,7 @@ cdef class Pending:
             if type(r) is int and <int>r < 0:  # reclaimed: the slot is not ours any more
                 self._give_up(i)
                 try:
-                    self._lane.check(SHM_STALE, k, gen, self._outs, self.rows[i])
+                    port.entry.judge(SHM_STALE)
                 except ShmevalError as e:
                     self._fail(e)
                 return got
@@ -296,16 +287,16 @@ cdef class Pending:
             self.exc = exc
         rows = self._claim_all()
         if rows:
-            self._lane.client._give_back(self.port, [], rows)
+            self.port.entry.give_back([], rows)
 
     cdef void _abandon(self) noexcept:
         """Requests nobody will collect (the Pending is being freed): their
-        slots come back once answered (the lane's abandoned list).  Run
+        slots come back once answered (the entry's abandoned list).  Run
         from __dealloc__ rather than a finalizer, which every Pending would
         pay for."""
         try:
             rows = self._claim_all()
             if rows:
-                self._lane.abandon(rows)
+                self.port.entry.abandon(rows)
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
