@@ -38,7 +38,7 @@ cdef class SpinArms:
     than trying one a little slower.  ``long_ns`` 0: one fixed budget
     (``spin_us`` set by the caller).
 
-    The long arm as given (``long_floor_ns``, SPIN_LONG_WAKES wake-ups)
+    The long arm as given (``long_floor_ns``, ``waiting.SPIN_LONG_WAKES`` wake-ups)
     can be shorter than the answers: a model call of 200 µs outlasts 16
     wake-ups of 7 µs, and then both arms sleep, though the CPU the client
     would spin on is free (the spin policy lets it spin only then, or
