@@ -22,30 +22,11 @@ from . import _ring, entry, pipeline, segment
 from .errors import EvaluatorClosed, ShmevalError
 from .spec import Spec
 from .stats import summarize
-from .tuning import AUTO, check_auto, read_report
+from .checks import AUTO
+from .stats import read_report
+from .waiting import check_spin_auto
 
 Outputs = Dict[str, np.ndarray]
-#: The largest spin budget (µs) either side accepts: a second.  (A budget
-#: in ns must also leave ring.h's SHM_SPIN_YIELD bit clear.)
-MAX_SPIN_US = 1_000_000.0
-
-
-def check_spin_us(name: str, us: float) -> float:
-    """A spin budget in µs (``spin_us``, ``evaluator_spin_us``; check_auto
-    made it a float) from 0 to MAX_SPIN_US; ValueError otherwise (NaN
-    included)."""
-    if not 0 <= us <= MAX_SPIN_US:
-        raise ValueError(f"{name} must be from 0 to {MAX_SPIN_US:g}, got {us}")
-    return us
-
-
-def check_spin_auto(spin_us: Union[float, str, None]) -> Union[float, str]:
-    """The client's ``spin_us``: "auto" or a budget; None is an alias of
-    "auto" (the default before it was spelled so), kept for callers that
-    pass it."""
-    return AUTO if spin_us is None else check_auto("spin_us", spin_us, check_spin_us)
-
-
 class Client(_ring.ClientBase):
     """A handle on an evaluator: ``evaluate``, ``evaluate_many``, ``stats``.
 

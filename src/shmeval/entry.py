@@ -30,23 +30,13 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 from . import _ring, segment
 from .errors import EvaluatorClosed, EvaluatorDied, NoFreeSlots
 from .spec import Spec
-from .tuning import AUTO, SPIN_LONG_WAKES, usable_cpus, wake_cost_ns
+from .waiting import spin_budget, usable_cpus
 
 if TYPE_CHECKING:
     from .pipeline import AsyncWaiter
 
 #: How long one blocking wait lasts before the evaluator's liveness is checked.
 WAIT_TIMEOUT_NS = 100_000_000
-
-
-def spin_budgets(spin_us: Any) -> Tuple[int, int]:
-    """(short, long) spin budgets in ns of a client's ``spin_us``: "auto"
-    measures the cost of a sleep and a wake-up (wake_cost_ns) and lets the
-    waits choose between it and SPIN_LONG_WAKES of them (_ring.SpinArms);
-    a number of µs is one fixed budget (long 0)."""
-    if spin_us == AUTO:
-        return wake_cost_ns(), SPIN_LONG_WAKES * wake_cost_ns()
-    return int(float(spin_us) * 1000), 0
 
 
 class ProcessEntry:
@@ -62,7 +52,7 @@ class ProcessEntry:
         self.spec = spec
         self.pid = pid
         self.ncpu = usable_cpus()
-        self.spin_ns, self.spin_long_ns = spin_budgets(spin_us)
+        self.spin_ns, self.spin_long_ns = spin_budget(spin_us)
         self.timeout_ns = WAIT_TIMEOUT_NS
         self.lock = threading.Lock()
         self.slot_freed = threading.Condition(self.lock)

@@ -105,11 +105,9 @@ from . import _ring
 # The names written "X as X" are imported from here by client.py and
 # evaluator.py (mypy's strict mode lets a module import only what another
 # exports explicitly).
-from .checks import AUTO as AUTO, as_number as as_number, check_auto as check_auto
-from .stats import fit_report, read_report as read_report
-from .waiting import (CROWDING, SLEEP, SPIN, SPIN_LONG_WAKES as SPIN_LONG_WAKES, YIELD,
-                      runnable_tasks, spin_mode, usable_cpus as usable_cpus,
-                      wake_cost_ns as wake_cost_ns)
+from .stats import fit_report
+from .waiting import (CROWDING, SLEEP, SPIN, SPIN_LONG_WAKES, YIELD, runnable_tasks, spin_mode,
+                      usable_cpus, wake_cost_ns)
 
 #: A trial compares a candidate with the setting in force in adjacent pairs
 #: of windows, a sequential sign test with three looks: after TRIAL_PAIRS
