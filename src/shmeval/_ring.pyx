@@ -349,6 +349,7 @@ def all_finite(cnp.ndarray a, Py_ssize_t rows):
     return None if r < 0 else bool(r)
 
 
+include "_core/pyx/layout.pxi"
 include "_core/pyx/segment.pxi"
 include "_core/pyx/spin_arms.pxi"
 include "_core/pyx/port.pxi"

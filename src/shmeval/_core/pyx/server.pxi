@@ -70,8 +70,10 @@ cdef class Server:
             raise ValueError("batch must be C-contiguous")
         if <uint64_t>cnp.PyArray_NBYTES(batch) < self.cap * seg.seg.p.in_bytes:
             raise ValueError("batch buffer smaller than max_batch rows")
-        if seg.n_out == 0:
-            raise ValueError("segment outputs not set")
+        if not seg.layouts:
+            raise ValueError("segment spec not set (Segment.set_spec)")
+        self.lay = seg.layouts[0]
+        nout = max(len(lay.method.outputs) for lay in seg.layouts)
         # The batch table the completion reads is this process's; the
         # segment has a copy, so that if this replica dies another can put
         # its requests back (shm_requeue).
@@ -80,8 +82,8 @@ cdef class Server:
                              f"{shm_server_replica(&seg.seg, server)}, not {replica}")
         shm_server_init(&seg.seg, server, replica)
         self.taken = <shm_taken *>malloc(sizeof(shm_taken) * self.cap)
-        self.fields = <const char **>malloc(sizeof(char *) * seg.n_out)
-        self.strides = <int64_t *>malloc(sizeof(int64_t) * seg.n_out)
+        self.fields = <const char **>malloc(sizeof(char *) * nout)
+        self.strides = <int64_t *>malloc(sizeof(int64_t) * nout)
         if self.taken == NULL or self.fields == NULL or self.strides == NULL:
             raise MemoryError()
         self.batch = <char *>cnp.PyArray_DATA(batch)
@@ -315,15 +317,15 @@ cdef class Server:
         cdef list arrays
         cdef cnp.ndarray a
         cdef cnp.npy_intp *want
-        cdef Py_ssize_t j, i, nout = self.seg.n_out
-        cdef Segment seg = self.seg
-        if not seg.out_native or self.n == 0:
+        cdef Layout lay = self.lay
+        cdef Py_ssize_t j, i, nout = lay.n_out
+        if not lay.out_native or self.n == 0:
             return False
         if type(out) is dict:
             if not self.extra_outputs_ok and PyDict_Size(out) != nout:
                 return False  # the slow path warns about the undeclared ones, once
             arrays = []
-            for name in seg.out_names:
+            for name in lay.out_names:
                 x = (<dict>out).get(name)
                 if x is None:
                     return False
@@ -341,16 +343,16 @@ cdef class Server:
             if type(x) is not cnp.ndarray:
                 return False
             a = <cnp.ndarray>x
-            want = seg._out_dims(j)
-            if not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_TYPE(a) != seg.out_type[j] or \
-                    cnp.PyArray_NDIM(a) != seg.out_nd[j] + 1 or cnp.PyArray_DIM(a, 0) != rows:
+            want = lay._out_dims(j)
+            if not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_TYPE(a) != lay.out_type[j] or \
+                    cnp.PyArray_NDIM(a) != lay.out_nd[j] + 1 or cnp.PyArray_DIM(a, 0) != rows:
                 return False
-            for i in range(seg.out_nd[j]):
+            for i in range(lay.out_nd[j]):
                 if cnp.PyArray_DIM(a, i + 1) != want[i]:
                     return False
-            if not _rows_ok(a, self.n, self.seg.out_nbytes[j]):
+            if not _rows_ok(a, self.n, lay.out_nbytes[j]):
                 return False
-            if reject_nonfinite and seg.out_float[j] and _finite(a, self.n) != 1:
+            if reject_nonfinite and lay.out_float[j] and _finite(a, self.n) != 1:
                 return False
         shm_record_batch(&self.seg.seg, self.replica, self.n, rows, model_ns, 0)
         self.complete(arrays, version)
@@ -364,18 +366,19 @@ cdef class Server:
         """Scatters row i of each output array into request i's slot; marks
         DONE and wakes.  Each array needs at least n rows of exactly the
         declared row size, each row contiguous (axis 0 may be strided)."""
-        cdef uint32_t j, done, nf = self.seg.n_out
+        cdef Layout lay = self.lay
+        cdef uint32_t j, done, nf = lay.n_out
         if len(arrays) != nf:
             raise ValueError("expected %d output arrays" % nf)
         for j in range(nf):
-            if not _rows_ok(arrays[j], self.n, self.seg.out_nbytes[j]):
+            if not _rows_ok(arrays[j], self.n, lay.out_nbytes[j]):
                 raise ValueError("output array %d: too few rows, wrong row size, or rows "
                                  "not contiguous" % j)
             self.fields[j] = <const char *>cnp.PyArray_DATA(<cnp.ndarray>arrays[j])
             self.strides[j] = cnp.PyArray_STRIDE(<cnp.ndarray>arrays[j], 0)
         with nogil:
             done = shm_complete_fields(&self.seg.seg, self.taken, self.n, nf, self.fields,
-                                       self.seg.out_nbytes, self.strides, self.seg.out_off,
+                                       lay.out_nbytes, self.strides, lay.out_off,
                                        model_version)
         self._set_n(0)
         return done
