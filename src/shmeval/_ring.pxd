@@ -221,9 +221,19 @@ cdef class ServeGroup:
 cdef class Server:
     """The evaluator's side: collect a batch, then complete or fail it."""
     cdef Segment seg
-    cdef Layout lay               # the method of the batch outstanding
+    cdef Layout lay               # the method of the group outstanding
     cdef readonly ServeGroup group
-    cdef shm_taken *taken         # its batch table, in this process's memory
+    cdef shm_taken *taken_all     # its batch table, in this process's memory
+    cdef shm_taken *taken         # ... from the group outstanding on
+    cdef uint32_t left            # requests of the batch not finished yet
+    cdef bint packed              # named inputs: made from the request rows
+    cdef bint multi               # several methods: a group per method
+    cdef object _rows             # request rows: grouped by method, or the batch's
+    cdef uint32_t gstart[16]      # each method's first row in _rows
+    cdef uint32_t gmethod[16]     # the batch's groups: method,
+    cdef uint32_t gcount[16]      # ... requests
+    cdef int ng, gi               # groups, and the one outstanding
+    cdef object _returned         # what serve() returns after _serve_group
     cdef char *batch
     cdef object _keep
     cdef uint32_t n
@@ -242,7 +252,13 @@ cdef class Server:
     cdef int64_t *calls           # serve()'s model calls: start, duration, rows, requests
     cdef Py_ssize_t n_calls, calls_cap
 
-    cdef void _set_n(self, uint32_t n) noexcept
+    cdef void _collected(self, uint32_t n) noexcept
+    cdef void _finished(self, uint32_t k) noexcept
+    cdef uint32_t _group(self, uint32_t n) except? 0xffffffff
+    cdef uint32_t _next_group(self) noexcept
+    cdef object _model_input(self, uint32_t rows)
+    cdef int _serve_group(self, object model, uint32_t n, object buckets,
+                          bint reject_nonfinite) except -1
     cdef void _seg_unlock(self) noexcept
     cpdef int collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
                       uint64_t timeout_ns) except? -1000

@@ -161,6 +161,14 @@ class MethodSpec:
         """"method 'recurrent'", or "" for an evaluator's only method."""
         return f"method {self.name!r}" if self.name else ""
 
+    def unpack(self, raw: np.ndarray) -> dict[str, np.ndarray]:
+        """The named inputs of request rows ``raw`` (uint8, n x at least
+        in_bytes): {name: C-contiguous array (n, *shape) of its dtype},
+        what the model's function is called with."""
+        n = raw.shape[0]
+        return {f.name: np.ascontiguousarray(raw[:, f.offset:f.offset + f.nbytes])
+                .view(f.dtype).reshape((n,) + f.shape) for f in self.inputs}
+
     def describe_outputs(self) -> str:
         return ", ".join(f"{o.name}: {o.shape} {o.dtype}" for o in self.outputs)
 

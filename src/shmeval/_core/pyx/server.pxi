@@ -48,6 +48,13 @@ cdef class Server:
     0..n-1.  complete copies row i of each output array into the slot that
     request i came from.  Servers sharing a ServeGroup serve one segment
     from several threads (see serve()).
+
+    With several methods a batch collected holds requests of any of them:
+    it is served a method at a time, each method's requests a group of
+    their own (_group), and complete, fail and fail_rows act on the group
+    outstanding (``method``, ``pending``); the next group is served before
+    anything new is collected, so no method waits behind another's next
+    batch.
     """
 
     def __cinit__(self, Segment seg, cnp.ndarray batch, ServeGroup group=None,
@@ -74,6 +81,15 @@ cdef class Server:
             raise ValueError("segment spec not set (Segment.set_spec)")
         self.lay = seg.layouts[0]
         nout = max(len(lay.method.outputs) for lay in seg.layouts)
+        # Named inputs: the model's input is made from the request rows;
+        # several methods: grouped by method first, into rows of their own
+        # (twice the batch's rows: a group's padding may run past the end).
+        self.multi = len(seg.layouts) > 1
+        self.packed = self.multi or self.lay.method.named
+        if self.multi:
+            self._rows = np.zeros((2 * cnp.PyArray_DIM(batch, 0), seg.seg.p.in_bytes), np.uint8)
+        elif self.packed:
+            self._rows = batch.view(np.uint8).reshape(cnp.PyArray_DIM(batch, 0), -1)
         # The batch table the completion reads is this process's; the
         # segment has a copy, so that if this replica dies another can put
         # its requests back (shm_requeue).
@@ -81,10 +97,11 @@ cdef class Server:
             raise IndexError(f"server {server} belongs to replica "
                              f"{shm_server_replica(&seg.seg, server)}, not {replica}")
         shm_server_init(&seg.seg, server, replica)
-        self.taken = <shm_taken *>malloc(sizeof(shm_taken) * self.cap)
+        self.taken_all = <shm_taken *>malloc(sizeof(shm_taken) * self.cap)
+        self.taken = self.taken_all
         self.fields = <const char **>malloc(sizeof(char *) * nout)
         self.strides = <int64_t *>malloc(sizeof(int64_t) * nout)
-        if self.taken == NULL or self.fields == NULL or self.strides == NULL:
+        if self.taken_all == NULL or self.fields == NULL or self.strides == NULL:
             raise MemoryError()
         self.batch = <char *>cnp.PyArray_DATA(batch)
         self._keep = batch
@@ -95,17 +112,121 @@ cdef class Server:
             shm_collect_unlock(&self.seg.seg)
         if self.locked:
             PyThread_release_lock(self.group.lock)
-        free(self.taken)
+        free(self.taken_all)
         free(self.fields)
         free(self.strides)
         free(self.calls)
 
-    cdef inline void _set_n(self, uint32_t n) noexcept:
-        """The outstanding batch's size; keeps the group's in_flight count
-        and the segment's batch table."""
-        self.group.in_flight += (n > 0) - (self.n > 0)
-        self.n = n
+    cdef inline void _collected(self, uint32_t n) noexcept:
+        """A batch of n requests was collected: they are outstanding (the
+        ServeGroup's in_flight count, the segment's batch table)."""
+        self.taken = self.taken_all
+        self.n = self.left = n
+        self.ng = self.gi = 0
+        self.group.in_flight += 1
         shm_server_set_n(&self.seg.seg, self.v, n)
+
+    cdef inline void _finished(self, uint32_t k) noexcept:
+        """k requests of the batch were answered or failed.  The segment's
+        table keeps listing the whole batch until none is left (a put-back
+        skips the slots no longer TAKEN), so that every request still
+        outstanding, of any group, is found there should this replica die."""
+        self.left -= k
+        if self.left == 0:
+            self.group.in_flight -= 1
+            shm_server_set_n(&self.seg.seg, self.v, 0)
+
+    cdef uint32_t _group(self, uint32_t n) except? 0xffffffff:
+        """Several methods: orders the batch's requests by method (stable),
+        each method's a group of rows of their own (self._rows), fails the
+        requests whose header names no method, and makes the first group
+        outstanding.  Returns its size (0: nothing left)."""
+        cdef uint32_t i, m, nm = len(self.seg.layouts), at = 0, bad = 0
+        cdef uint64_t inb = self.seg.seg.p.in_bytes
+        cdef uint32_t counts[16]
+        cdef uint32_t nxt[16]
+        cdef shm_taken *tmp = <shm_taken *>malloc(sizeof(shm_taken) * max(n, 1))
+        cdef shm_taken *badt = <shm_taken *>malloc(sizeof(shm_taken) * max(n, 1))
+        cdef char *dst = <char *>cnp.PyArray_DATA(<cnp.ndarray>self._rows)
+        cdef bytes text = b"ModelError: the request names no method of this evaluator"
+        cdef const char *tp = text
+        cdef uint32_t tl = len(text)
+        if tmp == NULL or badt == NULL:
+            free(tmp)
+            free(badt)
+            raise MemoryError()
+        memset(counts, 0, sizeof(counts))
+        for i in range(n):
+            m = (<uint32_t *>(self.batch + i * inb))[0]
+            if m < nm:
+                counts[m] += 1
+        for m in range(nm):
+            nxt[m] = at
+            self.gstart[m] = at
+            at += counts[m]
+        memcpy(tmp, self.taken_all, sizeof(shm_taken) * n)
+        for i in range(n):
+            m = (<uint32_t *>(self.batch + i * inb))[0]
+            if m < nm:
+                memcpy(dst + nxt[m] * inb, self.batch + i * inb, inb)
+                self.taken_all[nxt[m]] = tmp[i]
+                nxt[m] += 1
+            else:
+                badt[bad] = tmp[i]
+                bad += 1
+        free(tmp)
+        if bad:
+            with nogil:
+                shm_fail(&self.seg.seg, badt, bad, tp, tl)
+            shm_stat_inc(&self.seg.seg, STAT_INDEX["failed_requests"], bad)
+            self._finished(bad)
+        free(badt)
+        self.ng = 0
+        for m in range(nm):
+            if counts[m]:
+                self.gmethod[self.ng] = m
+                self.gcount[self.ng] = counts[m]
+                self.ng += 1
+        self.gi = -1
+        return self._next_group()
+
+    cdef uint32_t _next_group(self) noexcept:
+        """Makes the batch's next group outstanding; its size (0: none)."""
+        cdef uint32_t m
+        self.gi += 1
+        if self.gi >= self.ng:
+            self.n = 0
+            return 0
+        m = self.gmethod[self.gi]
+        self.lay = self.seg.layouts[m]
+        self.taken = self.taken_all + self.gstart[m]
+        self.n = self.gcount[self.gi]
+        return self.n
+
+    cdef object _model_input(self, uint32_t rows):
+        """The outstanding group's input for the model, padded to rows: a
+        view of the batch (one unnamed input), or {input name: array} made
+        from its request rows."""
+        cdef uint32_t start = self.gstart[self.lay.index] if self.multi else 0
+        if not self.packed:
+            view = self.views[rows]
+            if view is None:
+                view = self.views[rows] = self._keep[:rows]
+            return view
+        return self.lay.method.unpack(self._rows[start:start + rows])
+
+    def request_rows(self):
+        """The outstanding group's request rows (uint8, pending x
+        in_bytes), for the serving loop's row isolation."""
+        cdef uint32_t start = self.gstart[self.lay.index] if self.multi else 0
+        if not self.packed:
+            return self._keep[:self.n]
+        return self._rows[start:start + self.n]
+
+    @property
+    def method(self):
+        """The index of the outstanding group's method (spec.methods)."""
+        return self.lay.index
 
     cdef inline void _seg_unlock(self) noexcept:
         if self.seg_locked:
@@ -197,7 +318,7 @@ cdef class Server:
         as finish_fast and complete: serve() calls them without a Python
         call each, on the evaluator's path between batches.)"""
         cdef int rc
-        if self.n:
+        if self.left:
             raise ShmevalError("collect() while a batch is outstanding")
         max_batch = min(max_batch, self.cap)
         self.end_busy()
@@ -206,7 +327,7 @@ cdef class Server:
             rc = shm_collect(&self.seg.seg, self.v, self.taken, self.batch, max_batch,
                              &self.group.cursor, spin_ns, max_wait_ns, timeout_ns)
         if rc > 0:
-            self._set_n(rc)
+            self._collected(rc)
             self.busy_since = shm_now_ns()
         return rc
 
@@ -249,12 +370,18 @@ cdef class Server:
         cdef int rc
         cdef uint32_t n, rows
         cdef uint64_t t0, model_ns
-        cdef list views = self.views
         cdef Py_ssize_t bi
         cdef ServeGroup g = self.group
         if self.locked:
             raise ShmevalError("serve() while holding the collect lock: call unlock() first")
         while True:
+            if self.left:  # the next method's group of the batch collected
+                n = self._next_group()
+                if n:
+                    rc = self._serve_group(model, n, buckets, reject_nonfinite)
+                    if rc:
+                        return self._returned
+                    continue
             g._acquire()
             self.locked = True
             if g.stop:
@@ -283,29 +410,46 @@ cdef class Server:
             self.locked = False
             PyThread_release_lock(g.lock)
             n = rc
-            rows = n
-            if buckets is not None:
-                for bi in range(len(buckets)):
-                    if <uint32_t>buckets[bi] >= n:
-                        rows = buckets[bi]
-                        break
-            view = views[rows]
-            if view is None:
-                view = views[rows] = self._keep[:rows]
-            t0 = shm_now_ns()
-            try:
-                out = model(view)
-            except Exception as e:
-                return (SERVE_RAISED, n, rows, e, shm_now_ns() - t0)
-            model_ns = shm_now_ns() - t0
-            if self.n_calls < self.calls_cap:
-                self.calls[4 * self.n_calls] = <int64_t>t0
-                self.calls[4 * self.n_calls + 1] = <int64_t>model_ns
-                self.calls[4 * self.n_calls + 2] = rows
-                self.calls[4 * self.n_calls + 3] = n
-                self.n_calls += 1
-            if not self.finish_fast(out, rows, model_ns, g.version, reject_nonfinite):
-                return (SERVE_SLOW, n, rows, out, model_ns)
+            if self.multi:
+                n = self._group(n)
+                if n == 0:
+                    continue
+            if self._serve_group(model, n, buckets, reject_nonfinite):
+                return self._returned
+
+    cdef int _serve_group(self, object model, uint32_t n, object buckets,
+                          bint reject_nonfinite) except -1:
+        """Calls the model on the outstanding group of n requests (its
+        method's function, with several: model[index]) and finishes it when
+        the outputs are as declared.  Returns 0 when done; 1 with what
+        serve() returns in _returned (SLOW, RAISED), the group outstanding."""
+        cdef uint32_t rows = n
+        cdef uint64_t t0, model_ns
+        cdef Py_ssize_t bi
+        if buckets is not None:
+            for bi in range(len(buckets)):
+                if <uint32_t>buckets[bi] >= n:
+                    rows = buckets[bi]
+                    break
+        x = self._model_input(rows)
+        f = model[self.lay.index] if self.multi else model
+        t0 = shm_now_ns()
+        try:
+            out = f(x)
+        except Exception as e:
+            self._returned = (SERVE_RAISED, n, rows, e, shm_now_ns() - t0)
+            return 1
+        model_ns = shm_now_ns() - t0
+        if self.n_calls < self.calls_cap:
+            self.calls[4 * self.n_calls] = <int64_t>t0
+            self.calls[4 * self.n_calls + 1] = <int64_t>model_ns
+            self.calls[4 * self.n_calls + 2] = rows
+            self.calls[4 * self.n_calls + 3] = n
+            self.n_calls += 1
+        if not self.finish_fast(out, rows, model_ns, self.group.version, reject_nonfinite):
+            self._returned = (SERVE_SLOW, n, rows, out, model_ns)
+            return 1
+        return 0
 
     cpdef bint finish_fast(self, object out, uint32_t rows, uint64_t model_ns, uint64_t version,
                            bint reject_nonfinite) except -1:
@@ -380,7 +524,8 @@ cdef class Server:
             done = shm_complete_fields(&self.seg.seg, self.taken, self.n, nf, self.fields,
                                        lay.out_nbytes, self.strides, lay.out_off,
                                        model_version)
-        self._set_n(0)
+        self._finished(self.n)
+        self.n = 0
         return done
 
     def fail_rows(self, object rows, str message):
@@ -412,7 +557,8 @@ cdef class Server:
                     kept += 1
             with nogil:
                 done = shm_fail(&self.seg.seg, bad, <uint32_t>nb, p, ln)
-            self._set_n(<uint32_t>kept)
+            self.n = <uint32_t>kept
+            self._finished(<uint32_t>nb)
         finally:
             free(bad)
         return done
@@ -425,7 +571,8 @@ cdef class Server:
         cdef uint32_t done
         with nogil:
             done = shm_fail(&self.seg.seg, self.taken, self.n, p, ln)
-        self._set_n(0)
+        self._finished(self.n)
+        self.n = 0
         return done
 
     def record(self, uint32_t n, uint32_t rows, uint64_t model_ns, bint failed):
