@@ -930,3 +930,39 @@ def test_the_collect_lock_is_taken_over_only_from_a_dead_replica() -> None:
         a.unlock()
     finally:
         segment.unlink(name)
+
+
+@pytest.mark.timeout(30)
+def test_a_put_back_after_failed_rows_finds_every_request_kept() -> None:
+    """A replica that failed some rows of its batch (fail_rows) and died
+    before it completed the others: the replica that puts its batch back
+    finds every request it kept, not only the first ones of the batch (the
+    segment's table lists the whole batch until none of it is left)."""
+    spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 4, 8)
+    seg, name = segment.create(spec, replicas=2, servers=2)
+    try:
+        a = _ring.Server(seg, np.zeros((8,) + INPUT_SHAPE, np.float32), _ring.ServeGroup(), 0, 0)
+        b = _ring.Server(seg, np.zeros((8,) + INPUT_SHAPE, np.float32), _ring.ServeGroup(), 1, 1)
+        seg.set_serving(0, os.getpid(), 0)
+        c = seg.register(os.getpid(), 0, 0)
+        gens = seg.post(c, [0, 1, 2, 3], np.stack([make_state(t) for t in range(4)]), 0)
+        assert a.collect(8, 0, 0, 10 * MS) == 4
+        assert a.fail_rows([0, 1], "refused") == 2   # rows 2 and 3 are kept
+        assert [seg.slot_state(c, k)[0] for k in range(4)] == [FAILED, FAILED, TAKEN, TAKEN]
+        seg.set_serving(1, os.getpid(), 0)
+        assert seg.replica_stop(0, "dead") >= 0
+        # b holds the collect lock (serve() returns IDLE holding it), then
+        # puts a's batch back: both requests it kept are READY again.
+        assert b.serve(fake_model, 8, 0, 0, 5 * MS, True, None, 0)[0] == _ring.SERVE_IDLE
+        assert b.requeue_replica(0) == 2
+        b.unlock()
+        assert [seg.slot_state(c, k)[0] for k in (2, 3)] == [READY, READY]
+        assert b.collect(8, 0, 0, 10 * MS) == 2
+        out = fake_model(b.request_rows().copy())
+        b.complete([np.ascontiguousarray(out[k]) for k in spec.output_names], 0)
+        for k, tag in ((2, 2), (3, 3)):
+            outs = [np.zeros((1,) + o.shape, o.dtype) for o in spec.outputs]
+            assert seg.fetch(c, k, gens[k], outs, 0) == 0
+            assert outs[1][0] == expected(tag)[1]
+    finally:
+        segment.unlink(name)
