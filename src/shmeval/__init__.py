@@ -9,11 +9,12 @@ from .errors import (ClientTableFull, EvaluatorClosed, EvaluatorDied, ModelError
                      NotTheMainProcess, SegmentError, ShmevalError, ShmevalTimeout)
 from .evaluator import BatchPolicy, Evaluator
 from .sched import use_batch_scheduling
+from .spec import Method
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Evaluator", "Client", "connect", "BatchPolicy", "use_batch_scheduling",
+    "Evaluator", "Client", "connect", "BatchPolicy", "Method", "use_batch_scheduling",
     "ShmevalError", "SegmentError", "ClientTableFull", "EvaluatorClosed", "EvaluatorDied",
     "ModelError", "ShmevalTimeout", "NotTheMainProcess", "__version__",
 ]

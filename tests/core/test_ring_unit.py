@@ -966,3 +966,64 @@ def test_a_put_back_after_failed_rows_finds_every_request_kept() -> None:
             assert outs[1][0] == expected(tag)[1]
     finally:
         segment.unlink(name)
+
+
+@pytest.mark.timeout(30)
+def test_a_batch_of_two_methods_is_served_a_method_at_a_time() -> None:
+    """Requests of two methods taken in one collect: each method's function
+    is called once, with its own requests' inputs only (by name), and each
+    answer has its method's outputs; a request whose header names no
+    method fails alone."""
+    methods = {
+        "initial": shmeval.Method(inputs={"obs": ((3,), "float32")},
+                                  outputs={"hidden": ((2,), "float32"), "value": ((), "float32")}),
+        "recurrent": shmeval.Method(inputs={"hidden": ((2,), "float32"), "action": ((), "int64")},
+                                    outputs={"hidden": ((2,), "float32"),
+                                             "reward": ((), "float64")}),
+    }
+    spec = Spec.build(None, None, None, 8, 4, 8, methods=methods)
+    seg, name = segment.create(spec)
+    try:
+        ini, rec = spec.methods
+        server = _ring.Server(seg, np.zeros((8, spec.in_bytes), np.uint8))
+        seg.set_serving(0, os.getpid(), 0)
+        c = seg.register(os.getpid(), 0, 0)
+        calls: list[tuple[str, int]] = []
+
+        def initial(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            calls.append(("initial", len(x["obs"])))
+            return {"hidden": x["obs"][:, :2] * 2, "value": x["obs"].sum(axis=1)}
+
+        def recurrent(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            calls.append(("recurrent", len(x["hidden"])))
+            return {"hidden": (x["hidden"] + x["action"][:, None]).astype(np.float32),
+                    "reward": x["action"].astype(np.float64) / 2}
+
+        rows = np.zeros((5, spec.in_bytes), np.uint8)
+        for i, m in enumerate([ini, rec, ini, rec, ini]):
+            x = ({"obs": np.array([i, i + 1, i + 2], np.float32)} if m is ini else
+                 {"hidden": np.array([i, -i], np.float32), "action": np.array(i, np.int64)})
+            rows[i, :4].view(np.uint32)[0] = m.index
+            for f in m.inputs:
+                rows[i, f.offset:f.offset + f.nbytes] = np.ascontiguousarray(
+                    x[f.name], f.dtype).reshape(-1).view(np.uint8)
+        bad = rows[0].copy()
+        bad[:4].view(np.uint32)[0] = 7  # names no method
+        gens = seg.post(c, list(range(6)), np.concatenate([rows, bad[None]]), 0)
+        kind = server.serve([initial, recurrent], 8, 0, 0, 5 * MS, True, None, 0)[0]
+        assert kind == _ring.SERVE_IDLE
+        server.unlock()
+        assert calls == [("initial", 3), ("recurrent", 2)]
+        for i, m in enumerate([ini, rec, ini, rec, ini]):
+            outs = [np.zeros((1,) + o.shape, o.dtype) for o in m.outputs]
+            assert seg.fetch(c, i, gens[i], outs, 0, m.index) == 0
+            if m is ini:
+                np.testing.assert_array_equal(outs[0][0], [2 * i, 2 * i + 2])
+                assert outs[1][0] == 3 * i + 3
+            else:
+                np.testing.assert_array_equal(outs[0][0], [2 * i, 0])
+                assert outs[1][0] == i / 2
+        assert "no method" in seg.fetch(c, 5, gens[5], [np.zeros((1, 2), np.float32),
+                                                        np.zeros(1, np.float32)], 0)
+    finally:
+        segment.unlink(name)

@@ -518,12 +518,14 @@ cdef class Segment:
                                         t, &which)
         return which, rc
 
-    def fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row):
-        """Copies a finished slot's outputs into dst[j][row] and frees the slot.
-        Returns the model version (DONE), the error text as str (FAILED), or
-        STALE when the slot was reclaimed (nothing is delivered)."""
+    def fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
+              Py_ssize_t method=0):
+        """Copies a finished slot's outputs (those of the request's method,
+        by index) into dst[j][row] and frees the slot.  Returns the model
+        version (DONE), the error text as str (FAILED), or STALE when the
+        slot was reclaimed (nothing is delivered)."""
         self._slot(c, k)
-        return self._fetch(self.layouts[0], c, k, gen, dst, row)
+        return self._fetch(self.layouts[method], c, k, gen, dst, row)
 
     def answer(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
                uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu):
