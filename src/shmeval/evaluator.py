@@ -352,30 +352,7 @@ class Evaluator(Client):
             if not pending:
                 self._raise_unless_restarting(seg)
                 return None
-            applied, refused = 0, dict[int, str]()
-            while pending:
-                for ready in mp_connection.wait(list(pending), timeout=0.05):
-                    conn = typing.cast(mp_connection.Connection, ready)
-                    r = pending[conn]
-                    try:
-                        t, ok, detail = conn.recv()
-                    except (EOFError, OSError):  # this replica died meanwhile
-                        del pending[conn]
-                        continue
-                    if ok:  # also the late reply of a request that timed out
-                        self._version = max(self._version, detail)
-                    if t == ticket:
-                        del pending[conn]
-                        if ok:
-                            applied += 1
-                        else:
-                            refused[r] = detail
-                if not pending:
-                    break
-                self._check_alive(seg)
-                if time.monotonic() > deadline:
-                    raise ShmevalTimeout(f"the evaluator did not apply {method} within "
-                                         f"{timeout} s (it may still do so)")
+            applied, refused = self._replies(seg, pending, ticket, method, deadline, timeout)
             if applied:
                 # Before returning: no cache lookup accepts older answers now,
                 # and no replica that refused the update collects any more
@@ -397,6 +374,39 @@ class Evaluator(Client):
             seg.stat_put("model_version", new)
             seg.stat_inc("weight_updates", 1)
             return new
+
+    def _replies(self, seg: "_ring.Segment", pending: dict[mp_connection.Connection, int],
+                 ticket: int, method: str, deadline: float,
+                 timeout: float) -> tuple[int, dict[int, str]]:
+        """Waits for the replies to control request ``ticket`` from the
+        replicas in ``pending`` ({their pipe: replica}; emptied): how many
+        applied it, and {replica: why} of those that refused it.  A replica
+        whose pipe closes has died (the others serve its requests)."""
+        applied, refused = 0, dict[int, str]()
+        while pending:
+            for ready in mp_connection.wait(list(pending), timeout=0.05):
+                conn = typing.cast(mp_connection.Connection, ready)
+                r = pending[conn]
+                try:
+                    t, ok, detail = conn.recv()
+                except (EOFError, OSError):  # this replica died meanwhile
+                    del pending[conn]
+                    continue
+                if ok:  # also the late reply of a request that timed out
+                    self._version = max(self._version, detail)
+                if t == ticket:
+                    del pending[conn]
+                    if ok:
+                        applied += 1
+                    else:
+                        refused[r] = detail
+            if not pending:
+                break
+            self._check_alive(seg)
+            if time.monotonic() > deadline:
+                raise ShmevalTimeout(f"the evaluator did not apply {method} within "
+                                     f"{timeout} s (it may still do so)")
+        return applied, refused
 
     def _raise_unless_restarting(self, seg: "_ring.Segment") -> None:
         """No replica got an update: EvaluatorDied, unless a restart is
