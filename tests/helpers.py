@@ -17,6 +17,16 @@ INPUT_SHAPE = (6, 7, 2)
 OUTPUTS = {"policy": ((7,), "float32"), "value": ((), "float32")}
 
 
+def serve_config(max_batch: int = 8, **kw: Any) -> Any:
+    """The settings of a Server driven by hand (Server.configure): fixed,
+    so that no tuner is needed (greedy, no spin, one serving thread);
+    ``kw`` changes any of them."""
+    from shmeval.config import ServeConfig
+
+    return ServeConfig(**{"input_shape": INPUT_SHAPE, "outputs": OUTPUTS, "max_batch": max_batch,
+                          "max_wait_us": 0, "evaluator_spin_us": 0, "serving_threads": 1, **kw})
+
+
 def fake_model(x: np.ndarray) -> dict[str, np.ndarray]:
     """Deterministic function of each row: policy[k] = 2*x[0,k,0] + k,
     value = x[5,6,1].  Exact in float32 for the integers the tests use."""

@@ -7,7 +7,8 @@ back in place.  See README.md and docs/protocol.md.
 from .client import Client, connect
 from .errors import (ClientTableFull, EvaluatorClosed, EvaluatorDied, ModelError,
                      NotTheMainProcess, SegmentError, ShmevalError, ShmevalTimeout)
-from .evaluator import BatchPolicy, Evaluator
+from .config import BatchPolicy
+from .evaluator import Evaluator
 from .sched import use_batch_scheduling
 from .spec import Method
 

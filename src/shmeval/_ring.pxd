@@ -251,18 +251,25 @@ cdef class Server:
     cdef bint seg_locked          # holds the segment's collect lock
     cdef int64_t *calls           # serve()'s model calls: start, duration, rows, requests
     cdef Py_ssize_t n_calls, calls_cap
+    # What serve() reads, set by configure() (and tune(), for the first three).
+    cdef uint32_t max_batch       # most requests per batch (0: not configured)
+    cdef uint64_t spin_ns         # the idle evaluator's spin budget
+    cdef uint64_t max_wait_ns     # wait for a fuller batch after the first request
+    cdef uint64_t idle_ns         # return IDLE after this long without a request
+    cdef bint reject_nonfinite    # non-finite float outputs fail their rows
+    cdef uint32_t *buckets        # padded batch sizes, ascending
+    cdef uint32_t n_buckets
 
     cdef void _collected(self, uint32_t n) noexcept
     cdef void _finished(self, uint32_t k) noexcept
     cdef uint32_t _group(self, uint32_t n) except? 0xffffffff
     cdef uint32_t _next_group(self) noexcept
     cdef object _model_input(self, uint32_t rows)
-    cdef int _serve_group(self, object model, uint32_t n, object buckets,
-                          bint reject_nonfinite) except -1
+    cdef int _serve_group(self, object model, uint32_t n) except -1
     cdef void _seg_unlock(self) noexcept
     cpdef int collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
                       uint64_t timeout_ns) except? -1000
     cpdef end_busy(self)
-    cpdef bint finish_fast(self, object out, uint32_t rows, uint64_t model_ns, uint64_t version,
-                           bint reject_nonfinite) except -1
+    cpdef bint finish_fast(self, object out, uint32_t rows, uint64_t model_ns,
+                           uint64_t version) except -1
     cpdef uint32_t complete(self, list arrays, uint64_t model_version) except? 0xffffffff

@@ -19,8 +19,6 @@ from typing import Any, Callable, Optional, Sequence
 
 from . import _ring
 
-#: Restarts of an Evaluator.spawn in its life, unless restarts= says.
-DEFAULT_RESTARTS = 3
 #: The wait before the first restart, doubled for each one after it.
 BACKOFF_S = 0.2
 BACKOFF_MAX_S = 5.0
@@ -67,12 +65,6 @@ def describe_exit(exitcode: Optional[int]) -> str:
     if exitcode < 0:
         return f"killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
-
-
-def check_restarts(restarts: Any) -> int:
-    if type(restarts) is not int or restarts < 0:
-        raise ValueError(f"restarts must be an int >= 0, got {restarts!r}")
-    return restarts
 
 
 class Healer:

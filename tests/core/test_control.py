@@ -16,7 +16,8 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 
-from shmeval import _ring, evaluator, segment
+from shmeval import _ring, segment, serving
+from shmeval.config import ServeConfig
 from shmeval.spec import Spec
 from helpers import INPUT_SHAPE, OUTPUTS, check_answer, fake_model, make_ev, make_state
 from test_hotswap import WeightedModel
@@ -41,11 +42,13 @@ class RecordingPipe:
         self.sent.append(obj)
 
 
-def serving_loop(pipe: RecordingPipe) -> tuple[evaluator._ServingLoop, str]:
-    spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 4, 4)
-    seg, name = segment.create(spec)
-    policy = evaluator.BatchPolicy.make(8)
-    return evaluator._ServingLoop(seg, spec, WeightedModel(), policy, True, pipe), name
+def serving_loop(pipe: RecordingPipe) -> tuple[serving.ServingLoop, str]:
+    # Fixed settings (no tuner): greedy, a 50 µs spin, one thread.
+    config = ServeConfig(input_shape=INPUT_SHAPE, outputs=OUTPUTS, max_batch=8, max_clients=4,
+                         slots_per_client=4, max_wait_us=0, evaluator_spin_us=50,
+                         serving_threads=1)
+    seg, name = segment.create(config.spec)
+    return serving.ServingLoop(seg, WeightedModel(), config, pipe), name
 
 
 def test_an_announced_message_is_not_waited_for() -> None:

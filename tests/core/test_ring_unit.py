@@ -21,7 +21,8 @@ import pytest
 import shmeval
 from shmeval import _ring, segment
 from shmeval.spec import Spec
-from helpers import INPUT_SHAPE, OUTPUTS, expected, fake_model, gen, is_final, make_state
+from helpers import (INPUT_SHAPE, OUTPUTS, expected, fake_model, gen, is_final, make_state,
+                     serve_config)
 
 FREE, WRITING, READY, TAKEN = 0, 1, 2, 3
 DONE, FAILED = _ring.DONE, _ring.FAILED
@@ -299,7 +300,8 @@ def test_serve_records_its_model_calls(rig: Rig) -> None:
                 seg.fetch(c, k, gen(seg, c, k), rig.outs(), 0)   # frees the slot
         rig.post(c, slots, list(slots))
         before = _ring.now_ns()
-        kind = server.serve(model, 8, 0, 0, MS, False, buckets, 0)[0]
+        server.configure(serve_config(8, buckets=buckets, reject_nonfinite=False), MS)
+        kind = server.serve(model, 0)[0]
         if kind == _ring.SERVE_RAISED:
             server.fail("no pairs")
         else:
@@ -916,14 +918,15 @@ def test_the_collect_lock_is_taken_over_only_from_a_dead_replica() -> None:
         b = _ring.Server(seg, np.zeros((8,) + INPUT_SHAPE, np.float32), _ring.ServeGroup(), 1, 1)
         seg.set_serving(0, os.getpid(), 0)
         seg.set_serving(1, os.getpid(), 0)
-        args = (fake_model, 8, 0, 0, 5 * MS, True, None, 0)
-        assert a.serve(*args)[0] == _ring.SERVE_IDLE   # returns holding the collect lock
-        kind, _, _, holder, _ = b.serve(*args)
+        a.configure(serve_config(8), 5 * MS)
+        b.configure(serve_config(8), 5 * MS)
+        assert a.serve(fake_model, 0)[0] == _ring.SERVE_IDLE   # returns holding the collect lock
+        kind, _, _, holder, _ = b.serve(fake_model, 0)
         assert (kind, holder) == (_ring.SERVE_LOCKED_OUT, 0)
         assert not b.take_over_lock(holder)            # replica 0 is alive: no
         b.unlock()
         assert seg.replica_stop(0, "dead") >= 0
-        kind, _, _, holder, _ = b.serve(*args)
+        kind, _, _, holder, _ = b.serve(fake_model, 0)
         assert (kind, holder) == (_ring.SERVE_LOCKED_OUT, 0)
         assert b.take_over_lock(holder)                # found dead: taken over
         b.unlock()
@@ -953,7 +956,8 @@ def test_a_put_back_after_failed_rows_finds_every_request_kept() -> None:
         assert seg.replica_stop(0, "dead") >= 0
         # b holds the collect lock (serve() returns IDLE holding it), then
         # puts a's batch back: both requests it kept are READY again.
-        assert b.serve(fake_model, 8, 0, 0, 5 * MS, True, None, 0)[0] == _ring.SERVE_IDLE
+        b.configure(serve_config(8), 5 * MS)
+        assert b.serve(fake_model, 0)[0] == _ring.SERVE_IDLE
         assert b.requeue_replica(0) == 2
         b.unlock()
         assert [seg.slot_state(c, k)[0] for k in (2, 3)] == [READY, READY]
@@ -1010,7 +1014,8 @@ def test_a_batch_of_two_methods_is_served_a_method_at_a_time() -> None:
         bad = rows[0].copy()
         bad[:4].view(np.uint32)[0] = 7  # names no method
         gens = seg.post(c, list(range(6)), np.concatenate([rows, bad[None]]), 0)
-        kind = server.serve([initial, recurrent], 8, 0, 0, 5 * MS, True, None, 0)[0]
+        server.configure(serve_config(8, input_shape=None, outputs=None, methods=methods), 5 * MS)
+        kind = server.serve([initial, recurrent], 0)[0]
         assert kind == _ring.SERVE_IDLE
         server.unlock()
         assert calls == [("initial", 3), ("recurrent", 2)]

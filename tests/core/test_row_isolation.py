@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import shmeval
-from shmeval import evaluator
+from shmeval import serving
 from helpers import INPUT_SHAPE, OUTPUTS, check_answer, expected, fake_model, make_ev, make_state
 
 REQUESTS = 300
@@ -143,15 +143,15 @@ def always_raises(x: np.ndarray) -> Any:
 def test_a_model_that_always_raises_stops_being_isolated(monkeypatch: Any) -> None:
     """After ISOLATE_GIVE_UP batches where no row could be answered, failed
     batches fail whole, without extra calls, until the pause ends."""
-    monkeypatch.setattr(evaluator, "ISOLATE_PAUSE_NS", 10**15)
+    monkeypatch.setattr(serving, "ISOLATE_PAUSE_NS", 10**15)
     with make_ev(always_raises, max_batch=16, slots_per_client=16, max_wait_us=2_000_000) as ev:
         for _ in range(8):
             with pytest.raises(shmeval.ModelError, match="every batch"):
                 ev.evaluate_many(np.stack([make_state(t) for t in range(16)]))
         s = ev.stats()
         # 16 rows that all raise: 2 + 4 + 8 + 16 calls to isolate each row.
-        assert s["isolation_calls"] == evaluator.ISOLATE_GIVE_UP * 30, s
-        assert s["isolated_rows"] == evaluator.ISOLATE_GIVE_UP * 16
+        assert s["isolation_calls"] == serving.ISOLATE_GIVE_UP * 30, s
+        assert s["isolated_rows"] == serving.ISOLATE_GIVE_UP * 16
         assert s["failed_requests"] == 8 * 16 and s["failed_batches"] == 8
 
 

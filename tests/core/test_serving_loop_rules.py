@@ -1,4 +1,4 @@
-"""Rules of the serving loop (_ServingLoop) checked on their own, with a
+"""Rules of the serving loop (ServingLoop) checked on their own, with a
 stand-in for the segment: the cases that a run of real processes reaches
 only by chance or after long waits."""
 from __future__ import annotations
@@ -7,7 +7,8 @@ from typing import Any, Optional
 
 import pytest
 
-from shmeval import evaluator, segment
+from shmeval import segment
+from shmeval import serving as loop_module
 
 
 class FakeSegment:
@@ -41,7 +42,7 @@ class FakeSegment:
 
 
 def loop_on(seg: FakeSegment) -> Any:
-    loop = object.__new__(evaluator._ServingLoop)
+    loop = object.__new__(loop_module.ServingLoop)
     loop.seg, loop.pid_ns, loop.unstamped = seg, 7, {}
     return loop
 
@@ -61,12 +62,12 @@ def test_a_replica_with_a_stuck_thread_ends_its_process(
     still complete a batch the other replicas took again: while others
     serve, the replica ends its process instead of stopping; the last one
     out closes as ever."""
-    monkeypatch.setattr(evaluator.os, "_exit", fake_exit)
+    monkeypatch.setattr(loop_module.os, "_exit", fake_exit)
     seg = FakeSegment(serving=serving)
     loop = loop_on(seg)
     loop.replica, loop.stop_reason = 1, 3
     if serving > 1:
-        with pytest.raises(Exited, match=str(evaluator.EXIT_STUCK)):
+        with pytest.raises(Exited, match=str(loop_module.EXIT_STUCK)):
             loop.leave(joined=False)
         assert seg.calls == []  # not stopped: the others find it dead once it is gone
     else:
@@ -82,7 +83,7 @@ def test_an_unstamped_entry_is_freed_once_its_pid_is_reused(
         monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000]
     started = {4242: 900}  # the pid's process, started before the entry was seen
-    monkeypatch.setattr(evaluator, "_boot_ticks", lambda: now[0])
+    monkeypatch.setattr(loop_module, "_boot_ticks", lambda: now[0])
     monkeypatch.setattr(segment, "process_starttime", lambda pid: started.get(pid))
     seg = FakeSegment([(0, 4242, 0, 7, False), (1, 4343, 0, 7, False)])
     started[4343] = 950

@@ -24,7 +24,7 @@ import pytest
 
 import shmeval
 from shmeval import _ring, segment
-from helpers import INPUT_SHAPE, OUTPUTS, fake_model, gen, is_final, make_state
+from helpers import INPUT_SHAPE, OUTPUTS, fake_model, gen, is_final, make_state, serve_config
 from conservation import KW, run_workers
 
 
@@ -132,7 +132,7 @@ def test_bad_thread_count(bad: Any) -> None:
 def test_one_thread_is_the_default() -> None:
     with shmeval.Evaluator(OverlapModel(0), input_shape=INPUT_SHAPE, outputs=OUTPUTS) as ev:
         assert float(ev.evaluate(make_state(4))["value"]) == -4
-        assert ev._policy.threads == 1
+        assert ev._config.policy.threads == 1
 
 
 
@@ -151,13 +151,15 @@ def test_one_collector_at_a_time() -> None:
         batch_a = np.zeros_like(rig.batch)
         a = _ring.Server(rig.seg, batch_a, group, 1)
         b = _ring.Server(rig.seg, np.zeros_like(rig.batch), group, 2)
-        kind = a.serve(fake_model, 8, 0, 0, 1_000_000, True, None, 0)
+        a.configure(serve_config(8), 1_000_000)
+        b.configure(serve_config(8), 300_000_000)
+        kind = a.serve(fake_model, 0)
         assert kind[0] == _ring.SERVE_IDLE  # nothing posted: a holds the lock
         c = rig.seg.register(os.getpid(), 0, 0)
         rig.post(c, [0], [11])
         got: list[Any] = []
         t = threading.Thread(target=lambda: got.append(
-            b.serve(fake_model, 8, 0, 0, 300_000_000, True, None, 0)))
+            b.serve(fake_model, 0)))
         t.start()
         time.sleep(0.3)
         assert rig.seg.slot_state(c, 0)[0] == 2, "b collected while a held the lock"  # READY

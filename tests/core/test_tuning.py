@@ -543,7 +543,7 @@ def test_a_pause_reaches_the_tuner(monkeypatch: pytest.MonkeyPatch) -> None:
     """A serving loop that waits a whole idle timeout for a request tells
     its tuner: the next reading says the clients paused, and readings
     while requests keep coming say they did not."""
-    from shmeval.evaluator import IDLE_TIMEOUT_NS
+    from shmeval.serving import IDLE_TIMEOUT_NS
 
     seen: List[bool] = []
     tick = Tuner.tick
@@ -1035,7 +1035,7 @@ def test_stats_show_the_tuner() -> None:
         assert {"model_us_per_call", "model_us_per_row", "arrivals_per_s", "max_wait_us",
                 "spin", "serving_threads", "why_wait", "why_threads"} <= set(t)
         assert t["serving_threads"] == 1   # a plain function: its calls may not overlap
-        assert ev._policy.threads == 1
+        assert ev._config.policy.threads == 1
 
 
 @pytest.mark.timeout(60)
@@ -1096,7 +1096,7 @@ def test_parked_threads_stop_with_the_evaluator() -> None:
     tuner parks, closing stops them all."""
     ev = shmeval.Evaluator(Overlapping(), input_shape=INPUT_SHAPE, outputs=OUTPUTS)
     try:
-        assert ev._policy.threads == 2
+        assert ev._config.policy.threads == 2
         for i in range(50):
             assert float(ev.evaluate(make_state(i))["value"]) == -i
     finally:

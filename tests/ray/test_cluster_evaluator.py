@@ -17,7 +17,9 @@ about 60-90 s on 2 cores.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import os
 import re
 import subprocess
@@ -36,7 +38,7 @@ import shmeval  # noqa: E402
 from cluster_parts import SPEC, Player  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 from shmeval import segment  # noqa: E402
-from shmeval.ray import ClusterEvaluator, simulated_cluster  # noqa: E402
+from shmeval.ray import ClusterConfig, ClusterEvaluator, simulated_cluster  # noqa: E402
 
 TIMEOUT = 60.0
 #: Bound on a node's or a worker's start, which other load can stretch.
@@ -240,6 +242,21 @@ def check_join_and_leave(cluster: Any, ce: ClusterEvaluator, joined: Any) -> Non
 def left_behind(name: str) -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].startswith(name)]
+
+
+def test_the_settings_are_spawns_and_the_clusters_own() -> None:
+    """ClusterEvaluator takes the fields of its ClusterConfig: every
+    setting of Evaluator.spawn, with the cluster's default start method,
+    and its own three."""
+    def keywords(fn: Callable[..., Any]) -> dict[str, Any]:
+        return {p.name: p.default for p in inspect.signature(fn).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+    cluster, spawn = keywords(ClusterEvaluator), keywords(shmeval.Evaluator.spawn)
+    assert cluster.keys() == {f.name for f in dataclasses.fields(ClusterConfig) if f.init}
+    assert cluster.keys() - spawn.keys() == {"namespace", "watch_s", "actor_options"}
+    assert {k for k in spawn if cluster[k] != spawn[k]} == {"mp_context"}
+    assert cluster["mp_context"] == "forkserver"
 
 
 def test_failing_factory_fails_at_start_and_leaves_nothing(cluster: Any) -> None:

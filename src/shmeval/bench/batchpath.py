@@ -59,7 +59,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from shmeval import _ring, segment
-from shmeval.spec import Spec
+from shmeval.config import ServeConfig
 
 from .reference import _table
 
@@ -86,16 +86,22 @@ class BatchRig:
         self.n = n
         self.nclients = min(n, MAX_CLIENTS)
         self.slots_per_client = math.ceil(n / self.nclients)
-        self.reject_nonfinite = reject_nonfinite
-        self.spec = Spec.build(state_shape, "float32",
-                               {"policy": ((policy_size,), "float32"),
-                                "value": ((), "float32")},
-                               n, self.nclients, self.slots_per_client)
+        # Served as the serving loop would, with fixed settings (no tuner):
+        # greedy, no spin, and serve() returning at once when idle.
+        self.config = ServeConfig(input_shape=state_shape,
+                                  outputs={"policy": ((policy_size,), "float32"),
+                                           "value": ((), "float32")},
+                                  max_batch=n, max_clients=self.nclients,
+                                  slots_per_client=self.slots_per_client, max_wait_us=0,
+                                  evaluator_spin_us=0, serving_threads=1,
+                                  reject_nonfinite=reject_nonfinite)
+        self.spec = self.config.spec
         self.seg, self.name = segment.create(self.spec)
         try:
             shape = (n,) + self.spec.input_shape
             self.batch = np.zeros(shape, np.float32)
             self.server = _ring.Server(self.seg, self.batch)
+            self.server.configure(self.config, 0)
             self.seg.set_serving(0, os.getpid(), 0)
             me = os.getpid()
             self.clients = [self.seg.register(me, 0, 0) for _ in range(self.nclients)]
@@ -151,14 +157,14 @@ class BatchRig:
 
     def finish(self, outputs: Any) -> None:
         """What the serving loop does after the model call."""
-        if not self.server.finish_fast(outputs, self.n, 0, 1, self.reject_nonfinite):
+        if not self.server.finish_fast(outputs, self.n, 0, 1):
             raise RuntimeError("finish_fast refused the outputs (they are not as declared)")
 
     def serve_one(self, model: Any) -> int:
         """One batch through ``Server.serve`` (collect -> model -> finish_fast,
         in Cython), then the loop's next scan, which finds nothing and, with
         a timeout of 0, returns IDLE at once.  Returns the kind."""
-        return int(self.server.serve(model, self.n, 0, 0, 0, self.reject_nonfinite, None, 0)[0])
+        return int(self.server.serve(model, 0)[0])
 
     def after_serve(self) -> None:
         """Releases what serve_one's return left held (the group's lock)."""

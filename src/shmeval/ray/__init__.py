@@ -22,13 +22,15 @@ memory, never through Ray::
     evaluators.set_weights(learner.get_weights())  # every node, in order
 
 =====================  ==================================================
-``cluster_evaluator``  :class:`ClusterEvaluator`, :class:`ClusterHandle`
+``cluster_evaluator``  :class:`ClusterEvaluator`, its settings
+                       (:class:`ClusterConfig`), :class:`ClusterHandle`
 ``node_evaluator``     the actor that owns one node's evaluator
 ``simulated``          :func:`simulated_cluster`: several nodes here
 ``selfplay``           ``shmeval selfplay --ray``
 =====================  ==================================================
 """
-from .cluster_evaluator import NAMESPACE, ClusterEvaluator, ClusterHandle
+from .cluster_evaluator import NAMESPACE, ClusterConfig, ClusterEvaluator, ClusterHandle
 from .simulated import simulated_cluster
 
-__all__ = ["ClusterEvaluator", "ClusterHandle", "simulated_cluster", "NAMESPACE"]
+__all__ = ["ClusterEvaluator", "ClusterConfig", "ClusterHandle", "simulated_cluster",
+           "NAMESPACE"]

@@ -12,12 +12,12 @@ through shared memory and never through Ray.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import multiprocessing as mp
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import ray
@@ -26,8 +26,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .._main_script import from_main
 from ..checks import as_number
 from ..client import Client, connect
+from ..config import SpawnConfig, takes_settings
 from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError, ShmevalTimeout
-from ..evaluator import Evaluator
 from ..weights import plain_weights
 from .node_evaluator import MP_CONTEXT, NodeEvaluator, actor_name
 
@@ -65,7 +65,7 @@ class ClusterHandle:
     :class:`ClusterEvaluator`, or from its ``name`` in another job."""
 
     def __init__(self, name: str, namespace: str = NAMESPACE,
-                 spin_us: Optional[float] = None) -> None:
+                 spin_us: Union[float, str, None] = None) -> None:
         self.name = name
         self.namespace = namespace
         self.spin_us = spin_us
@@ -132,52 +132,76 @@ def _check_not_in_driver_script(factory: Callable[..., Any], mp_context: Optiona
             f"ray.init(runtime_env={{'py_modules': [...]}}) or working_dir)")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig(SpawnConfig):
+    """The settings of a :class:`ClusterEvaluator`: those of
+    ``Evaluator.spawn`` (each node's evaluator takes them), and the
+    cluster's own."""
+
+    name: Optional[str] = None
+    """Names the actors in Ray's namespace ``namespace`` and each node's
+    segment (``/shmeval-<actor pid>-<name>``, see ``shmeval ls``); a
+    non-empty str without '/' (None: a new unique one)."""
+    start_timeout: float = 600.0
+    """Seconds each node's start-up may take, its ``Evaluator.spawn``
+    included."""
+    mp_context: str = MP_CONTEXT
+    """The start method of each node's serving processes: ``"forkserver"``
+    by default, not ``"spawn"``, since Ray kills a worker's direct children
+    with it, and an evaluator started through a fork server outlives its
+    actor long enough to remove its segment
+    (:mod:`shmeval.ray.node_evaluator`)."""
+    namespace: str = NAMESPACE
+    """The Ray namespace of the actors: workers of any job find them."""
+    watch_s: float = 1.0
+    """How often a thread of the driver places an evaluator, with the
+    latest weights, on each node that joined (seconds)."""
+    actor_options: Optional[Mapping[str, Any]] = None
+    """Ray options of each node's actor (such as ``{"num_gpus": 1}``, whose
+    devices the evaluator process inherits)."""
+
+    def __post_init__(self) -> None:
+        if self.name is not None and (not isinstance(self.name, str) or not self.name
+                                      or "/" in self.name):
+            raise ValueError(f"name must be a non-empty str without '/', got {self.name!r}")
+        if not as_number("watch_s", self.watch_s) > 0:
+            raise ValueError(f"watch_s must be > 0 seconds, got {self.watch_s!r}")
+        object.__setattr__(self, "actor_options", dict(self.actor_options or {}))
+        super().__post_init__()
+
+
 class ClusterEvaluator:
     """One shmeval evaluator per Ray node, each serving that node's workers
     through shared memory.  Create it in the driver after ``ray.init()``;
     it returns once every node's evaluator serves.
 
-    ``factory`` and ``evaluator_kwargs`` are those of
-    :meth:`shmeval.Evaluator.spawn` (``input_shape``, ``outputs``,
-    ``max_batch``, ...): each node's actor calls
-    ``Evaluator.spawn(factory, **evaluator_kwargs)``, so the factory must be
-    importable on every node.  ``name`` (default: a new unique one) names
-    the actors in Ray's namespace ``namespace`` and each node's segment
-    (``/shmeval-<actor pid>-<name>``, see ``shmeval ls``); ``start_timeout``
-    bounds each node's start-up, its ``Evaluator.spawn`` included.
-    ``mp_context`` defaults to ``"forkserver"``, not spawn's ``"spawn"``:
-    Ray kills a worker's direct children with it, and an evaluator started
-    through a fork server outlives its actor long enough to remove its
-    segment (:mod:`shmeval.ray.node_evaluator`); ``actor_options`` are Ray
-    options of each node's actor (such as ``{"num_gpus": 1}``, whose
-    devices the evaluator process inherits).  Every ``watch_s`` seconds a
-    thread places an evaluator on each node that joined, with the latest
-    weights; a node that left takes its evaluator with it.
+    ``factory`` is that of :meth:`shmeval.Evaluator.spawn`: each node's
+    actor calls ``Evaluator.spawn(factory, ...)`` with the settings, so the
+    factory must be importable on every node.  The settings are keyword
+    arguments, the fields of :class:`ClusterConfig`: those of
+    ``Evaluator.spawn`` (``input_shape``, ``outputs``, ``max_batch``, ...),
+    checked here before anything is placed, and the cluster's own.  Every
+    ``watch_s`` seconds a thread places an evaluator on each node that
+    joined, with the latest weights; a node that left takes its evaluator
+    with it.
 
     Pass it to Ray workers: it pickles as a :class:`ClusterHandle`, and
     ``connect()`` there returns this node's client.
     """
 
-    def __init__(self, factory: Callable[[], Any], *, name: Optional[str] = None,
-                 namespace: str = NAMESPACE, start_timeout: float = 600.0,
-                 watch_s: float = 1.0, actor_options: Optional[Dict[str, Any]] = None,
-                 **evaluator_kwargs: Any) -> None:
-        # Unknown or missing arguments fail here, before anything is placed
-        # (name and start_timeout are the cluster's and, per node, spawn's).
-        inspect.signature(Evaluator.spawn).bind(factory, **evaluator_kwargs)
-        if name is not None and (not isinstance(name, str) or not name or "/" in name):
-            raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
-        if not as_number("start_timeout", start_timeout) > 0:
-            raise ValueError(f"start_timeout must be > 0 seconds, got {start_timeout!r}")
-        _check_not_in_driver_script(factory, evaluator_kwargs.get("mp_context", MP_CONTEXT))
+    @takes_settings(ClusterConfig)
+    def __init__(self, factory: Callable[..., Any], config: ClusterConfig) -> None:
+        _check_not_in_driver_script(factory, config.mp_context)
         if not ray.is_initialized():
             raise ShmevalError("ClusterEvaluator needs a Ray cluster: call ray.init() first")
-        self.handle = ClusterHandle(name or f"ev-{uuid.uuid4().hex[:12]}", namespace,
-                                    evaluator_kwargs.get("spin_us"))
+        self.handle = ClusterHandle(config.name or f"ev-{uuid.uuid4().hex[:12]}",
+                                    config.namespace, config.spin_us)
         self._factory = factory
-        self._kwargs = evaluator_kwargs
-        self._actor_options = dict(actor_options or {})
-        self._start_timeout = start_timeout
+        # What each node's actor passes to Evaluator.spawn (with its own
+        # segment name).
+        self._kwargs = {**config.keywords(SpawnConfig), "name": self.name}
+        self._actor_options = dict(config.actor_options or {})
+        self._start_timeout = config.start_timeout
         # Guards the actors, the latest weights and the version; re-entered
         # when a call finds an actor dead.
         self._lock = threading.RLock()
@@ -190,12 +214,12 @@ class ClusterEvaluator:
             with self._lock:
                 for node_id in _node_ids():
                     self._place(node_id)
-            self._await_ready(dict(self._starting), start_timeout)
+            self._await_ready(dict(self._starting), self._start_timeout)
         except BaseException:
             self._close_actors(timeout=1.0)
             raise
-        self._watcher = threading.Thread(target=self._watch, args=(watch_s,), daemon=True,
-                                         name=f"shmeval-ray-watch {self.name}")
+        self._watcher = threading.Thread(target=self._watch, args=(config.watch_s,),
+                                         daemon=True, name=f"shmeval-ray-watch {self.name}")
         self._watcher.start()
 
     @property
@@ -218,9 +242,8 @@ class ClusterEvaluator:
                    "name": actor_name(self.name, node_id), "namespace": self.handle.namespace,
                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
                    "max_concurrency": 4}
-        kwargs = {**self._kwargs, "name": self.name, "start_timeout": self._start_timeout}
         actor = _remote_node_evaluator.options(**options).remote(
-            self._factory, kwargs, self._weights_ref, self._version)
+            self._factory, self._kwargs, self._weights_ref, self._version)
         self._starting[node_id] = (actor, actor.ready.remote())
 
     def _await_ready(self, starting: Dict[str, Tuple[Any, Any]], timeout: float) -> None:

@@ -69,8 +69,7 @@ class NodeEvaluator:
         self._ev: Optional[Evaluator] = None
         self._error: Optional[BaseException] = None
         try:
-            kwargs = {"mp_context": MP_CONTEXT, **evaluator_kwargs}
-            kwargs["name"] = segment_name(kwargs["name"])
+            kwargs = {**evaluator_kwargs, "name": segment_name(evaluator_kwargs["name"])}
             self._ev = Evaluator.spawn(functools.partial(detached, factory), **kwargs)
             if weights is not None:
                 # Before the address is handed out: this node's workers never

@@ -116,6 +116,43 @@ cdef class Server:
         free(self.fields)
         free(self.strides)
         free(self.calls)
+        free(self.buckets)
+
+    def configure(self, object config, uint64_t idle_ns):
+        """Takes what serve() reads from ``config`` (a
+        shmeval.config.ServeConfig, as fitted to the model) into C fields,
+        once: whether non-finite float outputs fail their rows, the sizes
+        batches are padded to, and the batch cap, spin budget and wait for
+        a fuller batch the settings fix (the tuner's come through tune()).
+        serve() returns IDLE after ``idle_ns`` without a request."""
+        cdef uint32_t *b = NULL
+        cdef Py_ssize_t i, nb
+        policy = config.policy
+        sizes = policy.buckets or ()
+        nb = len(sizes)
+        if nb and sizes[nb - 1] >= len(self.views):
+            raise ValueError(f"bucket {sizes[nb - 1]} is larger than the batch buffer "
+                             f"({len(self.views) - 1} rows)")
+        fixed = policy.overrides()
+        self.tune(policy.max_batch, fixed.spin_ns or 0, fixed.max_wait_ns or 0)
+        if nb:
+            b = <uint32_t *>malloc(sizeof(uint32_t) * nb)
+            if b == NULL:
+                raise MemoryError()
+            for i in range(nb):
+                b[i] = sizes[i]
+        free(self.buckets)
+        self.buckets, self.n_buckets = b, <uint32_t>nb
+        self.reject_nonfinite = config.reject_nonfinite
+        self.idle_ns = idle_ns
+
+    def tune(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns):
+        """Sets the batch cap, the idle spin budget and the wait for a
+        fuller batch serve() uses from its next collect (the tuner's
+        decision, or the fixed settings: configure())."""
+        if max_batch == 0:
+            raise ValueError("max_batch must be >= 1")
+        self.max_batch, self.spin_ns, self.max_wait_ns = max_batch, spin_ns, max_wait_ns
 
     cdef inline void _collected(self, uint32_t n) noexcept:
         """A batch of n requests was collected: they are outstanding (the
@@ -338,26 +375,25 @@ cdef class Server:
             shm_stat_inc(&self.seg.seg, ST_BUSY_NS, shm_now_ns() - self.busy_since)
             self.busy_since = 0
 
-    def serve(self, object model, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
-              uint64_t timeout_ns, bint reject_nonfinite, object buckets, uint64_t until_ns):
+    def serve(self, object model, uint64_t until_ns):
         """The serving loop's common path without Python bytecode between
         batches: collect -> model(batch[:rows]) -> finish_fast, repeated until
-        something needs the Python layer.  Returns (kind, n, rows, detail,
-        model_ns) with kind:
-          IDLE    nothing arrived within timeout_ns (detail True: the clients
-                  paused), or until_ns (CLOCK_MONOTONIC) passed (detail None):
-                  time for housekeeping
+        something needs the Python layer, with the settings configure() and
+        tune() set.  Returns (kind, n, rows, detail, model_ns) with kind:
+          IDLE    nothing arrived within the idle timeout (detail True: the
+                  clients paused), or until_ns (CLOCK_MONOTONIC) passed
+                  (detail None): time for housekeeping
           CLOSED  close requested, or the group's stop flag is set
           SLOW    the outputs (detail) need conversion or an explanation
           RAISED  the model raised (detail is the exception)
           CONTROL a control request is pending (no batch outstanding)
           LOCKED_OUT (several replicas) the segment's collect lock stayed
-                  taken for timeout_ns: detail is the holding server, whose
-                  replica may have died (take_over_lock)
+                  taken for the idle timeout: detail is the holding server,
+                  whose replica may have died (take_over_lock)
           BEHIND  (several replicas) another replica collects with newer
                   weights: this one must apply them first
-        Buckets: None, or a sorted list of padded batch sizes.  Batches are
-        stamped with the group's version.
+        Each batch is padded to the next bucket size; batches are stamped
+        with the group's version.
 
         Each collect happens under the group's lock and, with several
         replicas, the segment's collect lock, both released before the model
@@ -368,17 +404,17 @@ cdef class Server:
         waits out the batches in flight): call unlock() after the work they
         call for.  SLOW and RAISED return without it, the batch outstanding."""
         cdef int rc
-        cdef uint32_t n, rows
-        cdef uint64_t t0, model_ns
-        cdef Py_ssize_t bi
+        cdef uint32_t n
         cdef ServeGroup g = self.group
+        if self.max_batch == 0:
+            raise ShmevalError("serve() before configure()")
         if self.locked:
             raise ShmevalError("serve() while holding the collect lock: call unlock() first")
         while True:
             if self.left:  # the next method's group of the batch collected
                 n = self._next_group()
                 if n:
-                    rc = self._serve_group(model, n, buckets, reject_nonfinite)
+                    rc = self._serve_group(model, n)
                     if rc:
                         return self._returned
                     continue
@@ -388,7 +424,7 @@ cdef class Server:
                 return (SERVE_CLOSED, 0, 0, None, 0)
             if self.shared:
                 with nogil:
-                    rc = shm_collect_lock(&self.seg.seg, self.v, timeout_ns)
+                    rc = shm_collect_lock(&self.seg.seg, self.v, self.idle_ns)
                 if rc == SHM_TIMEOUT:
                     return (SERVE_LOCKED_OUT, 0, 0, shm_collect_holder(&self.seg.seg), 0)
                 self.seg_locked = True
@@ -397,7 +433,7 @@ cdef class Server:
                     return (SERVE_BEHIND, 0, 0, None, 0)
             if until_ns and shm_now_ns() >= until_ns:
                 return (SERVE_IDLE, 0, 0, None, 0)
-            rc = self.collect(max_batch, spin_ns, max_wait_ns, timeout_ns)
+            rc = self.collect(self.max_batch, self.spin_ns, self.max_wait_ns, self.idle_ns)
             if rc == 0:
                 return (SERVE_IDLE, 0, 0, True, 0)
             self._seg_unlock()
@@ -414,23 +450,20 @@ cdef class Server:
                 n = self._group(n)
                 if n == 0:
                     continue
-            if self._serve_group(model, n, buckets, reject_nonfinite):
+            if self._serve_group(model, n):
                 return self._returned
 
-    cdef int _serve_group(self, object model, uint32_t n, object buckets,
-                          bint reject_nonfinite) except -1:
+    cdef int _serve_group(self, object model, uint32_t n) except -1:
         """Calls the model on the outstanding group of n requests (its
         method's function, with several: model[index]) and finishes it when
         the outputs are as declared.  Returns 0 when done; 1 with what
         serve() returns in _returned (SLOW, RAISED), the group outstanding."""
-        cdef uint32_t rows = n
+        cdef uint32_t rows = n, bi
         cdef uint64_t t0, model_ns
-        cdef Py_ssize_t bi
-        if buckets is not None:
-            for bi in range(len(buckets)):
-                if <uint32_t>buckets[bi] >= n:
-                    rows = buckets[bi]
-                    break
+        for bi in range(self.n_buckets):
+            if self.buckets[bi] >= n:
+                rows = self.buckets[bi]
+                break
         x = self._model_input(rows)
         f = model[self.lay.index] if self.multi else model
         t0 = shm_now_ns()
@@ -446,16 +479,17 @@ cdef class Server:
             self.calls[4 * self.n_calls + 2] = rows
             self.calls[4 * self.n_calls + 3] = n
             self.n_calls += 1
-        if not self.finish_fast(out, rows, model_ns, self.group.version, reject_nonfinite):
+        if not self.finish_fast(out, rows, model_ns, self.group.version):
             self._returned = (SERVE_SLOW, n, rows, out, model_ns)
             return 1
         return 0
 
-    cpdef bint finish_fast(self, object out, uint32_t rows, uint64_t model_ns, uint64_t version,
-                           bint reject_nonfinite) except -1:
+    cpdef bint finish_fast(self, object out, uint32_t rows, uint64_t model_ns,
+                           uint64_t version) except -1:
         """Records and completes the outstanding batch if the model's outputs
         are already exactly as declared: arrays of the declared dtype (native
-        order, C-contiguous) and shape (rows, *shape), finite where required.
+        order, C-contiguous) and shape (rows, *shape), and finite when
+        configured to reject non-finite outputs (configure()).
         Returns False, having done nothing, otherwise: the caller then
         converts the outputs or explains what is wrong."""
         cdef list arrays
@@ -496,7 +530,7 @@ cdef class Server:
                     return False
             if not _rows_ok(a, self.n, lay.out_nbytes[j]):
                 return False
-            if reject_nonfinite and lay.out_float[j] and _finite(a, self.n) != 1:
+            if self.reject_nonfinite and lay.out_float[j] and _finite(a, self.n) != 1:
                 return False
         shm_record_batch(&self.seg.seg, self.replica, self.n, rows, model_ns, 0)
         self.complete(arrays, version)
