@@ -361,7 +361,7 @@ cdef class Server:
         self.end_busy()
         spin_ns = _evaluator_spin(spin_ns, shm_n_attached(&self.seg.seg), self.ncpu)
         with nogil:
-            rc = shm_collect(&self.seg.seg, self.v, self.taken, self.batch, max_batch,
+            rc = shm_collect(&self.seg.seg, self.v, self.taken_all, self.batch, max_batch,
                              &self.group.cursor, spin_ns, max_wait_ns, timeout_ns)
         if rc > 0:
             self._collected(rc)
