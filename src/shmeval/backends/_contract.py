@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 import numpy as np
 
 from ..errors import ModelError
-from ..spec import Spec
+from ..spec import MethodSpec, Spec
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -168,8 +168,9 @@ def castable(have: Any, want: np.dtype[Any], is_float: bool) -> bool:
         return False
 
 
-def check_warm_outputs(out: Mapping[str, Any], spec: Spec, rows: int) -> None:
-    """The outputs of a warm-up batch of ``rows`` have the declared shapes."""
+def check_warm_outputs(out: Mapping[str, Any], spec: Union[Spec, MethodSpec], rows: int) -> None:
+    """The outputs of a warm-up batch of ``rows`` have the declared shapes
+    (``spec``: an evaluator's of one method, or one method's)."""
     for o in spec.outputs:
         shape = tuple(out[o.name].shape)
         if shape != (rows, *o.shape):
