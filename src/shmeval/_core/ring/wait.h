@@ -1,0 +1,297 @@
+/*
+ * ring/wait.h -- how a thread waits: the spin (pause or yield between
+ * looks, the clock read every SHM_SPIN_LOOKS looks), the crowding the
+ * evaluator publishes for the spin rule, and a client's wait for the
+ * answers of its slots (spin, then sleep on its doorbell).
+ */
+#ifndef SHMEVAL_RING_WAIT_H
+#define SHMEVAL_RING_WAIT_H
+
+#include "doorbell.h"
+
+/* ------------------------------------------------------------------ */
+/* Spinning                                                           */
+/* ------------------------------------------------------------------ */
+
+/* The pause between two looks of a spin.  A spin reads the clock once
+ * every SHM_SPIN_LOOKS looks, so the pause also sets how often that is.
+ * x86: `pause`, a hint that also stalls the core for a while.  AArch64:
+ * `isb`, not `yield`: `yield` is a NOP on cores without SMT (the Neoverse
+ * cores of Graviton and Grace among them), so a spin would read the clock
+ * and call sched_yield() every fraction of a µs instead of every few µs;
+ * `isb` waits for the pipeline to drain, a stall of some tens of ns like
+ * `pause` (Rust's spin_loop hint made the same switch).
+ * Elsewhere nothing: the looks are atomic loads, which the compiler
+ * cannot merge, so the spin stays correct, only busier. */
+static inline void shm_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("isb");
+#endif
+}
+
+/* A spin budget with this bit set gives the CPU away between all looks
+ * (sched_yield() instead of pause), not only every SHM_SPIN_LOOKS of them:
+ * the waiter spins only while no other task wants its CPU.  _ring.pyx's _spin_policy sets it when the clients
+ * and the evaluator are one process more than the CPUs (docs/protocol.md,
+ * Waiting).  The bit is not part of the budget. */
+#define SHM_SPIN_YIELD (1ull << 63)
+/* A plain spin reads the clock once every SHM_SPIN_LOOKS looks, and gives
+ * the CPU away there as well (sched_yield(), which returns at once when no
+ * other task on this CPU is runnable).  The processes fitting the CPUs does
+ * not mean each has a CPU of its own: a futex wake-up may move the woken
+ * process onto its waker's CPU, and a spin that held that CPU for its whole
+ * budget then kept the process it waits for from running at all.  The
+ * yield hands it over within SHM_SPIN_LOOKS looks (a few µs), at the price
+ * of a system call per clock read (docs/protocol.md, Waiting). */
+#define SHM_SPIN_LOOKS 64u
+#ifndef shm_sched_yield /* ring_test.c counts the calls */
+#define shm_sched_yield() sched_yield()
+#endif
+
+/* The pause after look i of a spin that must end at `end` (CLOCK_MONOTONIC
+ * ns): a yielding spin reads the clock and yields after every look, a
+ * plain one pauses and does both after every SHM_SPIN_LOOKS looks.
+ * Returns 1 once `end` has passed (the spin is over). */
+static inline int shm_spin_pause(uint32_t i, uint64_t end, int yield) {
+    if (yield || i % SHM_SPIN_LOOKS == SHM_SPIN_LOOKS - 1) {
+        if (shm_now_ns() >= end) return 1;
+        shm_sched_yield();
+    } else {
+        shm_cpu_relax();
+    }
+    return 0;
+}
+
+/* shm_header.crowding: the runnable tasks on the evaluator's CPUs against
+ * those CPUs, as the spin rule reads them (_ring.pyx, _spin_policy). */
+enum shm_crowding {
+    SHM_CROWD_NONE = 0,  /* no reading, or no more tasks than CPUs */
+    SHM_CROWD_YIELD = 1, /* one more task than CPUs */
+    SHM_CROWD_SLEEP = 2, /* more than that */
+};
+static inline uint32_t shm_crowding(shm_seg *s) {
+    /* MO: relaxed; a hint for spin decisions, like n_attached. */
+    return atomic_load_explicit(&shm_hdr(s)->crowding, memory_order_relaxed);
+}
+static inline void shm_set_crowding(shm_seg *s, uint32_t c) {
+    /* MO: relaxed; see shm_crowding.  Stored only on a change: every
+     * client's wait reads this line. */
+    if (atomic_load_explicit(&shm_hdr(s)->crowding, memory_order_relaxed) != c)
+        atomic_store_explicit(&shm_hdr(s)->crowding, c, memory_order_relaxed);
+}
+
+/* ------------------------------------------------------------------ */
+/* A client's wait for its answers                                    */
+/* ------------------------------------------------------------------ */
+
+/* Waits until slot (c, k), begun with generation gen, is DONE or FAILED.
+ * Returns SHM_STALE at once if the slot's generation moved on (it was
+ * reclaimed: the answer, if any, is not ours).  Spins for at most spin_ns
+ * (callers pass 0 when processes outnumber cores by more than one, and set
+ * SHM_SPIN_YIELD when by exactly one), then sleeps on its
+ * client's doorbell (shm_done_word, its own bit).  Without a ticker (t ==
+ * NULL) it waits for at most timeout_ns in all, with a timer on each sleep;
+ * with one (t running for client c of this process) it sleeps without a
+ * timer and returns SHM_TIMEOUT at the ticker's first tick after the wait
+ * began, so within one period (timeout_ns is then not used).  Returns the
+ * final state, or SHM_TIMEOUT (the caller checks the evaluator's liveness
+ * and calls again), or SHM_CLOSED.  The Python wrappers call it without the
+ * GIL, unless the caller is its process's only Python thread (nobody else
+ * can want it). */
+static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
+                                       uint32_t gen, uint64_t spin_ns,
+                                       uint64_t timeout_ns, shm_ticker *t) {
+    shm_header *h = shm_hdr(s);
+    _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
+    _Atomic uint32_t *bell = shm_done_word(s, c);
+    /* MO: relaxed; compared below after an acquire load of the doorbell,
+     * which the ticker rings (release) after each increment. */
+    uint32_t tick0 = t ? atomic_load_explicit(&t->tick, memory_order_relaxed)
+                       : 0;
+    /* The clock is read only where needed: for a spin, and for the
+     * deadline of a timed sleep (one clock read fewer per wait). */
+    int yield = (spin_ns & SHM_SPIN_YIELD) != 0;
+    spin_ns &= ~SHM_SPIN_YIELD;
+    uint64_t start = spin_ns ? shm_now_ns() : 0;
+    int started = spin_ns != 0;
+    uint32_t cur;
+    /* MO (all loads of w here): acquire; pairs with the release exchange in
+     * shm_complete / shm_fail: seeing DONE means seeing the outputs. */
+    if (spin_ns) {
+        for (uint32_t i = 0;; i++) {
+            cur = atomic_load_explicit(w, memory_order_acquire);
+            if (shm_word_gen(cur) != gen) return SHM_STALE;
+            if (shm_state_is_final(shm_word_state(cur)))
+                return (int)shm_word_state(cur);
+            if (shm_spin_pause(i, start + spin_ns, yield)) break;
+        }
+    }
+    for (;;) {
+        cur = atomic_load_explicit(w, memory_order_acquire);
+        uint32_t st = shm_word_state(cur);
+        if (shm_word_gen(cur) != gen) return SHM_STALE;
+        if (shm_state_is_final(st)) return (int)st;
+        SHM_ASSERT(st == SLOT_READY || st == SLOT_TAKEN);
+        uint64_t deadline = SHM_NO_DEADLINE;
+        if (!t) {
+            uint64_t now = shm_now_ns();
+            if (!started) {
+                start = now;
+                started = 1;
+            }
+            if (now - start >= timeout_ns) return SHM_TIMEOUT;
+            /* An absolute deadline; saturated, not wrapped, for huge
+             * timeouts. */
+            deadline = timeout_ns > (uint64_t)INT64_MAX - start
+                           ? (uint64_t)INT64_MAX
+                           : start + timeout_ns;
+        }
+        if (!(cur & SLOT_WAITER)) {
+            /* MO: relaxed; on the one word, the evaluator's completing CAS
+             * either comes after this one (and sees WAITER, so it rings the
+             * doorbell) or makes it fail (and we look again). */
+            if (!atomic_compare_exchange_strong_explicit(
+                    w, &cur, cur | SLOT_WAITER, memory_order_relaxed,
+                    memory_order_relaxed))
+                continue;
+        }
+        /* The doorbell, then the word, the state and the tick once more,
+         * right before sleeping (other clients' answers ring the same word,
+         * and a ring between this load and the futex wait costs a retry).
+         * MO: acquire; pairs with the release increment in
+         * shm_ring_doorbell, which comes after the ringer's change of w
+         * (shm_finish), of ev_state (shm_close_and_wake) or of the tick
+         * (shm_ticker_tick).  So if none of those is seen below, `seq`
+         * predates that ring, and the futex wait returns at once (EAGAIN)
+         * or is woken by it.  The re-read of w after this load is what
+         * makes that hold for an answer: an answer whose ring came before
+         * this load is seen by the re-read, not slept through. */
+        SHM_HOOK("wait_before_bell");
+        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
+        cur = atomic_load_explicit(w, memory_order_acquire);
+        if (shm_word_gen(cur) != gen) return SHM_STALE;
+        if (shm_state_is_final(shm_word_state(cur)))
+            return (int)shm_word_state(cur);
+        /* MO: acquire; pairs with the release store of EV_CLOSED in
+         * shm_close_and_wake. */
+        if (atomic_load_explicit(&h->ev_state, memory_order_acquire) >=
+            EV_CLOSED)
+            return SHM_CLOSED;
+        /* A tick since the wait began, or a stopped ticker (which ticks no
+         * more; it set `stop` before its last ring).  MO: relaxed loads,
+         * ordered by the acquire load of the doorbell above. */
+        if (t && (atomic_load_explicit(&t->tick, memory_order_relaxed) != tick0 ||
+                  atomic_load_explicit(&t->stop, memory_order_relaxed)))
+            return SHM_TIMEOUT;
+        shm_futex_wait_bits(bell, seq, deadline, shm_done_bit(c));
+    }
+}
+
+static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
+                                uint32_t gen, uint64_t spin_ns,
+                                uint64_t timeout_ns) {
+    return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, NULL);
+}
+
+/* One look at slots ks[i] of client c, begun with generations gens[i]:
+ * the index of the first one that is final or reclaimed, with its state
+ * (DONE, FAILED) or SHM_STALE in *rc; n if none is.  MO: acquire loads, as
+ * in shm_slot_wait_ticked. */
+static inline uint32_t shm_slots_first(shm_seg *s, uint32_t c,
+                                       const uint32_t *ks,
+                                       const uint32_t *gens, uint32_t n,
+                                       int *rc) {
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t cur = atomic_load_explicit(shm_slot_word_at(s, c, ks[i]),
+                                            memory_order_acquire);
+        if (shm_word_gen(cur) != gens[i]) {
+            *rc = SHM_STALE;
+            return i;
+        }
+        if (shm_state_is_final(shm_word_state(cur))) {
+            *rc = (int)shm_word_state(cur);
+            return i;
+        }
+    }
+    return n;
+}
+
+/* shm_slot_wait_ticked for several slots of one client (pipelined
+ * requests): waits until any of slots ks[0..n) (begun with generations
+ * gens[i]) is final or reclaimed, puts its index in *which and returns its
+ * state (DONE, FAILED) or SHM_STALE; or returns SHM_TIMEOUT / SHM_CLOSED
+ * (*which = n).  The lowest index wins when several are ready.  Every
+ * pending slot gets the WAITER bit before the client sleeps, and all of
+ * them ring the same doorbell (the client's bit of shm_done_word), so one
+ * futex wait covers them all: the same argument as the single wait, with
+ * "the word" read as "each of the words". */
+static inline int shm_slots_wait_any(shm_seg *s, uint32_t c,
+                                     const uint32_t *ks, const uint32_t *gens,
+                                     uint32_t n, uint64_t spin_ns,
+                                     uint64_t timeout_ns, shm_ticker *t,
+                                     uint32_t *which) {
+    shm_header *h = shm_hdr(s);
+    _Atomic uint32_t *bell = shm_done_word(s, c);
+    uint32_t tick0 = t ? atomic_load_explicit(&t->tick, memory_order_relaxed)
+                       : 0;
+    int yield = (spin_ns & SHM_SPIN_YIELD) != 0;
+    spin_ns &= ~SHM_SPIN_YIELD;
+    uint64_t start = spin_ns ? shm_now_ns() : 0;
+    int started = spin_ns != 0;
+    int rc = 0;
+    *which = n;
+    if (n == 0) return SHM_E_STATE;
+    if (spin_ns) {
+        for (uint32_t i = 0;; i++) {
+            if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n)
+                return rc;
+            if (shm_spin_pause(i, start + spin_ns, yield)) break;
+        }
+    }
+    for (;;) {
+        if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n) return rc;
+        uint64_t deadline = SHM_NO_DEADLINE;
+        if (!t) {
+            uint64_t now = shm_now_ns();
+            if (!started) {
+                start = now;
+                started = 1;
+            }
+            if (now - start >= timeout_ns) return SHM_TIMEOUT;
+            deadline = timeout_ns > (uint64_t)INT64_MAX - start
+                           ? (uint64_t)INT64_MAX
+                           : start + timeout_ns;
+        }
+        /* WAITER on every slot still in flight (MO: relaxed CAS, as in
+         * shm_slot_wait_ticked); one that finished meanwhile ends the
+         * wait at the re-read below. */
+        for (uint32_t i = 0; i < n; i++) {
+            _Atomic uint32_t *w = shm_slot_word_at(s, c, ks[i]);
+            uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
+            while (shm_word_gen(cur) == gens[i] &&
+                   !shm_state_is_final(shm_word_state(cur)) &&
+                   !(cur & SLOT_WAITER) &&
+                   !atomic_compare_exchange_weak_explicit(
+                       w, &cur, cur | SLOT_WAITER, memory_order_relaxed,
+                       memory_order_relaxed)) {
+            }
+        }
+        SHM_HOOK("wait_any_before_bell");
+        /* MO: acquire; as in shm_slot_wait_ticked: the doorbell, then every
+         * word once more, so no answer whose ring came before this load is
+         * slept through. */
+        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
+        if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n) return rc;
+        if (atomic_load_explicit(&h->ev_state, memory_order_acquire) >=
+            EV_CLOSED)
+            return SHM_CLOSED;
+        if (t && (atomic_load_explicit(&t->tick, memory_order_relaxed) != tick0 ||
+                  atomic_load_explicit(&t->stop, memory_order_relaxed)))
+            return SHM_TIMEOUT;
+        shm_futex_wait_bits(bell, seq, deadline, shm_done_bit(c));
+    }
+}
+
+#endif /* SHMEVAL_RING_WAIT_H */
