@@ -43,20 +43,23 @@ HWM_RAISE = """        uint32_t hwm =
         }
 """
 
+# The one wait core (shm_slots_wait_core) without its re-read of the slot
+# words after the doorbell's load: both the wait of one slot and the wait
+# for any of several sleep through an answer.
+NO_REREAD = ((
+    """        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
+        if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n) return rc;
+""",
+    "        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);\n"),)
+
 MUTATIONS = [
     Mutation("client clears the evaluator's sleep flag", "lost_wakeup", "plain", "slot.h", ((
         "    if (sleeping) shm_futex_wake(&h->submit_seq, 1);",
         "    if (sleeping && atomic_exchange_explicit(&h->ev_sleeping, 0,\n"
         "                                             memory_order_seq_cst))\n"
         "        shm_futex_wake(&h->submit_seq, 1);"),)),
-    Mutation("no re-read of the state word after the doorbell", "reread", "plain", "wait.h", ((
-        """        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
-        cur = atomic_load_explicit(w, memory_order_acquire);
-        if (shm_word_gen(cur) != gen) return SHM_STALE;
-        if (shm_state_is_final(shm_word_state(cur)))
-            return (int)shm_word_state(cur);
-""",
-        "        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);\n"),)),
+    Mutation("no re-read of the state word after the doorbell", "reread", "plain", "wait.h",
+             NO_REREAD),
     Mutation("release ignores the generation", "release_race", "plain", "slot.h", ((
         """    /* MO: acquire fence; see above. */
     atomic_thread_fence(memory_order_acquire);
@@ -199,11 +202,8 @@ MUTATIONS = [
             _Atomic uint32_t *w = shm_slot_word_at(s, c, ks[i]);""",
         """        for (uint32_t i = 0; i < 1; i++) {
             _Atomic uint32_t *w = shm_slot_word_at(s, c, ks[i]);"""),)),
-    Mutation("wait_any does not re-read after the doorbell", "wait_any", "plain", "wait.h", ((
-        """        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
-        if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n) return rc;
-""",
-        "        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);\n"),)),
+    Mutation("wait_any does not re-read after the doorbell", "wait_any", "plain", "wait.h",
+             NO_REREAD),
     Mutation("the cache reader does not verify the check word", "cache_torn", "plain", "cache.h", ((
         """        if (atomic_load_explicit(&e->key, memory_order_relaxed) != key ||
             shm_cache_check(key, key2, v, out, nw) != chk)

@@ -3282,7 +3282,7 @@ static void test_wait_any(void) {
     any_arg a;
     memset(&a, 0, sizeof a);
     a.s = s;
-    a.park = "wait_any_before_bell";
+    a.park = "wait_before_bell";
     a.n = 3;
     for (uint32_t i = 0; i < 3; i++) {
         a.ks[i] = i;

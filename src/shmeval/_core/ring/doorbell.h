@@ -19,7 +19,7 @@ static inline uint32_t shm_done_bit(uint32_t c) { return 1u << (c % 32u); }
 
 /* A doorbell ring: a new value, then the wake.  MO: release; what the
  * ringer changed before it is visible to a waiter whose acquire load of the
- * word sees the new value (see shm_slot_wait_ticked). */
+ * word sees the new value (see shm_slots_wait_core). */
 static inline void shm_ring_word(_Atomic uint32_t *bell, uint32_t bits) {
     atomic_fetch_add_explicit(bell, 1, memory_order_release);
     shm_futex_wake_bits(bell, bits);
@@ -27,7 +27,7 @@ static inline void shm_ring_word(_Atomic uint32_t *bell, uint32_t bits) {
 
 /* Rings doorbell word `group` for the waiters with `bits`.  MO: release;
  * the slot words changed before it (DONE, FAILED) or ev_state (closed) are
- * visible to a waiter that reads the new value (see shm_slot_wait). */
+ * visible to a waiter that reads the new value (see shm_slots_wait_core). */
 static inline void shm_ring_doorbell(shm_seg *s, uint32_t group,
                                      uint32_t bits) {
     shm_ring_word(&shm_hdr(s)->done_seq[group], bits);

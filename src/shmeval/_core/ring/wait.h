@@ -86,119 +86,11 @@ static inline void shm_set_crowding(shm_seg *s, uint32_t c) {
 /* A client's wait for its answers                                    */
 /* ------------------------------------------------------------------ */
 
-/* Waits until slot (c, k), begun with generation gen, is DONE or FAILED.
- * Returns SHM_STALE at once if the slot's generation moved on (it was
- * reclaimed: the answer, if any, is not ours).  Spins for at most spin_ns
- * (callers pass 0 when processes outnumber cores by more than one, and set
- * SHM_SPIN_YIELD when by exactly one), then sleeps on its
- * client's doorbell (shm_done_word, its own bit).  Without a ticker (t ==
- * NULL) it waits for at most timeout_ns in all, with a timer on each sleep;
- * with one (t running for client c of this process) it sleeps without a
- * timer and returns SHM_TIMEOUT at the ticker's first tick after the wait
- * began, so within one period (timeout_ns is then not used).  Returns the
- * final state, or SHM_TIMEOUT (the caller checks the evaluator's liveness
- * and calls again), or SHM_CLOSED.  The Python wrappers call it without the
- * GIL, unless the caller is its process's only Python thread (nobody else
- * can want it). */
-static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
-                                       uint32_t gen, uint64_t spin_ns,
-                                       uint64_t timeout_ns, shm_ticker *t) {
-    shm_header *h = shm_hdr(s);
-    _Atomic uint32_t *w = shm_slot_word_at(s, c, k);
-    _Atomic uint32_t *bell = shm_done_word(s, c);
-    /* MO: relaxed; compared below after an acquire load of the doorbell,
-     * which the ticker rings (release) after each increment. */
-    uint32_t tick0 = t ? atomic_load_explicit(&t->tick, memory_order_relaxed)
-                       : 0;
-    /* The clock is read only where needed: for a spin, and for the
-     * deadline of a timed sleep (one clock read fewer per wait). */
-    int yield = (spin_ns & SHM_SPIN_YIELD) != 0;
-    spin_ns &= ~SHM_SPIN_YIELD;
-    uint64_t start = spin_ns ? shm_now_ns() : 0;
-    int started = spin_ns != 0;
-    uint32_t cur;
-    /* MO (all loads of w here): acquire; pairs with the release exchange in
-     * shm_complete / shm_fail: seeing DONE means seeing the outputs. */
-    if (spin_ns) {
-        for (uint32_t i = 0;; i++) {
-            cur = atomic_load_explicit(w, memory_order_acquire);
-            if (shm_word_gen(cur) != gen) return SHM_STALE;
-            if (shm_state_is_final(shm_word_state(cur)))
-                return (int)shm_word_state(cur);
-            if (shm_spin_pause(i, start + spin_ns, yield)) break;
-        }
-    }
-    for (;;) {
-        cur = atomic_load_explicit(w, memory_order_acquire);
-        uint32_t st = shm_word_state(cur);
-        if (shm_word_gen(cur) != gen) return SHM_STALE;
-        if (shm_state_is_final(st)) return (int)st;
-        SHM_ASSERT(st == SLOT_READY || st == SLOT_TAKEN);
-        uint64_t deadline = SHM_NO_DEADLINE;
-        if (!t) {
-            uint64_t now = shm_now_ns();
-            if (!started) {
-                start = now;
-                started = 1;
-            }
-            if (now - start >= timeout_ns) return SHM_TIMEOUT;
-            /* An absolute deadline; saturated, not wrapped, for huge
-             * timeouts. */
-            deadline = timeout_ns > (uint64_t)INT64_MAX - start
-                           ? (uint64_t)INT64_MAX
-                           : start + timeout_ns;
-        }
-        if (!(cur & SLOT_WAITER)) {
-            /* MO: relaxed; on the one word, the evaluator's completing CAS
-             * either comes after this one (and sees WAITER, so it rings the
-             * doorbell) or makes it fail (and we look again). */
-            if (!atomic_compare_exchange_strong_explicit(
-                    w, &cur, cur | SLOT_WAITER, memory_order_relaxed,
-                    memory_order_relaxed))
-                continue;
-        }
-        /* The doorbell, then the word, the state and the tick once more,
-         * right before sleeping (other clients' answers ring the same word,
-         * and a ring between this load and the futex wait costs a retry).
-         * MO: acquire; pairs with the release increment in
-         * shm_ring_doorbell, which comes after the ringer's change of w
-         * (shm_finish), of ev_state (shm_close_and_wake) or of the tick
-         * (shm_ticker_tick).  So if none of those is seen below, `seq`
-         * predates that ring, and the futex wait returns at once (EAGAIN)
-         * or is woken by it.  The re-read of w after this load is what
-         * makes that hold for an answer: an answer whose ring came before
-         * this load is seen by the re-read, not slept through. */
-        SHM_HOOK("wait_before_bell");
-        uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
-        cur = atomic_load_explicit(w, memory_order_acquire);
-        if (shm_word_gen(cur) != gen) return SHM_STALE;
-        if (shm_state_is_final(shm_word_state(cur)))
-            return (int)shm_word_state(cur);
-        /* MO: acquire; pairs with the release store of EV_CLOSED in
-         * shm_close_and_wake. */
-        if (atomic_load_explicit(&h->ev_state, memory_order_acquire) >=
-            EV_CLOSED)
-            return SHM_CLOSED;
-        /* A tick since the wait began, or a stopped ticker (which ticks no
-         * more; it set `stop` before its last ring).  MO: relaxed loads,
-         * ordered by the acquire load of the doorbell above. */
-        if (t && (atomic_load_explicit(&t->tick, memory_order_relaxed) != tick0 ||
-                  atomic_load_explicit(&t->stop, memory_order_relaxed)))
-            return SHM_TIMEOUT;
-        shm_futex_wait_bits(bell, seq, deadline, shm_done_bit(c));
-    }
-}
-
-static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
-                                uint32_t gen, uint64_t spin_ns,
-                                uint64_t timeout_ns) {
-    return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, NULL);
-}
-
 /* One look at slots ks[i] of client c, begun with generations gens[i]:
  * the index of the first one that is final or reclaimed, with its state
- * (DONE, FAILED) or SHM_STALE in *rc; n if none is.  MO: acquire loads, as
- * in shm_slot_wait_ticked. */
+ * (DONE, FAILED) or SHM_STALE in *rc; n if none is.  MO: acquire loads;
+ * pair with the release CAS in shm_finish (shm_complete, shm_fail): seeing
+ * DONE means seeing the outputs. */
 static inline uint32_t shm_slots_first(shm_seg *s, uint32_t c,
                                        const uint32_t *ks,
                                        const uint32_t *gens, uint32_t n,
@@ -218,24 +110,41 @@ static inline uint32_t shm_slots_first(shm_seg *s, uint32_t c,
     return n;
 }
 
-/* shm_slot_wait_ticked for several slots of one client (pipelined
- * requests): waits until any of slots ks[0..n) (begun with generations
- * gens[i]) is final or reclaimed, puts its index in *which and returns its
- * state (DONE, FAILED) or SHM_STALE; or returns SHM_TIMEOUT / SHM_CLOSED
- * (*which = n).  The lowest index wins when several are ready.  Every
- * pending slot gets the WAITER bit before the client sleeps, and all of
- * them ring the same doorbell (the client's bit of shm_done_word), so one
- * futex wait covers them all: the same argument as the single wait, with
- * "the word" read as "each of the words". */
-static inline int shm_slots_wait_any(shm_seg *s, uint32_t c,
-                                     const uint32_t *ks, const uint32_t *gens,
-                                     uint32_t n, uint64_t spin_ns,
-                                     uint64_t timeout_ns, shm_ticker *t,
-                                     uint32_t *which) {
+/* The wait core: waits until any of slots ks[0..n) of client c (begun
+ * with generations gens[i]) is DONE or FAILED, or was reclaimed (its
+ * generation moved on: the answer, if any, is not ours).  Puts that slot's
+ * index in *which and returns its state, or SHM_STALE; the lowest index
+ * wins when several are.  Otherwise returns SHM_TIMEOUT (the caller checks
+ * the evaluator's liveness and calls again) or SHM_CLOSED, with *which = n.
+ *
+ * Spins for at most spin_ns (the budget of shm_spin_policy: 0 when the
+ * processes outnumber the CPUs by more than one, with SHM_SPIN_YIELD when
+ * by exactly one), then sleeps on its client's doorbell (shm_done_word,
+ * its own bit).  Without a ticker (t == NULL) it waits for at most
+ * timeout_ns in all, with a timer on each sleep; with one (t running for
+ * client c of this process) it sleeps without a timer and returns
+ * SHM_TIMEOUT at the ticker's first tick after the wait began, so within
+ * one period (timeout_ns is then not used).
+ *
+ * Every slot still in flight gets the WAITER bit before the client sleeps,
+ * and all of them ring the same doorbell, so one futex wait covers them
+ * all.  Why no answer is slept through: see the doorbell's load below.
+ * The Python wrappers call it without the GIL, unless the caller is its
+ * process's only Python thread (nobody else can want it).  Always inlined:
+ * the wait of one slot (shm_slot_wait_ticked) is this with n = 1, and
+ * compiles to a loop over that one word. */
+static inline __attribute__((always_inline)) int
+shm_slots_wait_core(shm_seg *s, uint32_t c, const uint32_t *ks,
+                    const uint32_t *gens, uint32_t n, uint64_t spin_ns,
+                    uint64_t timeout_ns, shm_ticker *t, uint32_t *which) {
     shm_header *h = shm_hdr(s);
     _Atomic uint32_t *bell = shm_done_word(s, c);
+    /* MO: relaxed; compared below after an acquire load of the doorbell,
+     * which the ticker rings (release) after each increment. */
     uint32_t tick0 = t ? atomic_load_explicit(&t->tick, memory_order_relaxed)
                        : 0;
+    /* The clock is read only where needed: for a spin, and for the
+     * deadline of a timed sleep (one clock read fewer per wait). */
     int yield = (spin_ns & SHM_SPIN_YIELD) != 0;
     spin_ns &= ~SHM_SPIN_YIELD;
     uint64_t start = spin_ns ? shm_now_ns() : 0;
@@ -260,16 +169,22 @@ static inline int shm_slots_wait_any(shm_seg *s, uint32_t c,
                 started = 1;
             }
             if (now - start >= timeout_ns) return SHM_TIMEOUT;
+            /* An absolute deadline; saturated, not wrapped, for huge
+             * timeouts. */
             deadline = timeout_ns > (uint64_t)INT64_MAX - start
                            ? (uint64_t)INT64_MAX
                            : start + timeout_ns;
         }
-        /* WAITER on every slot still in flight (MO: relaxed CAS, as in
-         * shm_slot_wait_ticked); one that finished meanwhile ends the
-         * wait at the re-read below. */
+        /* WAITER on every slot still in flight.  MO: relaxed CAS; on each
+         * word, the evaluator's completing CAS either comes after ours (and
+         * sees WAITER, so it rings the doorbell) or makes ours fail (and
+         * the slot, final now, ends the wait at the re-read below). */
         for (uint32_t i = 0; i < n; i++) {
             _Atomic uint32_t *w = shm_slot_word_at(s, c, ks[i]);
             uint32_t cur = atomic_load_explicit(w, memory_order_relaxed);
+            /* A slot of its generation was published: READY or later. */
+            SHM_ASSERT(shm_word_gen(cur) != gens[i] ||
+                       shm_word_state(cur) >= SLOT_READY);
             while (shm_word_gen(cur) == gens[i] &&
                    !shm_state_is_final(shm_word_state(cur)) &&
                    !(cur & SLOT_WAITER) &&
@@ -278,20 +193,64 @@ static inline int shm_slots_wait_any(shm_seg *s, uint32_t c,
                        memory_order_relaxed)) {
             }
         }
-        SHM_HOOK("wait_any_before_bell");
-        /* MO: acquire; as in shm_slot_wait_ticked: the doorbell, then every
-         * word once more, so no answer whose ring came before this load is
-         * slept through. */
+        /* The doorbell, then every word, the state and the tick once more,
+         * right before sleeping (other clients' answers ring the same word,
+         * and a ring between this load and the futex wait costs a retry).
+         * MO: acquire; pairs with the release increment in shm_ring_word,
+         * which comes after the ringer's change of a slot word
+         * (shm_finish), of ev_state (shm_close_and_wake) or of the tick
+         * (shm_ticker_tick).  So if none of those is seen below, `seq`
+         * predates that ring, and the futex wait returns at once (EAGAIN)
+         * or is woken by it.  The re-read of the words after this load is
+         * what makes that hold for an answer: an answer whose ring came
+         * before this load is seen by the re-read, not slept through. */
+        SHM_HOOK("wait_before_bell");
         uint32_t seq = atomic_load_explicit(bell, memory_order_acquire);
         if ((*which = shm_slots_first(s, c, ks, gens, n, &rc)) < n) return rc;
+        /* MO: acquire; pairs with the release store of EV_CLOSED in
+         * shm_close_and_wake. */
         if (atomic_load_explicit(&h->ev_state, memory_order_acquire) >=
             EV_CLOSED)
             return SHM_CLOSED;
+        /* A tick since the wait began, or a stopped ticker (which ticks no
+         * more; it set `stop` before its last ring).  MO: relaxed loads,
+         * ordered by the acquire load of the doorbell above. */
         if (t && (atomic_load_explicit(&t->tick, memory_order_relaxed) != tick0 ||
                   atomic_load_explicit(&t->stop, memory_order_relaxed)))
             return SHM_TIMEOUT;
         shm_futex_wait_bits(bell, seq, deadline, shm_done_bit(c));
     }
+}
+
+/* Waits until slot (c, k), begun with generation gen, is DONE or FAILED:
+ * the wait core for one slot.  Returns the final state, SHM_STALE,
+ * SHM_TIMEOUT or SHM_CLOSED. */
+static inline int shm_slot_wait_ticked(shm_seg *s, uint32_t c, uint32_t k,
+                                       uint32_t gen, uint64_t spin_ns,
+                                       uint64_t timeout_ns, shm_ticker *t) {
+    uint32_t which;
+    return shm_slots_wait_core(s, c, &k, &gen, 1, spin_ns, timeout_ns, t,
+                               &which);
+}
+
+/* The same without a ticker: every sleep has a timer. */
+static inline int shm_slot_wait(shm_seg *s, uint32_t c, uint32_t k,
+                                uint32_t gen, uint64_t spin_ns,
+                                uint64_t timeout_ns) {
+    return shm_slot_wait_ticked(s, c, k, gen, spin_ns, timeout_ns, NULL);
+}
+
+/* Waits for any of several slots of one client (pipelined requests): the
+ * wait core.  Puts the index of the slot that ended the wait in *which (n
+ * when none did) and returns its state (DONE, FAILED) or SHM_STALE, or
+ * SHM_TIMEOUT / SHM_CLOSED; SHM_E_STATE for n == 0. */
+static inline int shm_slots_wait_any(shm_seg *s, uint32_t c,
+                                     const uint32_t *ks, const uint32_t *gens,
+                                     uint32_t n, uint64_t spin_ns,
+                                     uint64_t timeout_ns, shm_ticker *t,
+                                     uint32_t *which) {
+    return shm_slots_wait_core(s, c, ks, gens, n, spin_ns, timeout_ns, t,
+                               which);
 }
 
 #endif /* SHMEVAL_RING_WAIT_H */
