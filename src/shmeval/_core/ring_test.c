@@ -489,13 +489,13 @@ static void check_layout_addresses(const shm_params *p) {
     shm_seg *s = &t.s;
     uintptr_t base = (uintptr_t)t.mem, end = base + t.size;
     uint32_t K = p->slots_per_client;
-    CHECK((uintptr_t)(shm_batch_hist(s) + p->max_batch + 1) <=
+    CHECK((uintptr_t)(shm_batch_hist_at(s) + p->max_batch + 1) <=
           base + s->l.replicas_off);
     CHECK((uintptr_t)(shm_replica_at(s, p->replicas - 1) + 1) <=
           base + s->l.servers_off);
     CHECK((uintptr_t)(shm_server_taken(s, p->servers - 1) + p->max_batch) <=
           base + s->l.clients_off);
-    CHECK_EQU((uintptr_t)shm_batch_hist(s) % 8, 0);
+    CHECK_EQU((uintptr_t)shm_batch_hist_at(s) % 8, 0);
     for (uint32_t c = 0; c < p->max_clients; c++) {
         uintptr_t e = (uintptr_t)shm_client_at(s, c);
         uintptr_t w0 = (uintptr_t)shm_slot_word_at(s, c, 0);
@@ -1110,7 +1110,7 @@ static void test_state(void) {
     {
         /* the publish -> taken histogram counted it */
         uint64_t tot = 0;
-        for (uint32_t b = 0; b < SHM_HIST_BINS; b++) tot += shm_hist_get(s, 0, b);
+        for (uint32_t b = 0; b < SHM_HIST_BINS; b++) tot += shm_hist_wait(s, b);
         CHECK_EQU(tot, 1);
     }
 
@@ -1263,10 +1263,10 @@ static void test_state(void) {
     CHECK_EQU(shm_stat_get(s, ST_FAILED_REQUESTS), 2);
     CHECK_EQU(shm_stat_get(s, ST_FAILED_BATCHES), 1);
     CHECK_EQU(shm_stat_get(s, ST_MODEL_NS), 3000);
-    CHECK_EQU(shm_hist_get(s, 2, 3), 1);
-    CHECK_EQU(shm_hist_get(s, 2, 2), 1);
-    CHECK_EQU(shm_hist_get(s, 2, P.max_batch + 1), 0); /* out of range */
-    CHECK_EQU(shm_hist_get(s, 1, shm_hist_bin(1000)), 1);
+    CHECK_EQU(shm_hist_batch(s, 3), 1);
+    CHECK_EQU(shm_hist_batch(s, 2), 1);
+    CHECK_EQU(shm_hist_batch(s, P.max_batch + 1), 0); /* out of range */
+    CHECK_EQU(shm_hist_model(s, shm_hist_bin(1000)), 1);
     CHECK_EQU(shm_stat_get(s, SHM_N_STATS), 0);
     shm_stat_inc(s, ST_WARMUP_NS, 5);
     shm_stat_inc(s, SHM_N_STATS, 5); /* ignored */
@@ -1804,11 +1804,11 @@ static void *conc_client(void *arg) {
     return NULL;
 }
 
-static uint64_t sum_hist(shm_seg *s, uint32_t which, int weighted) {
+/* The sum of a histogram's nb bins (times the bin's index: weighted). */
+static uint64_t sum_hist(shm_seg *s, uint64_t (*bin)(shm_seg *, uint32_t),
+                         uint32_t nb, int weighted) {
     uint64_t tot = 0;
-    uint32_t nb = which == 2 ? s->p.max_batch + 1 : SHM_HIST_BINS;
-    for (uint32_t b = 0; b < nb; b++)
-        tot += shm_hist_get(s, which, b) * (weighted ? b : 1);
+    for (uint32_t b = 0; b < nb; b++) tot += bin(s, b) * (weighted ? b : 1);
     return tot;
 }
 
@@ -1880,10 +1880,12 @@ static void test_concurrency(void) {
     CHECK_EQU(shm_stat_get(s, ST_FAILED_BATCHES), x.failed_batches);
     CHECK_EQU(shm_stat_get(s, ST_PADDED_ROWS), 0);
     CHECK_EQU(shm_stat_get(s, ST_STALE_COMPLETIONS), 0);
-    CHECK_EQU(sum_hist(s, 2, 1), x.ok_rows + x.failed_rows);
-    CHECK_EQU(sum_hist(s, 2, 0), x.batches);
-    CHECK_EQU(sum_hist(s, 0, 0), x.ok_rows + x.failed_rows);
-    CHECK_EQU(sum_hist(s, 1, 0), x.batches);
+    CHECK_EQU(sum_hist(s, shm_hist_batch, P.max_batch + 1, 1),
+              x.ok_rows + x.failed_rows);
+    CHECK_EQU(sum_hist(s, shm_hist_batch, P.max_batch + 1, 0), x.batches);
+    CHECK_EQU(sum_hist(s, shm_hist_wait, SHM_HIST_BINS, 0),
+              x.ok_rows + x.failed_rows);
+    CHECK_EQU(sum_hist(s, shm_hist_model, SHM_HIST_BINS, 0), x.batches);
     /* every session was reclaimed; every "death" left one WRITING slot */
     CHECK_EQU(x.reclaims, sessions);
     CHECK_EQU(shm_stat_get(s, ST_RECLAIMED_CLIENTS), sessions);

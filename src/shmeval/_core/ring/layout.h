@@ -410,7 +410,8 @@ typedef struct {
 static inline shm_header *shm_hdr(const shm_seg *s) {
     return (shm_header *)s->base;
 }
-static inline _Atomic uint64_t *shm_batch_hist(const shm_seg *s) {
+/* The batch-size histogram, max_batch + 1 counters after the header. */
+static inline _Atomic uint64_t *shm_batch_hist_at(const shm_seg *s) {
     return (_Atomic uint64_t *)(s->base + sizeof(shm_header));
 }
 static inline shm_client *shm_client_at(const shm_seg *s, uint32_t c) {

@@ -39,7 +39,7 @@ static inline void shm_record_batch(shm_seg *s, uint32_t r, uint32_t n,
     shm_stat_add(&h->st[ST_PADDED_ROWS], rows - n);
     shm_stat_add(&h->st[ST_MODEL_NS], model_ns);
     shm_stat_add(&h->hist_model[shm_hist_bin(model_ns)], 1);
-    if (n <= s->p.max_batch) shm_stat_add(&shm_batch_hist(s)[n], 1);
+    if (n <= s->p.max_batch) shm_stat_add(&shm_batch_hist_at(s)[n], 1);
     if (failed) {
         shm_stat_add(&h->st[ST_FAILED_REQUESTS], n);
         shm_stat_add(&h->st[ST_FAILED_BATCHES], 1);
@@ -61,20 +61,31 @@ static inline void shm_stat_put(shm_seg *s, uint32_t i, uint64_t v) {
 static inline void shm_stat_inc(shm_seg *s, uint32_t i, uint64_t v) {
     if (i < SHM_N_STATS) shm_stat_add(&shm_hdr(s)->st[i], v);
 }
-static inline uint64_t shm_hist_get(shm_seg *s, uint32_t which, uint32_t b) {
-    shm_header *h = shm_hdr(s);
-    /* MO: relaxed; as above. */
-    if (which == 0)
-        return b < SHM_HIST_BINS ? atomic_load_explicit(&h->hist_wait[b],
-                                                        memory_order_relaxed)
-                                 : 0;
-    if (which == 1)
-        return b < SHM_HIST_BINS ? atomic_load_explicit(&h->hist_model[b],
-                                                        memory_order_relaxed)
-                                 : 0;
-    return b <= s->p.max_batch ? atomic_load_explicit(&shm_batch_hist(s)[b],
+/* The histograms, one bin at a time (0 for a bin past the end).  MO:
+ * relaxed loads; statistics, as above. */
+/* Requests whose wait from publish to take fell in bin b (shm_hist_bin). */
+static inline uint64_t shm_hist_wait(shm_seg *s, uint32_t b) {
+    return b < SHM_HIST_BINS ? atomic_load_explicit(&shm_hdr(s)->hist_wait[b],
+                                                    memory_order_relaxed)
+                             : 0;
+}
+/* Batches whose model call took a time in bin b (shm_hist_bin). */
+static inline uint64_t shm_hist_model(shm_seg *s, uint32_t b) {
+    return b < SHM_HIST_BINS ? atomic_load_explicit(&shm_hdr(s)->hist_model[b],
+                                                    memory_order_relaxed)
+                             : 0;
+}
+/* Batches of n requests (n from 0 to max_batch). */
+static inline uint64_t shm_hist_batch(shm_seg *s, uint32_t n) {
+    return n <= s->p.max_batch ? atomic_load_explicit(&shm_batch_hist_at(s)[n],
                                                       memory_order_relaxed)
                                : 0;
+}
+/* The three by number: 0 wait, 1 model, 2 batch sizes. */
+static inline uint64_t shm_hist_get(shm_seg *s, uint32_t which, uint32_t b) {
+    return which == 0 ? shm_hist_wait(s, b)
+           : which == 1 ? shm_hist_model(s, b)
+                        : shm_hist_batch(s, b);
 }
 
 #endif /* SHMEVAL_RING_STATS_H */
