@@ -2947,6 +2947,43 @@ static void test_yield(void) {
     seg_free(&ts);
 }
 
+/* The spin policy, case by case: a plain spin while every process has a
+ * CPU, a yielding one with one process more, none beyond; the evaluator
+ * counts itself with its clients, a client counts at least the crowding
+ * the evaluator published. */
+static void test_spin_policy(void) {
+    start_test("spin_policy", 10);
+    const uint64_t S = 50 * US, Y = SHM_SPIN_YIELD;
+    struct {
+        uint32_t processes, ncpu;
+        uint64_t want;
+    } cases[] = {
+        {1, 1, S},     {1, 2, S},     {2, 2, S},     {3, 2, S | Y},
+        {4, 2, 0},     {16, 2, 0},    {2, 1, S | Y}, {3, 1, 0},
+        {8, 8, S},     {9, 8, S | Y}, {10, 8, 0},    {0, 4, S},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        CHECK_EQU(shm_spin_policy(S, cases[i].processes, cases[i].ncpu),
+                  cases[i].want);
+        /* no budget, no spin, whatever the machine */
+        CHECK_EQU(shm_spin_policy(0, cases[i].processes, cases[i].ncpu), 0);
+    }
+    /* the evaluator: its clients and itself */
+    CHECK_EQU(shm_evaluator_spin(S, 1, 2), S);
+    CHECK_EQU(shm_evaluator_spin(S, 2, 2), S | Y);
+    CHECK_EQU(shm_evaluator_spin(S, 3, 2), 0);
+    CHECK_EQU(shm_evaluator_spin(S, 0, 1), S);
+    /* a client: the attached clients and the evaluator, raised to the
+     * processes the crowding stands for (never lowered by it) */
+    CHECK_EQU(shm_client_spin(S, 1, SHM_CROWD_NONE, 2), S);
+    CHECK_EQU(shm_client_spin(S, 2, SHM_CROWD_NONE, 2), S | Y);
+    CHECK_EQU(shm_client_spin(S, 1, SHM_CROWD_YIELD, 2), S | Y);
+    CHECK_EQU(shm_client_spin(S, 1, SHM_CROWD_SLEEP, 2), 0);
+    CHECK_EQU(shm_client_spin(S, 7, SHM_CROWD_YIELD, 4), 0);
+    CHECK_EQU(shm_client_spin(S, 3, SHM_CROWD_YIELD, 4), S | Y);
+    CHECK_EQU(shm_client_spin(0, 1, SHM_CROWD_NONE, 8), 0);
+}
+
 /* shm_copy: every byte of [dst, dst + n) copied, nothing outside it
  * touched, for sources and destinations at every kind of offset within a
  * cache line (the line-load path handles a head, whole 128-byte blocks and
@@ -4810,7 +4847,7 @@ static const test_case k_tests[] = {
     {"max_wait", test_max_wait}, {"control", test_control},
     {"scribbled", test_scribbled}, {"doorbell", test_doorbell},
     {"ticker", test_ticker},   {"copy", test_copy},
-    {"yield", test_yield},
+    {"yield", test_yield},     {"spin_policy", test_spin_policy},
     {"lost_wakeup", test_lost_wakeup}, {"reread", test_reread},
     {"release_race", test_release_race}, {"begin_race", test_begin_race},
     {"hwm_first", test_hwm_first}, {"generations", test_generations},

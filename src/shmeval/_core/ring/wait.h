@@ -1,7 +1,8 @@
 /*
  * ring/wait.h -- how a thread waits: the spin (pause or yield between
- * looks, the clock read every SHM_SPIN_LOOKS looks), the crowding the
- * evaluator publishes for the spin rule, and a client's wait for the
+ * looks, the clock read every SHM_SPIN_LOOKS looks), the spin policy (how
+ * long a client or the evaluator spins, given the processes and the CPUs
+ * and the crowding the evaluator publishes), and a client's wait for the
  * answers of its slots (spin, then sleep on its doorbell).
  */
 #ifndef SHMEVAL_RING_WAIT_H
@@ -33,9 +34,9 @@ static inline void shm_cpu_relax(void) {
 
 /* A spin budget with this bit set gives the CPU away between all looks
  * (sched_yield() instead of pause), not only every SHM_SPIN_LOOKS of them:
- * the waiter spins only while no other task wants its CPU.  _ring.pyx's _spin_policy sets it when the clients
- * and the evaluator are one process more than the CPUs (docs/protocol.md,
- * Waiting).  The bit is not part of the budget. */
+ * the waiter spins only while no other task wants its CPU.  shm_spin_policy
+ * sets it when the clients and the evaluator are one process more than the
+ * CPUs (docs/protocol.md, Waiting).  The bit is not part of the budget. */
 #define SHM_SPIN_YIELD (1ull << 63)
 /* A plain spin reads the clock once every SHM_SPIN_LOOKS looks, and gives
  * the CPU away there as well (sched_yield(), which returns at once when no
@@ -65,7 +66,7 @@ static inline int shm_spin_pause(uint32_t i, uint64_t end, int yield) {
 }
 
 /* shm_header.crowding: the runnable tasks on the evaluator's CPUs against
- * those CPUs, as the spin rule reads them (_ring.pyx, _spin_policy). */
+ * those CPUs, as the spin rule reads them (shm_client_spin). */
 enum shm_crowding {
     SHM_CROWD_NONE = 0,  /* no reading, or no more tasks than CPUs */
     SHM_CROWD_YIELD = 1, /* one more task than CPUs */
@@ -80,6 +81,62 @@ static inline void shm_set_crowding(shm_seg *s, uint32_t c) {
      * client's wait reads this line. */
     if (atomic_load_explicit(&shm_hdr(s)->crowding, memory_order_relaxed) != c)
         atomic_store_explicit(&shm_hdr(s)->crowding, c, memory_order_relaxed);
+}
+
+/* ------------------------------------------------------------------ */
+/* The spin policy                                                    */
+/* ------------------------------------------------------------------ */
+
+/* The spin budget of a wait (a client's for its answer, or the
+ * evaluator's for requests) before it sleeps, from the budget asked for
+ * (spin_ns; 0 turns spinning off), the processes on the segment (the
+ * attached clients and the evaluator) and the CPUs they may use (ncpu):
+ *
+ *   - processes <= ncpu: spin_ns, a plain spin, since each process has a
+ *     CPU.  It still gives its CPU away every SHM_SPIN_LOOKS looks, for a
+ *     wake-up may have put the process it waits for on the same CPU;
+ *   - processes == ncpu + 1 (as many clients as CPUs): spin_ns |
+ *     SHM_SPIN_YIELD, a spin that gives its CPU away between all looks
+ *     (sched_yield() instead of pause), so that a waiter holds a CPU only
+ *     while no other process wants it.  With 2 clients on 2 CPUs this took
+ *     2 workers from ~100 k to 340-420 k round trips/s on the reference
+ *     VM; sleeping instead, a CPU went idle and every answer paid the
+ *     wake-up of a halted CPU;
+ *   - more: 0, no spin.  Even a yielding spin then loses: its waiters crowd
+ *     the run queues (the slowest worker fell to 0.14-0.66 of the mean and
+ *     p99.9 to 0.5-4 ms at 3-16 workers), and a plain spin holds a CPU
+ *     that the process it waits for needs.
+ *
+ * docs/performance.md, "Which knob when"; docs/protocol.md, Waiting. */
+static inline uint64_t shm_spin_policy(uint64_t spin_ns, uint32_t processes,
+                                       uint32_t ncpu) {
+    if (spin_ns == 0 || processes > ncpu + 1) return 0;
+    if (processes <= ncpu) return spin_ns;
+    return spin_ns | SHM_SPIN_YIELD;
+}
+
+/* The evaluator's spin budget: the policy for its n_attached clients and
+ * itself.  None once the client processes outnumber its CPUs, when a
+ * spinning evaluator holds a CPU that the clients it waits for need; a
+ * yielding spin with as many clients as CPUs.  Spinning at all with 2
+ * clients on 2 CPUs doubled round trips/s on the reference VM. */
+static inline uint64_t shm_evaluator_spin(uint64_t spin_ns,
+                                          uint32_t n_attached, uint32_t ncpu) {
+    return shm_spin_policy(spin_ns, n_attached + 1, ncpu);
+}
+
+/* A client's spin budget: the policy for the n_attached clients and the
+ * evaluator, counted as at least as many processes as the crowding the
+ * evaluator's tuner published (shm_crowding) says there are: other
+ * programs' runnable tasks take CPUs too, and a spin that yields to one of
+ * them gets its CPU back only when that task's time slice ends
+ * (milliseconds), where a sleeper is woken at once. */
+static inline uint64_t shm_client_spin(uint64_t spin_ns, uint32_t n_attached,
+                                       uint32_t crowding, uint32_t ncpu) {
+    uint32_t processes = n_attached + 1;
+    if (crowding != SHM_CROWD_NONE && processes < ncpu + crowding)
+        processes = ncpu + crowding;
+    return shm_spin_policy(spin_ns, processes, ncpu);
 }
 
 /* ------------------------------------------------------------------ */
