@@ -28,9 +28,9 @@
 #define SHM_ASSERT(x) ((void)0)
 #endif
 
-/* Test hooks: ring_test.c defines SHM_HOOK(point) to park a thread at a
- * named point and so replay a chosen interleaving deterministically.  They
- * compile to nothing otherwise. */
+/* Test hooks: the C tests (tests/c/harness.h) define SHM_HOOK(point) to
+ * park a thread at a named point and so replay a chosen interleaving
+ * deterministically.  They compile to nothing otherwise. */
 #ifndef SHM_HOOK
 #define SHM_HOOK(point) ((void)0)
 #endif

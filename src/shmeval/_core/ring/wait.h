@@ -47,7 +47,7 @@ static inline void shm_cpu_relax(void) {
  * yield hands it over within SHM_SPIN_LOOKS looks (a few µs), at the price
  * of a system call per clock read (docs/protocol.md, Waiting). */
 #define SHM_SPIN_LOOKS 64u
-#ifndef shm_sched_yield /* ring_test.c counts the calls */
+#ifndef shm_sched_yield /* the C tests count the calls (tests/c) */
 #define shm_sched_yield() sched_yield()
 #endif
 
