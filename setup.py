@@ -20,7 +20,7 @@ core_headers = sorted(glob.glob("src/shmeval/_core/*.h") + glob.glob("src/shmeva
 
 ext = Extension(
     "shmeval._ring",
-    sources=["src/shmeval/_ring.pyx"],
+    sources=["src/shmeval/_ring.pyx"],  # includes _core/pyx/*.pxi
     include_dirs=["src/shmeval/_core", np.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), ("_GNU_SOURCE", None)]
     + ([("SHM_DEBUG", None)] if debug else []),

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Two builds of shmeval, the same load, measured in alternating turns:
-does a change of the core make the round trip faster or slower?
+does a change of the core make a request method faster or slower?
 
 On a shared machine the throughput of a latency-bound load (one worker, a
 trivial model) moves by a factor of two or more from one minute to the
@@ -10,6 +10,17 @@ minutes, not the builds.  Here each build has its own evaluator and
 workers, started once and kept up, and the two take turns of --turn-s
 seconds, in the order A B, B A, A B, ...: each pair of adjacent turns
 sees nearly the same host, and the ratio B/A per pair is the measure.
+
+The load is one request method in a loop in every worker (--call):
+``evaluate`` of one state, ``evaluate_many`` of --rows states, or
+``submit`` of --rows states with --depth submissions in flight, the
+oldest collected (``result()``) before the next is submitted (the
+pipelined method; a turn starts with the worker's --depth submissions and
+collects what is still in flight after its end uncounted, so no request
+of one build waits through the other's turn).  A rate is states answered
+per second.  The three have had the same public signatures since 69f5c90,
+so any build since then serves any of them.
+
 The script prints each build's median rate and how evenly its workers
 shared it (the slowest worker's rate over the mean's, median over the
 turns), the ratio's median and quartiles, and in how many pairs B was
@@ -26,6 +37,7 @@ a JSON object of Evaluator.spawn keywords, the same for both builds unless
 settings the same way).
 
     python bench/ab_builds.py --a 62897fd --b . --workers 1 --cpus 0,1
+    python bench/ab_builds.py --a 69f5c90 --b . --workers 16 --call submit --rows 1 --depth 4
     python bench/ab_builds.py --a 62897fd --b . --settings '{"spin_us": 100, "evaluator_spin_us": 50}'
     python bench/ab_builds.py --a . --b . --cpus 0 --workers 2 \
         --settings '{"spin_us": 100, "evaluator_spin_us": 50}' --settings-b '{}'
@@ -33,6 +45,7 @@ settings the same way).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -40,13 +53,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (6, 7, 2)
+CALLS = ("evaluate", "evaluate_many", "submit")
+#: Evaluator.spawn's default slots_per_client (a submit of more rows in
+#: flight than this gets its own, unless --settings names one).
+SLOTS_PER_CLIENT = 16
 
 
-# --- one build's side (run as: ab_builds.py --serve SETTINGS WORKERS) ---------------------
+# --- one build's side (run as: ab_builds.py --serve SETTINGS WORKERS LOAD) ----------------
 
 
 class NullModel:
@@ -63,38 +80,88 @@ def make_model() -> NullModel:
     return NullModel()
 
 
-def worker(handle: Any, turns: Any, results: Any) -> None:
-    """Evaluates one state at a time for each turn's seconds; reports its
-    evaluations per second."""
+def evaluate_until(handle: Any, end: float, rows: int, depth: Optional[int]) -> int:
+    """``evaluate`` of one state until ``end``; the states answered."""
     import numpy as np
     state = np.zeros(SHAPE, np.float32)
     evaluate = handle.evaluate
+    n = 0
+    while time.monotonic() < end:
+        evaluate(state)
+        n += 1
+    return n
+
+
+def evaluate_many_until(handle: Any, end: float, rows: int, depth: Optional[int]) -> int:
+    """``evaluate_many`` of ``rows`` states until ``end``; the states
+    answered."""
+    import numpy as np
+    states = np.zeros((rows,) + SHAPE, np.float32)
+    evaluate_many = handle.evaluate_many
+    n = 0
+    while time.monotonic() < end:
+        evaluate_many(states)
+        n += rows
+    return n
+
+
+def submit_until(handle: Any, end: float, rows: int, depth: Optional[int]) -> int:
+    """``depth`` submissions of ``rows`` states in flight until ``end``,
+    the oldest collected before the next is submitted; the states answered
+    by then.  Those still in flight at ``end`` are collected uncounted."""
+    import numpy as np
+    assert depth is not None
+    states = np.zeros((rows,) + SHAPE, np.float32)
+    submit = handle.submit
+    pending = collections.deque(submit(states) for _ in range(depth))
+    n = 0
+    while time.monotonic() < end:
+        pending.popleft().result()
+        pending.append(submit(states))
+        n += rows
+    for p in pending:
+        p.result()
+    return n
+
+
+UNTIL = {"evaluate": evaluate_until, "evaluate_many": evaluate_many_until,
+         "submit": submit_until}
+
+
+def worker(handle: Any, load: Dict[str, Any], turns: Any, results: Any) -> None:
+    """Runs the load's call for each turn's seconds; reports its states
+    answered per second, or the error that stopped it."""
+    until = UNTIL[load["call"]]
     while True:
         seconds = turns.get()
         if seconds is None:
             break
-        end = time.monotonic() + seconds
-        n = 0
-        while time.monotonic() < end:
-            evaluate(state)
-            n += 1
+        try:
+            n = until(handle, time.monotonic() + seconds, load["rows"], load["depth"])
+        except Exception as e:
+            results.put(f"{type(e).__name__}: {e}")
+            raise
         results.put(n / seconds)
     handle.close()
 
 
-def serve(settings: Dict[str, Any], n_workers: int) -> None:
-    """One build: an evaluator and its workers; a turn per line of stdin
-    (its seconds), answered with the workers' summed rate."""
+def serve(settings: Dict[str, Any], n_workers: int, load: Dict[str, Any]) -> None:
+    """One build: an evaluator and its workers, each running ``load``
+    (``{"call", "rows", "depth"}``); a turn per line of stdin (its
+    seconds), answered with the workers' summed rate."""
     import multiprocessing as mp
 
     import shmeval
     ctx = mp.get_context("spawn")
+    in_flight = load["rows"] * load["depth"] if load["call"] == "submit" else 0
+    if in_flight > SLOTS_PER_CLIENT:
+        settings = {"slots_per_client": in_flight, **settings}
     ev = shmeval.Evaluator.spawn(make_model, input_shape=SHAPE,
                                  outputs={"policy": ((7,), "float32"), "value": ((), "float32")},
                                  max_batch=256, max_clients=max(16, n_workers), **settings)
     turns = [ctx.Queue() for _ in range(n_workers)]
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(ev, turns[i], results), daemon=True)
+    procs = [ctx.Process(target=worker, args=(ev, load, turns[i], results), daemon=True)
              for i in range(n_workers)]
     for p in procs:
         p.start()
@@ -106,6 +173,9 @@ def serve(settings: Dict[str, Any], n_workers: int) -> None:
             for q in turns:
                 q.put(float(line))
             got = [results.get(timeout=120) for _ in procs]
+            failed = [g for g in got if isinstance(g, str)]
+            if failed:
+                raise RuntimeError(f"a worker failed: {failed[0]}")
             print(sum(got), min(got) * len(got) / max(sum(got), 1e-9), flush=True)
     finally:
         for q in turns:
@@ -150,11 +220,11 @@ def describe(rev: str) -> str:
 class Side:
     """A build's serving process."""
 
-    def __init__(self, name: str, src: str, settings: str, workers: int) -> None:
+    def __init__(self, name: str, src: str, settings: str, workers: int, load: str) -> None:
         env = dict(os.environ, PYTHONPATH=src)
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", settings, str(workers)],
+            [sys.executable, os.path.abspath(__file__), "--serve", settings, str(workers), load],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         ready = self.proc.stdout.readline().split()
@@ -169,27 +239,40 @@ class Side:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(f"{seconds}\n")
         self.proc.stdin.flush()
-        rate, fairness = self.proc.stdout.readline().split()
+        line = self.proc.stdout.readline().split()
+        if len(line) != 2:
+            raise RuntimeError(f"build {self.name} stopped serving (its error is above)")
+        rate, fairness = line
         return float(rate), float(fairness)
 
     def close(self) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it stopped on an error
+            self.proc.wait(30)
+            return None
         tuner = json.loads(self.proc.stdout.readline() or "null")
         self.proc.wait(30)
         return tuner
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
-        serve(json.loads(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "--serve":
+        serve(json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--a", required=True, help="the first build: a git revision, or '.'")
     p.add_argument("--b", default=".", help="the second build (default '.': this checkout)")
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--call", choices=CALLS, default="evaluate",
+                   help="the request method each worker runs (default evaluate)")
+    p.add_argument("--rows", type=int, default=8,
+                   help="states per call of evaluate_many and submit (default 8)")
+    p.add_argument("--depth", type=int, default=2,
+                   help="submissions each worker keeps in flight, for submit (default 2)")
     p.add_argument("--cpus", default=None,
                    help="CPUs for the whole run, as for taskset -c (e.g. 0,1; default: all)")
     p.add_argument("--settings", default="{}", help="Evaluator.spawn keywords, as JSON")
@@ -206,6 +289,11 @@ def main() -> None:
     if args.settings_b is None:
         args.settings_b = args.settings
     json.loads(args.settings), json.loads(args.settings_b)  # fail early on a typo
+    if args.rows < 1 or args.depth < 1:
+        p.error("--rows and --depth take at least 1")
+    rows = 1 if args.call == "evaluate" else args.rows
+    depth = args.depth if args.call == "submit" else None
+    load = json.dumps({"call": args.call, "rows": rows, "depth": depth})
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     from shmeval._util.children import start_busy_loops, stop_busy_loops
@@ -213,7 +301,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="shmeval-ab-") as tmp:
         srcs = {name: build(rev, tmp) for name, rev in (("A", args.a), ("B", args.b))}
-        sides = [Side(name, srcs[name], settings, args.workers)
+        sides = [Side(name, srcs[name], settings, args.workers, load)
                  for name, settings in (("A", args.settings), ("B", args.settings_b))]
         busy = start_busy_loops(args.busy)
         try:
@@ -236,7 +324,8 @@ def main() -> None:
     q1, med, q3 = statistics.quantiles(ratios, n=4)
     ahead = sum(r > 1 for r in ratios)
     out = {"a": args.a, "b": args.b, "a_commit": describe(args.a), "b_commit": describe(args.b),
-           "workers": args.workers, "cpus": args.cpus,
+           "workers": args.workers, "call": args.call, "rows": rows, "depth": depth,
+           "cpus": args.cpus,
            "settings": json.loads(args.settings), "settings_b": json.loads(args.settings_b),
            "turn_s": args.turn_s, "busy": args.busy,
            "median_a": statistics.median(rates["A"]), "median_b": statistics.median(rates["B"]),
@@ -248,6 +337,10 @@ def main() -> None:
     label = {"A": args.a, "B": args.b}
     if args.settings_b != args.settings:
         label = {"A": f"{args.a} {args.settings}", "B": f"{args.b} {args.settings_b}"}
+    what = {"evaluate": "evaluate of 1 state",
+            "evaluate_many": f"evaluate_many of {rows} states",
+            "submit": f"submit of {rows} states, {depth} in flight per worker"}[args.call]
+    print(f"{args.workers} workers, {what}; rates in states answered per second")
     print(f"A {label['A']}: median {out['median_a']:,.0f}/s (slowest worker "
           f"{out['fairness_a']:.2f} of the mean)   B {label['B']}: median {out['median_b']:,.0f}/s "
           f"({out['fairness_b']:.2f})")

@@ -64,16 +64,32 @@ cdef class Segment:
                          list dst, Py_ssize_t row)
 
 
+# SpinArms: judged waits per block (SPIN_BLOCK), the longest of them
+# (SPIN_TRIM) left out of its mean, blocks of the better arm per block of the
+# other (SPIN_EXPLORE times the ratio of their means, at most
+# SPIN_EXPLORE_MAX).  The long arm stretches to cover the answers the short
+# arm waits for (their SPIN_COVER_Q-th of SPIN_BLOCK, plus a quarter) when
+# that is at most SPIN_COVER_MAX times the long arm as given, and moves when
+# the new budget differs from it by a quarter or more.
+cdef enum:
+    SPIN_BLOCK = 64
+    SPIN_TRIM = 8
+    SPIN_EXPLORE = 32
+    SPIN_EXPLORE_MAX = 512
+    SPIN_COVER_Q = 48
+    SPIN_COVER_MAX = 4
+
+
 cdef class SpinArms:
     """A client's spin budget with spin_us "auto": a short and a long arm."""
     cdef readonly uint64_t short_ns
     cdef readonly uint64_t long_ns     # 0: one fixed budget (short_ns)
     cdef readonly uint64_t long_floor_ns  # the long arm as given (16 wake-ups)
-    cdef uint64_t short_waits[64]      # this short block's waits (SPIN_BLOCK)
+    cdef uint64_t short_waits[SPIN_BLOCK]  # this short block's waits
     cdef double mean_ns[2]             # a wait's ns under each arm, by blocks
     cdef double block_ns               # the judged waits of this block, summed
     cdef uint32_t waits                # ... and counted
-    cdef uint64_t top[8]               # ... the longest SPIN_TRIM (8) of them
+    cdef uint64_t top[SPIN_TRIM]       # ... the longest of them
     cdef uint32_t top_min              # index of the shortest in top
     cdef uint32_t explore_in           # blocks of the better arm before the other's
     cdef int arm                       # the arm of this block
@@ -86,63 +102,69 @@ cdef class SpinArms:
 
 
 cdef class ClientPort:
-    """The hot path of Client.evaluate for one process."""
+    """One process's client entry, as the request path uses it."""
     cdef Segment seg
     cdef SpinArms arms
     cdef readonly uint32_t c
+    cdef readonly object entry     # shmeval.entry.ProcessEntry
     cdef readonly list free
+    cdef readonly uint32_t slots   # slots_per_client
     cdef public int waiters
-    cdef object notify
-    cdef bint fast
+    cdef bint fast                 # outputs made in C, results reused
+    cdef tuple outputs             # spec.outputs (made by NumPy unless fast)
     cdef object in_dtype
+    cdef tuple in_shape
     cdef int in_nd
     cdef cnp.npy_intp in_dims[32]
-    cdef uint64_t spin_ns
-    cdef uint64_t timeout_ns
+    cdef readonly uint64_t timeout_ns
     cdef uint32_t ncpu
     cdef dict last             # the previous result, reused once nobody holds it
     cdef list last_outs
     cdef dict prev             # the one before: a caller's `out = evaluate(s)`
     cdef list prev_outs        # holds the previous result during the next call
-    cdef int pid               # the process this port's client entry belongs to
+    cdef readonly int pid      # the process this port's client entry belongs to
     cdef public bint retired   # closed: takes no new request (see Client.close)
     cdef public bint detached  # its client entry is detached: waiters give up
-    cdef public list abandoned # (slot, generation) of requests whose waiter gave up
+    cdef readonly list abandoned  # (slot, generation) of requests whose waiter gave up
     cdef list spares           # output arrays of freed Pendings (_spare_outs)
-    cdef public object lane    # this entry's pipeline lane (shmeval.pipeline), once made
-    # Each slot's Pending while its request is in flight (borrowed: a Pending
-    # clears its entries when a request is fetched or given up, and when it
-    # is freed).
+    # Each slot's submit Pending while its request is in flight (borrowed: a
+    # Pending clears its entries when a request is fetched or given up, and
+    # when it is freed).
     cdef PyObject *owner[SHM_MAX_SLOTS_PER_CLIENT]
 
+    cpdef object evaluate(self, object state, bint versioned=*, object key=*)
+    cpdef object evaluate_many(self, object states, bint versioned=*, object keys=*)
+    cpdef Pending submit(self, object states, bint block=*, bint versioned=*, object keys=*)
     cpdef give_back(self, uint32_t k)
-    cdef object _evaluate(self, object state, bint versioned, object key)
-    cdef object _evaluate_many(self, object states, bint versioned, object keys)
-    cdef Py_ssize_t _batch_rows(self, object states, object keys)
+    cdef Pending _post(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
+                       list outs, object versions, bint block, bint own)
+    cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
+                            Pending p, Py_ssize_t *rows, uint64_t *k1s,
+                            uint64_t *k2s) except -1
+    cdef int _take(self, Py_ssize_t m, bint block, uint32_t *ks) except -1
+    cdef int _collect(self, Pending p) except -1
+    cdef int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns)
+    cdef cnp.ndarray _input(self, object x, bint single)
+    cdef object _keys(self, object keys, Py_ssize_t n)
     cdef list _new_outs(self, Py_ssize_t n)
     cdef list _spare_outs(self, Py_ssize_t n)
     cdef void _keep_spare(self, list outs) noexcept
     cdef bint _is_output(self, cnp.ndarray arr, Py_ssize_t j, Py_ssize_t rows)
-    cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t n, object keys, list outs,
-                            object versions, Py_ssize_t *rows, uint64_t *k1s,
-                            uint64_t *k2s) except -2
-    cdef bint _post(self, cnp.ndarray a, Py_ssize_t m, Py_ssize_t *rows, uint64_t *k1s,
-                    uint64_t *k2s, bint hashed, uint32_t *ks, uint32_t *gens) except -1
-    cdef int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns)
-    cdef object _submit(self, object states, bint versioned, object keys)
     cdef bint _unreferenced(self, int older)
 
 
 cdef class Pending:
-    """The answers to one Client.submit (shmeval.pipeline)."""
+    """The answers to one post (ClientPort._post): a submit's, or a
+    blocking call's."""
     cdef void _abandon(self) noexcept
     cdef ClientPort port
     cdef Segment seg
-    cdef readonly object _lane     # shmeval.pipeline._Lane
     cdef readonly Py_ssize_t _n    # states submitted
     cdef readonly Py_ssize_t _m    # requests posted (the others the cache answered)
     cdef readonly list _outs
     cdef readonly object _versions  # int64 array, with return_version
+    cdef int64_t version           # the model version of the last answer
+    cdef bint own                  # a submit's: the port's owner of its slots
     cdef Py_ssize_t fetched        # requests fetched
     cdef Py_ssize_t unclaimed      # requests in flight that nobody is fetching
     cdef Py_ssize_t error_row      # the last failed row, and its batch's error text
@@ -155,8 +177,8 @@ cdef class Pending:
     cdef int32_t rows[SHM_MAX_SLOTS_PER_CLIENT]
     cdef uint8_t state[SHM_MAX_SLOTS_PER_CLIENT]
 
-    cdef int _setup(self, object lane, ClientPort port, Py_ssize_t n, bint versioned) except -1
-    cdef void _armed(self, Py_ssize_t m)
+    cdef void _armed(self, Py_ssize_t m, bint own)
+    cdef int _collect(self, double deadline, object timeout) except -1
     cdef Py_ssize_t _claim(self) noexcept
     cdef void _claim_at(self, Py_ssize_t i) noexcept
     cdef void _unclaim(self, Py_ssize_t i) noexcept

@@ -1,6 +1,5 @@
 """Exceptions.  Everything shmeval raises derives from ShmevalError, except bad
-arguments, which raise ValueError / TypeError (pipeline.NoFreeSlots lives
-beside what raises it)."""
+arguments, which raise ValueError / TypeError."""
 from __future__ import annotations
 
 import os
@@ -39,6 +38,11 @@ class NotTheMainProcess(ShmevalError, RuntimeError):
     of multiprocessing's spawn or forkserver start method: the script's
     entry point lacks its ``if __name__ == "__main__":`` guard.  Also a
     RuntimeError, as it was before it had a class of its own."""
+
+
+class NoFreeSlots(ShmevalError):
+    """``submit(..., block=False)`` found fewer free slots than states: the
+    process's other requests hold them (``slots_per_client`` in all)."""
 
 
 class ModelError(ShmevalError):
@@ -104,6 +108,10 @@ def _middle_cut(text: str, limit: int) -> str:
     return cut(lo)
 
 
+#: The serving loop's Cython files (_ring.pyx and what it includes).
+_CYTHON_FILES = ("_ring.pyx", ".pxi")
+
+
 def exception_text(e: BaseException, limit: int) -> str:
     """The text a client gets for an exception raised in the evaluator, in at
     most `limit` bytes of UTF-8: the exception's type and message first,
@@ -119,7 +127,7 @@ def exception_text(e: BaseException, limit: int) -> str:
         return _middle_cut(text, limit)
     # The model's frames: not the serving loop's own.
     frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith(_PACKAGE) and not f.filename.endswith("_ring.pyx")]
+              if not f.filename.startswith(_PACKAGE) and not f.filename.endswith(_CYTHON_FILES)]
     frames = frames[-3:]
     if frames:
         where = "".join(traceback.format_list(frames)).rstrip("\n")

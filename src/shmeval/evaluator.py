@@ -27,13 +27,14 @@ import numpy as np
 from . import _ring, segment
 from ._main_script import unreachable_reason
 from .backends._device import share_gpus
-from .client import Client, check_spin_auto, check_spin_us
+from .checks import AUTO, as_number, check_auto
+from .client import Client
 from .errors import (EvaluatorDied, ModelError, NotTheMainProcess, ShmevalError, ShmevalTimeout,
                      exception_text)
 from .restarts import DEFAULT_RESTARTS, Healer, Restart, WeightsUpdate, check_restarts
 from .spec import OutputsLike, ShapeLike, Spec
-from .tuning import (AUTO, Board, Overrides, ServingTuner, as_number, check_auto,
-                     model_concurrency)
+from .tuning import Board, Overrides, ServingTuner, model_concurrency
+from .waiting import check_spin_auto, check_spin_us
 from .weights import plain_weights
 
 Model = Callable[[np.ndarray], Any]

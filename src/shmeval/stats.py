@@ -1,7 +1,10 @@
-"""Turns the segment's raw counters and histograms into ``ev.stats()``."""
+"""Turns the segment's raw counters and histograms into ``ev.stats()``, and
+reads and writes the tuner's report (``stats()["tuner"]``), which a serving
+loop publishes in its replica's entry of the segment as JSON."""
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence
+import json
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -141,3 +144,31 @@ def _cache(c: Dict[str, Any]) -> Dict[str, Any]:
                      "hit_rate": _hit_rate(h, m), "stale": int(s), "replaced": int(r)}
                     for i, pid, h, m, s, r in c["clients"]],
     }
+
+
+def fit_report(report: Dict[str, Any], limit: int) -> bytes:
+    """``report`` as JSON of at most ``limit`` bytes: long texts are cut,
+    and the reasons (``why_*``) dropped if that is not enough."""
+    data = json.dumps(report).encode()
+    if len(data) <= limit:
+        return data
+    short = {k: (v[:160] + "...") if isinstance(v, str) and len(v) > 163 else v
+             for k, v in report.items()}
+    data = json.dumps(short).encode()
+    if len(data) <= limit:
+        return data
+    return json.dumps({k: v for k, v in short.items()
+                       if not k.startswith("why")}).encode()[:limit]
+
+
+def read_report(seg: Any, replica: int) -> Optional[Dict[str, Any]]:
+    """Replica ``replica``'s last report (None before the first, or while it
+    cannot be read)."""
+    text = seg.report(replica)
+    if text is None:
+        return None
+    try:
+        report = json.loads(text)
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None

@@ -1,7 +1,8 @@
 """The tuner: the evaluator's waiting and batching settings chosen while it
 serves, from what it measures (the ``"auto"`` default of ``max_wait_us``,
-``evaluator_spin_us`` and ``serving_threads``), and the clients' spin
-budget (``spin_us="auto"``).
+``evaluator_spin_us`` and ``serving_threads``), and the crowding that
+holds the clients' spins (``spin_us="auto"``) to the runnable tasks.  The
+machine's probes and the spin rule it applies are :mod:`shmeval.waiting`'s.
 
 What it decides, and from what:
 
@@ -36,11 +37,12 @@ What it decides, and from what:
 * **Whether the evaluator spins, yields or sleeps** while it waits for
   requests: from the CPUs it may use (``os.sched_getaffinity``) and the tasks
   runnable on them (``/proc/loadavg``, scaled to those CPUs), with the rule
-  of ``_ring.spin_policy``: a plain spin while every runnable task has a CPU,
-  a spin that yields between looks when they are one more, sleep beyond
-  that.  Its budget is the measured cost of putting a thread to sleep and
-  waking it (:func:`wake_cost_ns`): spinning for as long as blocking would
-  cost is never worse than twice the better choice made in hindsight.  A
+  of ``_ring.spin_policy`` (:func:`shmeval.waiting.spin_mode`): a plain spin
+  while every runnable task has a CPU, a spin that yields between looks
+  when they are one more, sleep beyond that.  Its budget is the measured
+  cost of putting a thread to sleep and waking it
+  (:func:`shmeval.waiting.wake_cost_ns`): spinning for as long as blocking
+  would cost is never worse than twice the better choice made in hindsight.  A
   longer budget, ``SPIN_LONG_WAKES`` wake-ups (yielding where the rule
   would sleep), is then tried against that one (*trials*, below): the
   runnable tasks count processes that spin as well as those that work, and
@@ -92,22 +94,20 @@ running evaluator.
 """
 from __future__ import annotations
 
-import functools
-import json
 import math
-import numbers
-import os
-import statistics
 import threading
-import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _ring
-
-AUTO = "auto"
+# The names written "X as X" are imported from here by client.py and
+# evaluator.py (mypy's strict mode lets a module import only what another
+# exports explicitly).
+from .stats import fit_report
+from .waiting import (CROWDING, SLEEP, SPIN, SPIN_LONG_WAKES, YIELD, runnable_tasks, spin_mode,
+                      usable_cpus, wake_cost_ns)
 
 #: A trial compares a candidate with the setting in force in adjacent pairs
 #: of windows, a sequential sign test with three looks: after TRIAL_PAIRS
@@ -135,25 +135,14 @@ CHANGE_RATIO = 1.25
 #: one, and for a passing disturbance to pass; short enough that a change
 #: is acted on within the few seconds the issue allows.
 HORIZON_NS = 1_000_000_000
-#: The long spin tried against the short one (one wake-up's cost), in
-#: wake-ups, by the clients (``_ring.SpinArms``) and the evaluator (a
-#: trial): by the measured cost of a wake-up, a wait of this many would
-#: lose about a sixteenth to a sleep.  The true cost of a sleep is more
-#: (the waker's system call, the latency of waking a halted CPU), so a
-#: client's long arm stretches beyond this to cover the answers it waits
-#: for, up to four times as long (``SpinArms``).
-SPIN_LONG_WAKES = 16
 #: The share of the time the model computes (per call in flight) from which
 #: the clients are taken to be a closed loop held up by it: its calls then
 #: run more than they pause, so most requests arrive while one runs and
 #: wait for the next, and the arrival rate measured is what the model
 #: lets through, not what the clients would send (the waiting gate, below).
 BUSY_SHARE = 0.5
-#: Spin modes (the ``_ring`` flag of a yielding spin is ``SPIN_YIELD``).
-SLEEP, YIELD, SPIN = "sleep", "yield", "spin"
+#: Spin modes (waiting.py), least strict first.
 _STRICTNESS = (SPIN, YIELD, SLEEP)
-#: A spin mode as the crowding it publishes to the clients (Tuner.crowding).
-_CROWDING = {SPIN: _ring.CROWD_NONE, YIELD: _ring.CROWD_YIELD, SLEEP: _ring.CROWD_SLEEP}
 #: Each reading moves the smoothed runnable tasks this share of the way
 #: to its count: a time constant of about four readings (0.8 s at the
 #: evaluator's 200 ms).  One reading is one instant's count
@@ -199,53 +188,6 @@ def _lower_quartile(x: np.ndarray) -> float:
     return float(np.partition(x, k)[k])
 
 
-def check_auto(name: str, value: Any, check: Callable[[str, float], Any]) -> Any:
-    """``value`` if it is ``"auto"``, else ``check(name, number)`` with the
-    value as a float (check raises ValueError when it is out of range);
-    any other string is a ValueError, and anything else that is not a
-    number (None, a list) a TypeError, naming the argument and both forms."""
-    if isinstance(value, str):
-        if value != AUTO:
-            raise ValueError(f"{name} must be 'auto' or a number, got {value!r}")
-        return AUTO
-    return check(name, as_number(name, value, "'auto' or a number"))
-
-
-def as_number(name: str, value: Any, expected: str = "a number") -> float:
-    """``value`` as a float; TypeError naming the argument and what it
-    must be for anything but a real number (None, a bool, a list)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be {expected}, got {value!r}")
-    return float(value)
-
-
-@functools.lru_cache(maxsize=1)
-def wake_cost_ns(rounds: int = 31) -> int:
-    """What it costs here for a thread to go to sleep and be woken: half the
-    median round trip of two threads handing two locks back and forth
-    (each hand-over is a futex wake-up of a sleeping thread, and the GIL).
-    Measured once per process (about a millisecond)."""
-    ping, pong = threading.Lock(), threading.Lock()
-    ping.acquire()
-    pong.acquire()
-
-    def echo() -> None:
-        for _ in range(rounds):
-            ping.acquire()
-            pong.release()
-
-    t = threading.Thread(target=echo, name="shmeval-wake-cost", daemon=True)
-    t.start()
-    trips = []
-    for _ in range(rounds):
-        t0 = time.perf_counter_ns()
-        ping.release()
-        pong.acquire()
-        trips.append(time.perf_counter_ns() - t0)
-    t.join()
-    return max(1, int(statistics.median(trips)) // 2)
-
-
 def model_concurrency(model: Any) -> int:
     """How many calls of ``model`` may run at once: its ``max_concurrency``
     attribute (an int >= 1), else 1.  Whether calls may overlap safely is
@@ -253,28 +195,6 @@ def model_concurrency(model: Any) -> int:
     measure."""
     n = getattr(model, "max_concurrency", 1)
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
-
-
-def runnable_tasks(cpus: int) -> float:
-    """Tasks runnable now on ``cpus`` CPUs (the caller included): the
-    machine's count from /proc/loadavg, scaled to the share of the online
-    CPUs that ``cpus`` is (tasks taken as spread evenly)."""
-    try:
-        with open("/proc/loadavg") as f:
-            running = int(f.read().split()[3].split("/")[0])
-    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
-        return float(cpus)
-    online = os.cpu_count() or cpus
-    return running * min(1.0, cpus / online)
-
-
-def spin_mode(runnable: float, cpus: int) -> str:
-    """``_ring.spin_policy``'s rule on runnable tasks (the waiter included):
-    spin while each has a CPU, yield between looks when they are one more,
-    sleep beyond."""
-    if runnable <= cpus:
-        return SPIN
-    return YIELD if runnable <= cpus + 1 else SLEEP
 
 
 @dataclass(frozen=True)
@@ -595,7 +515,7 @@ class Tuner:
         the first reading)."""
         if self.runnable is None:
             return _ring.CROWD_NONE
-        return _CROWDING[self.spin_mode]
+        return CROWDING[self.spin_mode]
 
     def _spin_budget(self, long: bool) -> int:
         """The evaluator's spin budget in the rule's mode: one wake-up's
@@ -806,48 +726,12 @@ class Board:
         self.seg.set_report(self.replica, fit_report(report, _ring.REPORT_BYTES))
 
 
-def fit_report(report: Dict[str, Any], limit: int) -> bytes:
-    """``report`` as JSON of at most ``limit`` bytes: long texts are cut,
-    and the reasons (``why_*``) dropped if that is not enough."""
-    data = json.dumps(report).encode()
-    if len(data) <= limit:
-        return data
-    short = {k: (v[:160] + "...") if isinstance(v, str) and len(v) > 163 else v
-             for k, v in report.items()}
-    data = json.dumps(short).encode()
-    if len(data) <= limit:
-        return data
-    return json.dumps({k: v for k, v in short.items()
-                       if not k.startswith("why")}).encode()[:limit]
-
-
-def read_report(seg: Any, replica: int) -> Optional[Dict[str, Any]]:
-    """Replica ``replica``'s last report (None before the first, or while it
-    cannot be read)."""
-    text = seg.report(replica)
-    if text is None:
-        return None
-    try:
-        report = json.loads(text)
-    except ValueError:
-        return None
-    return report if isinstance(report, dict) else None
-
-
 #: Most calls each serving thread records per housekeeping period
 #: (``Server.record_calls``): the cost fit needs a median per batch size,
 #: which a thousand calls give; a fast model makes hundreds of thousands a
 #: second, and fitting them all held the serving thread for about half of
 #: each period.
 CALLS_PER_PERIOD = 1024
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 class ServingTuner:

@@ -29,7 +29,6 @@ import numpy as np
 import pytest
 
 import shmeval
-from shmeval import pipeline
 from shmeval.pipeline import NoFreeSlots, Pending
 from helpers import fake_model, make_ev, make_state, run_threads
 
@@ -82,8 +81,8 @@ def slots_back(ev: Any, timeout: float = NO_HANG) -> None:
     deadline = time.monotonic() + timeout
     while True:
         port = ev._port
-        with ev._lock:
-            ev._recover_abandoned(port)
+        with ev._entry.lock:
+            ev._entry.recover_abandoned()
         if len(port.free) == SLOTS:
             return
         assert time.monotonic() < deadline, (len(port.free), port.abandoned)
@@ -491,13 +490,17 @@ def test_evaluate_async_handle_closed() -> None:
             gate.set()
 
 
-def test_lane_per_registration() -> None:
-    """A new registration of the handle (after close) gets a new lane."""
+def test_entry_per_registration() -> None:
+    """A new registration of the handle (after close) gets a new entry, and
+    a Pending of the old one cannot be waited for through the new one."""
     with make_ev(slots_per_client=SLOTS) as ev:
         client = shmeval.connect(ev.address)
-        check(client.submit(states([1])).result(), [1])
-        lane = pipeline.lane_of(client)
+        p = client.submit(states([1]))
+        check(p.result(), [1])
+        entry = client._entry
         client.close()
         check(client.submit(states([2])).result(), [2])
-        assert pipeline.lane_of(client) is not lane
+        assert client._entry is not entry and client._entry is not None
+        with pytest.raises(ValueError, match="this client's submit in this process"):
+            client.wait_any([p])
         client.close()

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import shmeval
-from shmeval import client as client_mod
+from shmeval import entry as entry_mod
 from helpers import check_answer, make_ev, make_state, slow_fake_model
 
 
@@ -99,7 +99,7 @@ def test_waits_longer_than_a_tick(ticker: bool, monkeypatch: Any) -> None:
     waiter is the C test ticker (tests/c/test_doorbell.c) and, end to end,
     test_killed_evaluator_wakes_every_waiter: here a waiter the ticks
     missed would only sleep until its answer.)"""
-    monkeypatch.setattr(client_mod, "WAIT_TIMEOUT_NS", 50_000_000)
+    monkeypatch.setattr(entry_mod, "WAIT_TIMEOUT_NS", 50_000_000)
     with make_ev(lambda x: slow_fake_model(x, 0.35), max_batch=4) as ev:
         seg = ev._attach()
         check_answer(ev.evaluate(make_state(19)), 19)  # registers: starts the ticker

@@ -29,9 +29,10 @@ import numpy as np
 import pytest
 
 import shmeval
-from shmeval import _ring, tuning
-from shmeval.tuning import (CHANGE_RATIO, SLEEP, SPIN, TRIAL_PAIRS, YIELD, Board, Cost,
-                            Decision, Overrides, Reading, Tuner)
+from shmeval import _ring, checks, stats, tuning
+from shmeval.tuning import (CHANGE_RATIO, TRIAL_PAIRS, Board, Cost, Decision, Overrides, Reading,
+                            Tuner)
+from shmeval.waiting import SLEEP, SPIN, SPIN_LONG_WAKES, YIELD
 from helpers import INPUT_SHAPE, OUTPUTS, fake_factory, fake_model, make_state, run_python
 
 PERIOD = 200_000_000   # ns between readings (the evaluator's housekeeping period)
@@ -629,7 +630,7 @@ def test_spin_mode_follows_the_cpus() -> None:
     assert t.spin_mode == SLEEP
 
 
-LONG = WAKE * tuning.SPIN_LONG_WAKES
+LONG = WAKE * SPIN_LONG_WAKES
 
 
 def long_spin_pays(d: Decision) -> float:
@@ -931,7 +932,7 @@ def test_clients_report_their_spin() -> None:
                 for _ in range(50):
                     c.evaluate(make_state(1))
             spin = auto.stats()["client_spin"]
-            assert spin["long_us"] == pytest.approx(tuning.SPIN_LONG_WAKES * spin["short_us"])
+            assert spin["long_us"] == pytest.approx(SPIN_LONG_WAKES * spin["short_us"])
             assert spin["arm"] in ("short", "long", "measuring")
             assert fixed.stats()["client_spin"]["arm"] == "fixed"
             assert fixed.stats()["client_spin"]["short_us"] == 5.0
@@ -990,12 +991,12 @@ def test_check_auto() -> None:
             raise ValueError(f"{name} must be > 0")
         return float(v)
 
-    assert tuning.check_auto("x", "auto", positive) == "auto"
-    assert tuning.check_auto("x", 3, positive) == 3.0
+    assert checks.check_auto("x", "auto", positive) == "auto"
+    assert checks.check_auto("x", 3, positive) == 3.0
     with pytest.raises(ValueError, match="x must be 'auto' or a number, got 'Auto'"):
-        tuning.check_auto("x", "Auto", positive)
+        checks.check_auto("x", "Auto", positive)
     with pytest.raises(ValueError, match="x must be > 0"):
-        tuning.check_auto("x", -1, positive)
+        checks.check_auto("x", -1, positive)
 
 
 # --- the pieces around it ---------------------------------------------------------------------
@@ -1008,26 +1009,17 @@ def test_board_round_trip_through_the_segment() -> None:
     with shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
                            max_wait_us=0, evaluator_spin_us=0, serving_threads=1) as ev:
         seg = ev._attach()
-        assert tuning.read_report(seg, 0) is None        # no tuner: nothing published
+        assert stats.read_report(seg, 0) is None        # no tuner: nothing published
         b = Board(seg, 0)
         b.write({"max_wait_us": 12.5, "why_wait": "greedy: ..."})
-        assert tuning.read_report(seg, 0) == {"max_wait_us": 12.5, "why_wait": "greedy: ..."}
+        assert stats.read_report(seg, 0) == {"max_wait_us": 12.5, "why_wait": "greedy: ..."}
         b.write({"max_wait_us": 3.0, "why_wait": "w" * 5000, "why_threads": "t" * 5000})
-        got = tuning.read_report(seg, 0)
+        got = stats.read_report(seg, 0)
         assert got is not None and got["max_wait_us"] == 3.0
         assert got["why_wait"].startswith("w" * 160) and got["why_wait"].endswith("...")
         many = {f"why_{i}": "x" * 150 for i in range(40)}
         b.write({"max_wait_us": 4.0, **many})
-        assert tuning.read_report(seg, 0) == {"max_wait_us": 4.0}
-
-
-def test_wake_cost_is_measured_once() -> None:
-    a = tuning.wake_cost_ns()
-    assert a > 0 and tuning.wake_cost_ns() == a
-
-
-def test_runnable_tasks_reads_the_machine() -> None:
-    assert tuning.runnable_tasks(1) > 0   # the reader itself is running
+        assert stats.read_report(seg, 0) == {"max_wait_us": 4.0}
 
 
 @pytest.mark.timeout(60)

@@ -23,8 +23,8 @@ def slots_back(ev: Any, timeout: float) -> bool:
     port = ev._port
     deadline = time.monotonic() + timeout
     while True:
-        with ev._lock:
-            ev._recover_abandoned(port)
+        with ev._entry.lock:
+            ev._entry.recover_abandoned()
         if len(port.free) == ev.spec.slots_per_client:
             return True
         if time.monotonic() > deadline:

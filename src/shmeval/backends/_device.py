@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..tuning import usable_cpus
+from ..waiting import usable_cpus
 
 
 def _cpuinfo(key: str) -> Optional[str]:

@@ -77,8 +77,8 @@ Speed: :mod:`shmeval.mcts.speed` (``python -m shmeval.mcts``).
 from .evaluators import (SupportsEvaluateMany, SupportsSubmit, as_submit, evaluator_fn,
                          submitter_fn, uniform_model)
 from .pipelined import run_pipelined
-from .search import (MCTS, EvaluateBatch, Game, GameRecord, Sample, Steps, SubmitBatch, drive,
-                     play_games, search_many, select_move)
+from .search import MCTS, Game, GameRecord, Sample, play_games, search_many, select_move
+from .steps import EvaluateBatch, Steps, SubmitBatch, drive
 from .speed import measure_speed
 from ._tree import Tree
 

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Protocol, Tuple
 
 import numpy as np
 
-from .search import EvaluateBatch, SubmitBatch
+from .steps import EvaluateBatch, SubmitBatch
 
 
 class SupportsEvaluateMany(Protocol):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Deque, List, Sequence, Tuple
 
-from .search import Steps, SubmitBatch
+from .steps import Steps, SubmitBatch
 
 
 def run_pipelined(searches: Sequence[Steps[Any]], submit_batch: SubmitBatch) -> List[Any]:

@@ -7,47 +7,23 @@ selection formula are in :mod:`shmeval.mcts`.
 
 The searches are written as *steps*: generators that yield each batch of
 encoded leaves and are sent back its ``(policy, value)``
-(:meth:`MCTS.search_steps`, :meth:`MCTS.play_steps`).  :func:`drive` runs
-one against ``evaluate_batch``, a call at a time;
+(:meth:`MCTS.search_steps`, :meth:`MCTS.play_steps`).  :func:`shmeval.mcts.steps.drive`
+runs one against ``evaluate_batch``, a call at a time;
 :func:`shmeval.mcts.pipelined.run_pipelined` runs several, keeping the
 leaves of all but the one being searched in flight."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import (Any, Callable, Generator, Generic, List, NamedTuple, Optional, Protocol,
+from typing import (Any, Generator, Generic, List, NamedTuple, Optional, Protocol,
                     Sequence, Tuple, TypeVar)
 
 import numpy as np
 
 from ._tree import Tree, expand_backup, select_leaves
+from .pipelined import run_pipelined
+from .steps import EvaluateBatch, Steps, SubmitBatch, drive
 
 S = TypeVar("S")
-R = TypeVar("R")
-
-#: ``evaluate_batch(states [n, *input_shape]) -> (policy [n, n_actions] probabilities, value [n])``
-EvaluateBatch = Callable[[np.ndarray], Tuple[Any, Any]]
-
-#: ``submit_batch(states) -> collect``: starts the evaluation of a batch (it
-#: must have copied or sent ``states`` before it returns) and returns a
-#: function that returns its ``(policy, value)``, waiting if need be.
-SubmitBatch = Callable[[np.ndarray], Callable[[], Tuple[Any, Any]]]
-
-#: A search written as steps: yields batches of encoded leaves (views of a
-#: buffer the search reuses), is sent each one's ``(policy, value)``,
-#: returns its result.
-Steps = Generator[np.ndarray, Tuple[Any, Any], R]
-
-
-def drive(steps: Steps[R], evaluate_batch: EvaluateBatch) -> R:
-    """Runs ``steps`` to the end, one ``evaluate_batch`` call per batch it
-    yields; returns what it returns."""
-    try:
-        x = next(steps)
-        while True:
-            x = steps.send(evaluate_batch(x))
-    except StopIteration as e:
-        result: R = e.value
-        return result
 
 
 class Game(Protocol[S]):
@@ -269,7 +245,6 @@ class MCTS(Generic[S]):
                                          start=start), self.evaluate_batch)
         if submit_batch is None:
             raise ValueError("pipeline > 1 needs a submit_batch (shmeval.mcts.submitter_fn)")
-        from .pipelined import run_pipelined
 
         k = min(pipeline, n_games)
         width = n_games if concurrent is None else max(1, min(int(concurrent), n_games))

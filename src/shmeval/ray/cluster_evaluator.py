@@ -24,10 +24,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .._main_script import from_main
+from ..checks import as_number
 from ..client import Client, connect
 from ..errors import EvaluatorClosed, EvaluatorDied, ShmevalError, ShmevalTimeout
 from ..evaluator import Evaluator
-from ..tuning import as_number
 from ..weights import plain_weights
 from .node_evaluator import MP_CONTEXT, NodeEvaluator, actor_name
 

@@ -1,7 +1,8 @@
-"""evaluate_many's fast path (ClientPort._evaluate_many, docs/performance.md,
-*`evaluate_many` in a worker*): a batch that fits in the free slots is posted, waited for and
-fetched in one Cython call; a wait that outlasts a tick of the liveness check
-hands the rows still in flight to the Python path, which finishes them."""
+"""evaluate_many through the process's port (ClientPort.evaluate_many,
+docs/performance.md, *`evaluate_many` in a worker*): a batch is posted,
+waited for and fetched in one Cython call, in rounds of the free slots; a
+wait that outlasts a tick of the liveness check is judged
+(ProcessEntry.judge) and goes on, the rows still in flight."""
 from __future__ import annotations
 
 import time
@@ -79,8 +80,8 @@ def test_failed_row_raises_and_frees_every_slot() -> None:
 
 @pytest.mark.timeout(30)
 def test_waits_longer_than_a_tick_hand_over() -> None:
-    """Every row's batch takes longer than a tick: the fast path hands the
-    rows over at the first one, and the Python path answers all of them."""
+    """Every row's batch takes longer than a tick: each wait is judged after
+    a tick and goes on, and every row is answered."""
     with make_ev(lambda x: (time.sleep(SLOW_S), fake_model(x))[1], max_batch=1,
                  slots_per_client=8) as ev:
         ev.evaluate(make_state(0))
@@ -94,8 +95,8 @@ def test_waits_longer_than_a_tick_hand_over() -> None:
 @pytest.mark.timeout(30)
 def test_failed_row_before_a_hand_over_still_raises() -> None:
     """Row 0's batch fails at once; row 1's takes longer than a tick, so its
-    wait hands over to the Python path with row 0's error in hand: the call
-    must raise it, not return row 0's unwritten outputs."""
+    wait is judged and goes on with row 0's error in hand: the call must
+    raise it, not return row 0's unwritten outputs."""
     with make_ev(fail_first_slow_rest, max_batch=1, slots_per_client=8) as ev:
         check_rows(ev.evaluate_many(batch([1])), [1])  # registers this process
         port = rows_in_slot_order(ev)
@@ -107,8 +108,8 @@ def test_failed_row_before_a_hand_over_still_raises() -> None:
 
 @pytest.mark.timeout(30)
 def test_other_inputs_take_the_general_path() -> None:
-    """Inputs the fast path does not take (another dtype, not contiguous, a
-    list) are answered the same through the general path."""
+    """Inputs that need converting (another dtype, not contiguous, a list)
+    are converted and answered the same."""
     with make_ev(slots_per_client=8) as ev:
         ev.evaluate(make_state(0))
         b = batch([1, 2, 3, 4])

@@ -1,0 +1,469 @@
+# Included by shmeval/_ring.pyx: ClientPort, the request path of one process.
+
+
+cdef class ClientPort:
+    """One process's client entry, as the request path uses it: the one
+    place where states are posted into slots and their answers collected.
+
+    ``evaluate``, ``evaluate_many`` and ``submit`` each check their input
+    (``_input``), then post through ``_post`` (cache lookup, slots taken,
+    begin, copy, publish, one doorbell), which returns a ``Pending``, the
+    typed record of what is in flight; ``Pending._collect`` waits for and
+    copies out every answer (wait, fetch, release).  The failure handling
+    of each step is written once, there: slots not begun go back to the
+    free list, requests in flight that nobody will collect to the
+    abandoned list.  What only Python can judge -- a wait that ended
+    without an answer (timed out, closed, reclaimed), or too few free slots
+    -- goes to the process's ``shmeval.entry.ProcessEntry`` (``entry``).
+
+    ``free`` is the entry's list of free slot indices (single list
+    operations are atomic under the GIL); ``waiters`` counts threads waiting
+    for a free slot, which ``give_back`` wakes.
+    """
+
+    def __cinit__(self, Segment seg, uint32_t c, object entry):
+        cdef int i
+        spec = entry.spec
+        self.seg = seg
+        self.c = c
+        self.entry = entry
+        self.pid = _current_pid
+        self.slots = spec.slots_per_client
+        self.free = list(range(self.slots))
+        self.abandoned = []
+        self.spares = []
+        self.outputs = tuple(spec.outputs)
+        self.in_dtype = spec.input_dtype
+        self.in_shape = tuple(spec.input_shape)
+        self.in_nd = len(self.in_shape)
+        for i in range(min(self.in_nd, 32)):
+            self.in_dims[i] = self.in_shape[i]
+        # Outputs of native built-in dtypes are made in C (PyArray_EMPTY),
+        # and a result nobody holds any more is reused; any other declared
+        # output is made by NumPy.
+        self.fast = seg.out_native and seg.n_out > 0
+        self.arms = SpinArms(entry.spin_ns, entry.spin_long_ns)
+        self.timeout_ns = entry.timeout_ns
+        self.ncpu = entry.ncpu
+
+    # ------------------------------------------------------------ public
+    cpdef object evaluate(self, object state, bint versioned=False, object key=None):
+        """One state: ``{name: array of the output's shape}``; with
+        versioned the pair (outputs, model version).  key: the state's
+        evaluation-cache key, or None to hash its bytes."""
+        cdef cnp.ndarray a = self._input(state, True)
+        cdef dict result = None
+        cdef list outs
+        cdef Pending p
+        cdef Py_ssize_t j
+        # A result nobody references is reused; it is taken out of the
+        # port while in use, so that another thread cannot take it too.
+        if self._unreferenced(0):
+            result, outs = self.last, self.last_outs
+            self.last = self.last_outs = None
+        elif self._unreferenced(1):
+            result, outs = self.prev, self.prev_outs
+            self.prev = self.prev_outs = None
+        else:
+            outs = self._new_outs(-1)
+        p = self._post(a, 0, 1, None if key is None else (key,), outs, None, True, False)
+        self._collect(p)
+        if p.error is not None:
+            raise ModelError(p.error)
+        if result is None:
+            result = {}
+            for j in range(len(outs)):
+                result[self.seg.out_names[j]] = outs[j]
+        if self.fast:
+            if self.last is not None:  # not reused: it becomes the older one
+                self.prev, self.prev_outs = self.last, self.last_outs
+            self.last, self.last_outs = result, outs
+        if versioned:
+            return (result, p.version)
+        return result
+
+    cpdef object evaluate_many(self, object states, bint versioned=False, object keys=None):
+        """A batch ``[n, *input_shape]``: arrays with a leading dimension n
+        (with versioned, also an int64 array of n model versions).  More
+        rows than the entry's slots are sent in rounds of a slot each.
+        Raises ModelError (the last failed row's) once every row is in."""
+        cdef cnp.ndarray a = self._input(states, False)
+        cdef Py_ssize_t n = cnp.PyArray_DIM(a, 0), start = 0, m, j
+        cdef cnp.npy_intp dims[1]
+        cdef list outs = self._new_outs(n)
+        cdef object versions = None
+        cdef object error = None
+        cdef dict result = {}
+        cdef Pending p
+        keys = self._keys(keys, n)
+        if versioned:
+            dims[0] = n
+            versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
+        while start < n:
+            m = min(n - start, <Py_ssize_t>self.slots)
+            p = self._post(a, start, m, keys, outs, versions, True, False)
+            self._collect(p)
+            if p.error is not None:
+                error = p.error
+            start += m
+        if error is not None:
+            raise ModelError(error)
+        for j in range(len(outs)):
+            result[self.seg.out_names[j]] = outs[j]
+        if versioned:
+            return (result, versions)
+        return result
+
+    cpdef Pending submit(self, object states, bint block=True, bint versioned=False,
+                         object keys=None):
+        """Posts a batch of at most ``slots`` states and returns its
+        Pending at once.  With too few free slots: waits for this process's
+        other requests to be answered, or with block False raises
+        NoFreeSlots."""
+        cdef cnp.ndarray a = self._input(states, False)
+        cdef Py_ssize_t n = cnp.PyArray_DIM(a, 0)
+        cdef cnp.npy_intp dims[1]
+        cdef object versions = None
+        if n > self.slots:
+            raise ValueError(f"submit takes at most slots_per_client ({self.slots}) states at "
+                             f"once, got {n} (evaluate_many sends more in rounds)")
+        keys = self._keys(keys, n)
+        if versioned:
+            dims[0] = n
+            versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
+        return self._post(a, 0, n, keys, self._spare_outs(n), versions, block, True)
+
+    cpdef give_back(self, uint32_t k):
+        """Slot k is free again (its answer was copied out)."""
+        self.free.append(k)
+        if self.waiters:
+            self.entry.notify_waiters()
+
+    def owners(self):
+        """The Pendings of submit with requests in flight on this entry
+        (each once)."""
+        cdef uint32_t k
+        cdef list out = []
+        cdef set seen = set()
+        for k in range(SHM_MAX_SLOTS_PER_CLIENT):
+            if self.owner[k] != NULL and <object>self.owner[k] not in seen:
+                seen.add(<object>self.owner[k])
+                out.append(<object>self.owner[k])
+        return out
+
+    @property
+    def spin(self):
+        """The spin arms' report (SpinArms.report)."""
+        return self.arms.report()
+
+    # ------------------------------------------------------------ post
+    cdef Pending _post(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
+                       list outs, object versions, bint block, bint own):
+        """The post, for every caller: rows start..start+n of a are answered
+        into the same rows of outs (and versions) -- from the evaluation
+        cache where it holds them, the others through the evaluator -- and
+        their Pending returned with those in flight.  own: a submit's
+        Pending, which the entry's harvests may collect (port.owner)."""
+        cdef Pending p = Pending.__new__(Pending)
+        cdef Py_ssize_t m, i
+        cdef Py_ssize_t rows[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef uint64_t k1s[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef uint64_t k2s[SHM_MAX_SLOTS_PER_CLIENT]
+        cdef uint64_t inb = self.seg.seg.p.in_bytes
+        cdef bint cache = self.seg.seg.p.cache_log2 != 0
+        cdef const char *src = <const char *>cnp.PyArray_DATA(a)
+        p.port = self
+        p.seg = self.seg
+        p._n = n
+        p._outs = outs
+        p._versions = versions
+        p.error_row = -1
+        if shm_ev_state(&self.seg.seg) >= EV_CLOSING:
+            self.entry.check_state()  # raises: closed, or died
+        m = self._lookup(a, start, n, keys, p, rows, k1s, k2s)
+        if m:
+            self._take(m, block, p.ks)
+            try:
+                self.seg._begin_all(self.c, p.ks, m, p.gens)
+            except BaseException:
+                for i in range(m):
+                    self.free.append(p.ks[i])
+                if self.waiters:
+                    self.entry.notify_waiters()
+                raise
+            for i in range(m):
+                shm_copy(shm_slot_in(&self.seg.seg, self.c, p.ks[i]), src + rows[i] * inb, inb)
+                if cache:
+                    self.seg._cache_as(self.c, p.ks[i], k1s[i], k2s[i], keys is None)
+                p.rows[i] = <int32_t>rows[i]
+            # Publish in a tight loop after all the copies, so that an
+            # evaluator scanning meanwhile rarely splits the rows over two
+            # batches; then one doorbell.  (A slot reclaimed meanwhile is
+            # not published; its wait says so.)
+            for i in range(m):
+                shm_slot_publish(&self.seg.seg, self.c, p.ks[i], p.gens[i])
+            shm_notify_evaluator(&self.seg.seg, <uint32_t>m)
+        p._armed(m, own)
+        return p
+
+    cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
+                            Pending p, Py_ssize_t *rows, uint64_t *k1s,
+                            uint64_t *k2s) except -1:
+        """Answers the rows start..start+n of a that the evaluation cache
+        holds (by keys[i], or by the hashes of their bytes) into p; the
+        others go to rows, their cache keys to k1s, k2s.  Returns how many
+        are left to send."""
+        cdef Py_ssize_t i, m = 0
+        cdef uint64_t v = 0
+        cdef uint64_t inb = self.seg.seg.p.in_bytes
+        cdef const char *src = <const char *>cnp.PyArray_DATA(a)
+        if not self.seg.seg.p.cache_log2:
+            for i in range(n):
+                rows[i] = start + i
+            return n
+        try:
+            for i in range(start, start + n):
+                if self.seg._cache_get(self.c, src + i * inb, None if keys is None else keys[i],
+                                       p._outs, i, &k1s[m], &k2s[m], &v):
+                    p.version = <int64_t>v
+                    if p._versions is not None:
+                        (<int64_t *>cnp.PyArray_DATA(p._versions))[i] = <int64_t>v
+                else:
+                    rows[m] = i
+                    m += 1
+        except TypeError:
+            _check_keys(keys, len(keys))  # says which key is wrong
+            raise
+        return m
+
+    cdef int _take(self, Py_ssize_t m, bint block, uint32_t *ks) except -1:
+        """m free slots into ks: from the free list when it holds them (no
+        Python frame), else from the entry, which waits for them (block) or
+        raises NoFreeSlots.  A port closed meanwhile raises EvaluatorClosed
+        with nothing taken."""
+        cdef Py_ssize_t i
+        cdef list slots
+        if not self.retired and len(self.free) >= m:
+            for i in range(m):
+                ks[i] = self.free.pop()
+        else:
+            slots = self.entry.take(m, block)
+            for i in range(m):
+                ks[i] = slots[i]
+        if self.retired:  # closed meanwhile (Client.close waits for taken slots)
+            for i in range(m):
+                self.free.append(ks[i])
+            self.entry.check_port()  # raises
+        return 0
+
+    # ------------------------------------------------------------ collect
+    cdef int _collect(self, Pending p) except -1:
+        """Collects a blocking call's Pending: every answer, waiting as long
+        as the evaluator lives.  Whatever interrupts it (an exception, an
+        evaluator that closed or died), the requests still in flight go to
+        the abandoned list, whose slots come back once answered."""
+        if p._m == 0:
+            return 0
+        try:
+            p._collect(0.0, None)
+        except BaseException:
+            p._abandon()
+            raise
+        return 0
+
+    cdef int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns):
+        """Segment._wait for slot k of this entry with the spin budget of
+        the arms (SpinArms), which get the wait's ns when it ends answered
+        and spinning was allowed."""
+        cdef uint64_t budget = self.arms.pick()
+        cdef uint64_t t0 = (shm_now_ns() if self.arms.long_ns and self.seg._spin(budget, self.ncpu)
+                            else 0)
+        cdef int rc = self.seg._wait(self.c, k, gen, budget, timeout_ns, self.ncpu)
+        if t0 and rc >= 0:
+            self.arms.saw(shm_now_ns() - t0)
+        return rc
+
+    # ------------------------------------------------------------ inputs
+    cdef cnp.ndarray _input(self, object x, bint single):
+        """x as a C-contiguous array of the declared dtype: one state
+        (single) or a batch with a leading axis.  The common case, an array
+        that is that already, is taken as it is; anything else is converted
+        or refused with a message naming what is wrong (_as_input)."""
+        cdef cnp.ndarray a
+        cdef int i, lead = 0 if single else 1
+        if self.pid != _current_pid:
+            raise ShmevalError("this port belongs to another process (a fork's parent); "
+                               "call through the Client")
+        if type(x) is cnp.ndarray and self.in_nd <= 32:
+            a = <cnp.ndarray>x
+            if cnp.PyArray_IS_C_CONTIGUOUS(a) and cnp.PyArray_NDIM(a) == self.in_nd + lead and (
+                    <PyObject *>cnp.PyArray_DESCR(a) == <PyObject *>self.in_dtype or
+                    a.dtype == self.in_dtype):
+                for i in range(self.in_nd):
+                    if cnp.PyArray_DIM(a, i + lead) != self.in_dims[i]:
+                        break
+                else:
+                    return a
+        return _as_input(x, self.in_dtype, self.in_shape, single)
+
+    cdef object _keys(self, object keys, Py_ssize_t n):
+        """The caller's cache keys for n states: None, or as many as states
+        (their type is checked by the lookup that reads them)."""
+        if keys is not None and len(keys) != n:
+            _check_keys(keys, n)  # raises
+        return keys
+
+    # ------------------------------------------------------------ outputs
+    cdef list _new_outs(self, Py_ssize_t n):
+        """Empty output arrays of n rows (n < 0: of one state, no leading
+        axis)."""
+        cdef cnp.npy_intp dims[33]  # rows, then up to 32
+        cdef cnp.npy_intp *od
+        cdef Py_ssize_t j, d, lead = 0 if n < 0 else 1
+        cdef list outs = []
+        if not self.fast:
+            return [np.empty(((n,) if lead else ()) + o.shape, o.dtype) for o in self.outputs]
+        dims[0] = n
+        for j in range(self.seg.n_out):
+            od = self.seg._out_dims(j)
+            for d in range(self.seg.out_nd[j]):
+                dims[d + lead] = od[d]
+            outs.append(cnp.PyArray_EMPTY(self.seg.out_nd[j] + lead, dims,
+                                          self.seg.out_type[j], 0))
+        return outs
+
+    cdef list _spare_outs(self, Py_ssize_t n):
+        """Output arrays of n rows that a freed Pending left (spares) and
+        nothing references any more, unchanged; else new ones.  Allocating
+        them is a good part of what a submit costs the worker."""
+        cdef Py_ssize_t i, j
+        cdef list outs
+        cdef PyObject *x
+        if not self.fast:
+            return self._new_outs(n)
+        for i in range(len(self.spares) - 1, -1, -1):
+            outs = <list>PyList_GET_ITEM(self.spares, i)
+            # References: the spares list, and `outs` here.
+            if Py_REFCNT(<PyObject *>outs) != 2 or len(outs) != self.seg.n_out:
+                continue
+            for j in range(self.seg.n_out):
+                x = PyList_GET_ITEM(outs, j)
+                # One reference from the list: nobody else.
+                if Py_REFCNT(x) != 1 or not self._is_output(<cnp.ndarray>x, j, n):
+                    break
+            else:
+                del self.spares[i]
+                return outs
+        return self._new_outs(n)
+
+    cdef bint _is_output(self, cnp.ndarray arr, Py_ssize_t j, Py_ssize_t rows):
+        """arr is still what output j was made as: C-contiguous, writeable,
+        of its type and shape, with a first axis of rows (rows < 0: none)."""
+        cdef Py_ssize_t d, lead = 0 if rows < 0 else 1
+        cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(arr)
+        cdef cnp.npy_intp *want = self.seg._out_dims(j)
+        if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or not cnp.PyArray_ISWRITEABLE(arr) or \
+                cnp.PyArray_TYPE(arr) != self.seg.out_type[j] or \
+                cnp.PyArray_NDIM(arr) != self.seg.out_nd[j] + lead or \
+                (lead and dims[0] != rows):
+            return False
+        for d in range(self.seg.out_nd[j]):
+            if dims[d + lead] != want[d]:
+                return False
+        return True
+
+    cdef void _keep_spare(self, list outs) noexcept:
+        """A freed Pending's output arrays, for a later submit: the newest
+        few are kept (the caller may still hold the last results)."""
+        try:
+            if len(self.spares) >= 4:
+                del self.spares[0]
+            self.spares.append(outs)
+        except BaseException:  # pragma: no cover - out of memory
+            pass
+
+    cdef bint _unreferenced(self, int older):
+        """True when a cached result (the last, or with older the one before;
+        its dict and arrays) is referenced by nothing but this port,
+        unchanged: then it can hold the next result.  Allocating the arrays
+        and the dict was a third of a round trip's cost with 16 workers on
+        2 cores (docs/performance.md).  Any reference the caller keeps -- to
+        the dict, an array, a view or a buffer of it -- shows in the
+        reference counts and makes this allocate afresh.  Two results are
+        cached, the last and the one before, because a loop
+        `out = ev.evaluate(s)` still holds the last one during the call."""
+        cdef Py_ssize_t j
+        cdef PyObject *x
+        # Borrowed pointers: a Python-level reference here would itself
+        # show in the counts.
+        cdef PyObject *cached = <PyObject *>(self.prev if older else self.last)
+        cdef PyObject *cached_outs = <PyObject *>(self.prev_outs if older else self.last_outs)
+        if cached == <PyObject *>None or Py_REFCNT(cached) != 1 or \
+                PyDict_Size(<object>cached) != self.seg.n_out:
+            return False
+        for j in range(self.seg.n_out):
+            x = PyList_GET_ITEM(<object>cached_outs, j)
+            # One reference from the cached list, one from the dict: nobody else.
+            if Py_REFCNT(x) != 2 or PyDict_GetItem(<object>cached, self.seg.out_names[j]) != x:
+                return False
+            # Unchanged in place too (a caller may set .shape or resize).
+            if not self._is_output(<cnp.ndarray>x, j, -1):
+                return False
+        return True
+
+
+cdef object _as_input(object x, object dtype, tuple shape, bint single):
+    """x as a C-contiguous array of dtype: of shape `shape` (single), or
+    (n, *shape); TypeError when its dtype cannot be cast under 'same_kind'
+    casting, ValueError for a wrong shape (checked before any cast, so a
+    wrong-shaped array is never copied)."""
+    what = "state" if single else "states"
+    a = x if type(x) is np.ndarray else np.asarray(x)
+    if a.dtype != dtype and (a.dtype.hasobject or not np.can_cast(a.dtype, dtype, "same_kind")):
+        raise TypeError(f"{what} has dtype {a.dtype}, which cannot be cast to the expected "
+                        f"{dtype} under 'same_kind' casting")
+    if single:
+        if a.shape != shape:
+            raise ValueError(f"{what} has shape {a.shape}, expected {shape}")
+    elif a.ndim != len(shape) + 1 or a.shape[1:] != shape:
+        raise ValueError(f"{what} has shape {a.shape}, expected (n, {', '.join(map(str, shape))}"
+                         f"{',' if len(shape) == 1 else ''})")
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
+    return a
+
+
+cdef int _check_keys(object keys, Py_ssize_t n) except -1:
+    """Raises what is wrong with the caller's cache keys for n states (n
+    ints: an integer array or a sequence of ints); 0 when nothing is."""
+    if isinstance(keys, np.ndarray):
+        if keys.dtype.kind not in "iu":
+            raise TypeError(f"keys must be integers, got an array of {keys.dtype}")
+        if keys.shape != (n,):
+            raise ValueError(f"keys has shape {keys.shape}; {n} states need ({n},)")
+        return 0
+    keys = list(keys)
+    if len(keys) != n:
+        raise ValueError(f"{len(keys)} keys for {n} states")
+    for k in keys:
+        if isinstance(k, (bool, np.bool_)) or not hasattr(k, "__index__"):
+            raise TypeError(f"keys must be integers, got {type(k).__name__}")
+    return 0
+
+
+cdef class ClientBase:
+    """The base of ``shmeval.Client``: its process's port in a C field, which
+    ``port_of`` reads without an attribute lookup.  As an attribute of a
+    Python instance it was a dict lookup on every call, about 2% of the
+    machine's CPU with 16 workers on 2 cores (docs/performance.md)."""
+
+
+def port_of(ClientBase client):
+    """The calling process's ClientPort of client: registered on first use
+    in each process (``Client._register``), and again after a close."""
+    cdef object port = client._port
+    if port is not None and (<ClientPort>port).pid == _current_pid:
+        return port
+    return client._register()

@@ -1,0 +1,429 @@
+# Included by shmeval/_ring.pyx: ServeGroup and Server, the evaluator's side.
+
+cdef class ServeGroup:
+    """The Servers of one segment that serve from several threads of the
+    evaluator (pipelined serving): one at a time collects (the scan, the
+    gather and the doorbell sleep are single-consumer: the lock), while the
+    others' model calls and finishing overlap with it.  in_flight counts the
+    members holding a batch; the thread that holds the lock and sees it at 0
+    may do work that needs no batch outstanding (reclaiming clients, weight
+    updates, closing).  version stamps every batch served from now on; stop
+    makes every member's serve() return SERVE_CLOSED.  All fields are read
+    and written with the GIL held."""
+
+    def __cinit__(self):
+        self.lock = PyThread_allocate_lock()
+        if self.lock == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        if self.lock != NULL:
+            PyThread_free_lock(self.lock)
+
+    cdef inline void _acquire(self) noexcept:
+        with nogil:
+            PyThread_acquire_lock(self.lock, WAIT_LOCK)
+
+    def quiesce(self):
+        """Waits (GIL released between checks) until no member holds a
+        batch, and returns True.  Returns False instead once stop is set
+        while batches are still in flight (a member that failed stops the
+        group; its batch may never finish): the caller must then only stop,
+        doing nothing that needs quiet, such as reclaiming a client entry
+        (whose slots a batch in flight may still complete) or a weight
+        update.  Call holding the lock, with no batch of your own."""
+        while self.in_flight:
+            if self.stop:
+                return False
+            with nogil:
+                usleep(20)
+        return True
+
+
+cdef class Server:
+    """The evaluator's side: collect a batch, then complete or fail it.
+
+    batch is a preallocated C-contiguous array of at least max_batch rows of
+    in_bytes; collect gathers the inputs of the requests it takes into rows
+    0..n-1.  complete copies row i of each output array into the slot that
+    request i came from.  Servers sharing a ServeGroup serve one segment
+    from several threads (see serve()).
+    """
+
+    def __cinit__(self, Segment seg, cnp.ndarray batch, ServeGroup group=None,
+                  uint32_t server=0, uint32_t replica=0):
+        import os
+        if server >= seg.seg.p.servers or replica >= seg.seg.p.replicas:
+            raise IndexError(f"server {server} of replica {replica}: the segment has "
+                             f"{seg.seg.p.servers} servers, {seg.seg.p.replicas} replicas")
+        self.seg = seg
+        self.v = server
+        self.replica = replica
+        # Several replicas take turns collecting under the segment's lock.
+        self.shared = seg.seg.p.replicas > 1
+        # CPUs this evaluator may run on, when its serving loop starts (after
+        # the model factory, which may have pinned it).
+        self.ncpu = len(os.sched_getaffinity(0))
+        self.group = ServeGroup() if group is None else group
+        self.cap = seg.seg.p.max_batch
+        if not cnp.PyArray_IS_C_CONTIGUOUS(batch):
+            raise ValueError("batch must be C-contiguous")
+        if <uint64_t>cnp.PyArray_NBYTES(batch) < self.cap * seg.seg.p.in_bytes:
+            raise ValueError("batch buffer smaller than max_batch rows")
+        if seg.n_out == 0:
+            raise ValueError("segment outputs not set")
+        # The batch table the completion reads is this process's; the
+        # segment has a copy, so that if this replica dies another can put
+        # its requests back (shm_requeue).
+        if shm_server_replica(&seg.seg, server) != replica:
+            raise IndexError(f"server {server} belongs to replica "
+                             f"{shm_server_replica(&seg.seg, server)}, not {replica}")
+        shm_server_init(&seg.seg, server, replica)
+        self.taken = <shm_taken *>malloc(sizeof(shm_taken) * self.cap)
+        self.fields = <const char **>malloc(sizeof(char *) * seg.n_out)
+        self.strides = <int64_t *>malloc(sizeof(int64_t) * seg.n_out)
+        if self.taken == NULL or self.fields == NULL or self.strides == NULL:
+            raise MemoryError()
+        self.batch = <char *>cnp.PyArray_DATA(batch)
+        self._keep = batch
+        self.views = [None] * (cnp.PyArray_DIM(batch, 0) + 1)  # batch[:rows], made once
+
+    def __dealloc__(self):
+        if self.seg_locked:
+            shm_collect_unlock(&self.seg.seg)
+        if self.locked:
+            PyThread_release_lock(self.group.lock)
+        free(self.taken)
+        free(self.fields)
+        free(self.strides)
+        free(self.calls)
+
+    cdef inline void _set_n(self, uint32_t n) noexcept:
+        """The outstanding batch's size; keeps the group's in_flight count
+        and the segment's batch table."""
+        self.group.in_flight += (n > 0) - (self.n > 0)
+        self.n = n
+        shm_server_set_n(&self.seg.seg, self.v, n)
+
+    cdef inline void _seg_unlock(self) noexcept:
+        if self.seg_locked:
+            self.seg_locked = False
+            shm_collect_unlock(&self.seg.seg)
+
+    def record_calls(self, Py_ssize_t cap):
+        """Makes serve() record the start (CLOCK_MONOTONIC ns), duration (ns),
+        rows (padded to a bucket) and requests of each model call that
+        returns, up to ``cap`` calls between two take_calls() (the calls
+        past that run unrecorded); 0 stops recording.  serve() times every
+        call anyway, so the record costs a few stores, and no Python frame
+        around the model."""
+        cdef int64_t *buf = NULL
+        if cap < 0:
+            raise ValueError("cap must be >= 0")
+        if cap:
+            buf = <int64_t *>malloc(sizeof(int64_t) * 4 * cap)
+            if buf == NULL:
+                raise MemoryError()
+        free(self.calls)
+        self.calls, self.calls_cap, self.n_calls = buf, cap, 0
+
+    def take_calls(self):
+        """The calls recorded since the last take, as an int64 array of
+        shape (n, 4) (start, duration, rows, requests); empties the record."""
+        out = np.empty((self.n_calls, 4), dtype=np.int64)
+        if self.n_calls:
+            memcpy(cnp.PyArray_DATA(out), self.calls, sizeof(int64_t) * 4 * self.n_calls)
+        self.n_calls = 0
+        return out
+
+    def unlock(self):
+        """Releases the collect locks (the segment's, then the group's) if
+        serve() returned holding them."""
+        self._seg_unlock()
+        if self.locked:
+            self.locked = False
+            PyThread_release_lock(self.group.lock)
+
+    def take_over_lock(self, int holder):
+        """Takes the segment's collect lock over from server `holder` (after
+        serve() returned LOCKED_OUT), only if `holder`'s replica was marked
+        dead (Segment.replica_stop(r, "dead")), or if `holder` names no
+        server (the lock word was scribbled on): a live holder may simply
+        be slow or waiting for requests, and taking the lock from it would
+        let two scans run at once.  Having taken it from a dead replica,
+        puts that replica's batches back before anything is scanned
+        (shm_requeue_replica: a slot the dead one listed but had not taken
+        is still READY then, and stays so).  Returns True
+        when this server holds the lock now (unlock() releases it)."""
+        cdef uint32_t state, r = 0
+        cdef uint64_t starttime, version
+        if not self.shared or self.seg_locked or holder < 0:
+            return False
+        if <uint32_t>holder < self.seg.seg.p.servers:
+            r = shm_server_replica(&self.seg.seg, <uint32_t>holder)
+            shm_replica_info(&self.seg.seg, r, &starttime, &state, &version)
+            if state != REPLICA_DEAD:
+                return False
+        if shm_collect_steal(&self.seg.seg, self.v, <uint32_t>holder) != SHM_OK:
+            return False
+        self.seg_locked = True
+        if <uint32_t>holder < self.seg.seg.p.servers:
+            shm_requeue_replica(&self.seg.seg, self.v, r)
+        return True
+
+    def requeue_replica(self, uint32_t r):
+        """Puts back the batches of replica r, whose process is gone, for
+        the replicas left to serve (their requests return to READY, and the
+        evaluator's doorbell rings).  Only while this server holds the
+        segment's collect lock (between batches, after serve() returned
+        IDLE holding it, or after take_over_lock): see shm_requeue_replica.
+        Returns how many requests went back (0 without the lock)."""
+        if r >= self.seg.seg.p.replicas:
+            raise IndexError(f"replica {r} of {self.seg.seg.p.replicas}")
+        return shm_requeue_replica(&self.seg.seg, self.v, r)
+
+    @property
+    def server(self):
+        return self.v
+
+    cpdef int collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
+                      uint64_t timeout_ns) except? -1000:
+        """Returns n > 0 requests gathered, 0 on timeout, CLOSED, CONTROL
+        (a control request is pending; nothing was taken), or BEHIND
+        (several replicas: the weights floor is past this replica's
+        version; nothing was taken).  (cpdef,
+        as finish_fast and complete: serve() calls them without a Python
+        call each, on the evaluator's path between batches.)"""
+        cdef int rc
+        if self.n:
+            raise ShmevalError("collect() while a batch is outstanding")
+        max_batch = min(max_batch, self.cap)
+        self.end_busy()
+        spin_ns = _evaluator_spin(spin_ns, shm_n_attached(&self.seg.seg), self.ncpu)
+        with nogil:
+            rc = shm_collect(&self.seg.seg, self.v, self.taken, self.batch, max_batch,
+                             &self.group.cursor, spin_ns, max_wait_ns, timeout_ns)
+        if rc > 0:
+            self._set_n(rc)
+            self.busy_since = shm_now_ns()
+        return rc
+
+    cpdef end_busy(self):
+        """Ends the busy period of the last batch (its time counts in
+        busy_ns); call before work between batches that is not serving."""
+        if self.busy_since:
+            shm_stat_inc(&self.seg.seg, ST_BUSY_NS, shm_now_ns() - self.busy_since)
+            self.busy_since = 0
+
+    def serve(self, object model, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
+              uint64_t timeout_ns, bint reject_nonfinite, object buckets, uint64_t until_ns):
+        """The serving loop's common path without Python bytecode between
+        batches: collect -> model(batch[:rows]) -> finish_fast, repeated until
+        something needs the Python layer.  Returns (kind, n, rows, detail,
+        model_ns) with kind:
+          IDLE    nothing arrived within timeout_ns (detail True: the clients
+                  paused), or until_ns (CLOCK_MONOTONIC) passed (detail None):
+                  time for housekeeping
+          CLOSED  close requested, or the group's stop flag is set
+          SLOW    the outputs (detail) need conversion or an explanation
+          RAISED  the model raised (detail is the exception)
+          CONTROL a control request is pending (no batch outstanding)
+          LOCKED_OUT (several replicas) the segment's collect lock stayed
+                  taken for timeout_ns: detail is the holding server, whose
+                  replica may have died (take_over_lock)
+          BEHIND  (several replicas) another replica collects with newer
+                  weights: this one must apply them first
+        Buckets: None, or a sorted list of padded batch sizes.  Batches are
+        stamped with the group's version.
+
+        Each collect happens under the group's lock and, with several
+        replicas, the segment's collect lock, both released before the model
+        call, so that another thread or replica can collect the next batch
+        meanwhile.  IDLE (with both locks, so housekeeping may reclaim),
+        CLOSED, CONTROL, LOCKED_OUT and BEHIND return holding the group's
+        lock (so nobody in this replica starts a batch; group.quiesce() then
+        waits out the batches in flight): call unlock() after the work they
+        call for.  SLOW and RAISED return without it, the batch outstanding."""
+        cdef int rc
+        cdef uint32_t n, rows
+        cdef uint64_t t0, model_ns
+        cdef list views = self.views
+        cdef Py_ssize_t bi
+        cdef ServeGroup g = self.group
+        if self.locked:
+            raise ShmevalError("serve() while holding the collect lock: call unlock() first")
+        while True:
+            g._acquire()
+            self.locked = True
+            if g.stop:
+                return (SERVE_CLOSED, 0, 0, None, 0)
+            if self.shared:
+                with nogil:
+                    rc = shm_collect_lock(&self.seg.seg, self.v, timeout_ns)
+                if rc == SHM_TIMEOUT:
+                    return (SERVE_LOCKED_OUT, 0, 0, shm_collect_holder(&self.seg.seg), 0)
+                self.seg_locked = True
+                if not shm_version_ok(&self.seg.seg, g.version):
+                    self._seg_unlock()
+                    return (SERVE_BEHIND, 0, 0, None, 0)
+            if until_ns and shm_now_ns() >= until_ns:
+                return (SERVE_IDLE, 0, 0, None, 0)
+            rc = self.collect(max_batch, spin_ns, max_wait_ns, timeout_ns)
+            if rc == 0:
+                return (SERVE_IDLE, 0, 0, True, 0)
+            self._seg_unlock()
+            if rc == SHM_CLOSED:
+                return (SERVE_CLOSED, 0, 0, None, 0)
+            if rc == SHM_CONTROL:
+                return (SERVE_CONTROL, 0, 0, None, 0)
+            if rc == SHM_BEHIND:
+                return (SERVE_BEHIND, 0, 0, None, 0)
+            self.locked = False
+            PyThread_release_lock(g.lock)
+            n = rc
+            rows = n
+            if buckets is not None:
+                for bi in range(len(buckets)):
+                    if <uint32_t>buckets[bi] >= n:
+                        rows = buckets[bi]
+                        break
+            view = views[rows]
+            if view is None:
+                view = views[rows] = self._keep[:rows]
+            t0 = shm_now_ns()
+            try:
+                out = model(view)
+            except Exception as e:
+                return (SERVE_RAISED, n, rows, e, shm_now_ns() - t0)
+            model_ns = shm_now_ns() - t0
+            if self.n_calls < self.calls_cap:
+                self.calls[4 * self.n_calls] = <int64_t>t0
+                self.calls[4 * self.n_calls + 1] = <int64_t>model_ns
+                self.calls[4 * self.n_calls + 2] = rows
+                self.calls[4 * self.n_calls + 3] = n
+                self.n_calls += 1
+            if not self.finish_fast(out, rows, model_ns, g.version, reject_nonfinite):
+                return (SERVE_SLOW, n, rows, out, model_ns)
+
+    cpdef bint finish_fast(self, object out, uint32_t rows, uint64_t model_ns, uint64_t version,
+                           bint reject_nonfinite) except -1:
+        """Records and completes the outstanding batch if the model's outputs
+        are already exactly as declared: arrays of the declared dtype (native
+        order, C-contiguous) and shape (rows, *shape), finite where required.
+        Returns False, having done nothing, otherwise: the caller then
+        converts the outputs or explains what is wrong."""
+        cdef list arrays
+        cdef cnp.ndarray a
+        cdef cnp.npy_intp *want
+        cdef Py_ssize_t j, i, nout = self.seg.n_out
+        cdef Segment seg = self.seg
+        if not seg.out_native or self.n == 0:
+            return False
+        if type(out) is dict:
+            if not self.extra_outputs_ok and PyDict_Size(out) != nout:
+                return False  # the slow path warns about the undeclared ones, once
+            arrays = []
+            for name in seg.out_names:
+                x = (<dict>out).get(name)
+                if x is None:
+                    return False
+                arrays.append(x)
+        elif type(out) is tuple or type(out) is list:
+            if len(out) != nout:
+                return False
+            arrays = list(out)
+        elif nout == 1:
+            arrays = [out]
+        else:
+            return False
+        for j in range(nout):
+            x = arrays[j]
+            if type(x) is not cnp.ndarray:
+                return False
+            a = <cnp.ndarray>x
+            want = seg._out_dims(j)
+            if not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_TYPE(a) != seg.out_type[j] or \
+                    cnp.PyArray_NDIM(a) != seg.out_nd[j] + 1 or cnp.PyArray_DIM(a, 0) != rows:
+                return False
+            for i in range(seg.out_nd[j]):
+                if cnp.PyArray_DIM(a, i + 1) != want[i]:
+                    return False
+            if not _rows_ok(a, self.n, self.seg.out_nbytes[j]):
+                return False
+            if reject_nonfinite and seg.out_float[j] and _finite(a, self.n) != 1:
+                return False
+        shm_record_batch(&self.seg.seg, self.replica, self.n, rows, model_ns, 0)
+        self.complete(arrays, version)
+        return True
+
+    @property
+    def pending(self):
+        return self.n
+
+    cpdef uint32_t complete(self, list arrays, uint64_t model_version) except? 0xffffffff:
+        """Scatters row i of each output array into request i's slot; marks
+        DONE and wakes.  Each array needs at least n rows of exactly the
+        declared row size, each row contiguous (axis 0 may be strided)."""
+        cdef uint32_t j, done, nf = self.seg.n_out
+        if len(arrays) != nf:
+            raise ValueError("expected %d output arrays" % nf)
+        for j in range(nf):
+            if not _rows_ok(arrays[j], self.n, self.seg.out_nbytes[j]):
+                raise ValueError("output array %d: too few rows, wrong row size, or rows "
+                                 "not contiguous" % j)
+            self.fields[j] = <const char *>cnp.PyArray_DATA(<cnp.ndarray>arrays[j])
+            self.strides[j] = cnp.PyArray_STRIDE(<cnp.ndarray>arrays[j], 0)
+        with nogil:
+            done = shm_complete_fields(&self.seg.seg, self.taken, self.n, nf, self.fields,
+                                       self.seg.out_nbytes, self.strides, self.seg.out_off,
+                                       model_version)
+        self._set_n(0)
+        return done
+
+    def fail_rows(self, object rows, str message):
+        """Fails the requests at the given batch rows (sorted, distinct,
+        < pending) with message, and removes them from the outstanding
+        batch: the others keep their order, so complete() then takes arrays
+        holding just their rows.  Returns how many were failed."""
+        cdef Py_ssize_t i, j = 0, kept = 0, nb = len(rows)
+        cdef uint32_t done
+        cdef bytes b = message.encode("utf-8", "replace")
+        cdef const char *p = b
+        cdef uint32_t ln = len(b)
+        cdef shm_taken *bad
+        if nb == 0:
+            return 0
+        for i in range(nb):
+            if not 0 <= rows[i] < self.n or (i and rows[i] <= rows[i - 1]):
+                raise ValueError("rows must be sorted, distinct and < pending")
+        bad = <shm_taken *>malloc(sizeof(shm_taken) * nb)
+        if bad == NULL:
+            raise MemoryError()
+        try:
+            for i in range(self.n):
+                if j < nb and <Py_ssize_t>rows[j] == i:
+                    bad[j] = self.taken[i]
+                    j += 1
+                else:
+                    self.taken[kept] = self.taken[i]
+                    kept += 1
+            with nogil:
+                done = shm_fail(&self.seg.seg, bad, <uint32_t>nb, p, ln)
+            self._set_n(<uint32_t>kept)
+        finally:
+            free(bad)
+        return done
+
+    def fail(self, str message):
+        """Fails every request of the outstanding batch with message."""
+        cdef bytes b = message.encode("utf-8", "replace")
+        cdef const char *p = b
+        cdef uint32_t ln = len(b)
+        cdef uint32_t done
+        with nogil:
+            done = shm_fail(&self.seg.seg, self.taken, self.n, p, ln)
+        self._set_n(0)
+        return done
+
+    def record(self, uint32_t n, uint32_t rows, uint64_t model_ns, bint failed):
+        shm_record_batch(&self.seg.seg, self.replica, n, rows, model_ns, failed)
