@@ -264,8 +264,8 @@ void *conc_client(void *arg) {
                                   (double)got[3], (double)want[0],
                                   (double)want[1], (double)want[2],
                                   (double)want[3]);
-                        CHECK(shm_meta(s, c, k)->model_version >= 1);
-                        CHECK_EQ(shm_meta(s, c, k)->err_len, 0);
+                        CHECK(shm_slot_meta_at(s, c, k)->model_version >= 1);
+                        CHECK_EQ(shm_slot_meta_at(s, c, k)->err_len, 0);
                         CHECK_EQ(t_release(s, c, k), SHM_OK);
                         CHECK_EQU(word_of(s, c, k),
                                   shm_slot_word(SLOT_FREE, shm_word_gen(w) + 1));
@@ -275,7 +275,7 @@ void *conc_client(void *arg) {
                     }
                     CHECK_MSG(rc == SLOT_FAILED, "client %u: wait returned %d",
                               a->th, rc);
-                    CHECK_EQ(shm_meta(s, c, k)->err_len, strlen(k_injected));
+                    CHECK_EQ(shm_slot_meta_at(s, c, k)->err_len, strlen(k_injected));
                     CHECK(memcmp(shm_slot_out(s, c, k), k_injected,
                                  strlen(k_injected)) == 0);
                     CHECK_EQ(t_release(s, c, k), SHM_OK);

@@ -63,7 +63,7 @@ static void test_state(void) {
     uint64_t before_pub = shm_now_ns();
     t_publish(s, 0, 0);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_READY, 0));
-    CHECK(shm_meta(s, 0, 0)->publish_ns >= before_pub);
+    CHECK(shm_slot_meta_at(s, 0, 0)->publish_ns >= before_pub);
     CHECK_EQ(t_begin(s, 0, 0), SHM_E_STATE);
     CHECK_EQ(t_release(s, 0, 0), SHM_E_STATE);
     uint32_t seq0 = atomic_load(&h->submit_seq);
@@ -101,8 +101,8 @@ static void test_state(void) {
     CHECK_EQ(t_wait(s, 0, 0, 0, 5 * MS), SLOT_DONE);
     CHECK_EQ(t_wait(s, 0, 0, 1 * MS, 5 * MS), SLOT_DONE);
     CHECK(memcmp(shm_slot_out(s, 0, 0), res[0], OUT) == 0);
-    CHECK_EQU(shm_meta(s, 0, 0)->model_version, 7);
-    CHECK_EQ(shm_meta(s, 0, 0)->err_len, 0);
+    CHECK_EQU(shm_slot_meta_at(s, 0, 0)->model_version, 7);
+    CHECK_EQ(shm_slot_meta_at(s, 0, 0)->err_len, 0);
     CHECK_EQ(t_begin(s, 0, 0), SHM_E_STATE); /* DONE is not FREE */
     CHECK_EQ(t_release(s, 0, 0), SHM_OK);
     CHECK_EQU(word_of(s, 0, 0), shm_slot_word(SLOT_FREE, 1));
@@ -155,7 +155,7 @@ static void test_state(void) {
     CHECK_EQU(shm_fail(s, taken, 1, msg, (uint32_t)strlen(msg)), 1);
     CHECK_EQU(word_of(s, 0, 1), shm_slot_word(SLOT_FAILED, 1));
     CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
-    CHECK_EQ(shm_meta(s, 0, 1)->err_len, strlen(msg));
+    CHECK_EQ(shm_slot_meta_at(s, 0, 1)->err_len, strlen(msg));
     CHECK(memcmp(shm_slot_out(s, 0, 1), msg, strlen(msg)) == 0);
     CHECK_EQ(t_begin(s, 0, 1), SHM_E_STATE);
     CHECK_EQ(t_release(s, 0, 1), SHM_OK);
@@ -170,7 +170,7 @@ static void test_state(void) {
         CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
         CHECK_EQU(shm_fail(s, taken, 1, longmsg, sizeof longmsg), 1);
         CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_FAILED);
-        CHECK_EQU(shm_meta(s, 0, 1)->err_len, s->l.out_area);
+        CHECK_EQU(shm_slot_meta_at(s, 0, 1)->err_len, s->l.out_area);
         CHECK(memcmp(shm_slot_out(s, 0, 1), longmsg, s->l.out_area) == 0);
         /* DONE after a FAILED: err_len is reset */
         CHECK_EQ(t_release(s, 0, 1), SHM_OK);
@@ -179,7 +179,7 @@ static void test_state(void) {
         CHECK_EQ(t_collect(s, batch, taken, 8, &cursor, 0, 0, 10 * MS), 1);
         CHECK_EQU(shm_complete(s, taken, 1, res[0], 9), 1);
         CHECK_EQ(t_wait(s, 0, 1, 0, 5 * MS), SLOT_DONE);
-        CHECK_EQ(shm_meta(s, 0, 1)->err_len, 0);
+        CHECK_EQ(shm_slot_meta_at(s, 0, 1)->err_len, 0);
         CHECK_EQ(t_release(s, 0, 1), SHM_OK);
     }
 
@@ -266,7 +266,7 @@ static void test_state(void) {
             CHECK_EQ(t_wait(s, 0, k, 0, 5 * MS), SLOT_DONE);
             CHECK(memcmp(shm_slot_out(s, 0, k), fa[i], 8) == 0);
             CHECK(memcmp(shm_slot_out(s, 0, k) + 8, fb[i], 24) == 0);
-            CHECK_EQU(shm_meta(s, 0, k)->model_version, 21);
+            CHECK_EQU(shm_slot_meta_at(s, 0, k)->model_version, 21);
             CHECK_EQ(t_release(s, 0, k), SHM_OK);
         }
     }

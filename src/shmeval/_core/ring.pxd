@@ -146,7 +146,6 @@ cdef extern from "ring.h" nogil:
     char *shm_slot_in(const shm_seg *s, uint32_t c, uint32_t k)
     char *shm_slot_out(const shm_seg *s, uint32_t c, uint32_t k)
     void shm_copy(char *dst, const char *src, size_t n)
-    shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k)
     shm_slot_meta *shm_slot_meta_at(const shm_seg *s, uint32_t c, uint32_t k)
 
     int shm_collect(shm_seg *s, uint32_t v, shm_taken *own, char *batch,
@@ -176,7 +175,6 @@ cdef extern from "ring.h" nogil:
     uint64_t shm_stat_get(shm_seg *s, uint32_t i)
     void shm_stat_put(shm_seg *s, uint32_t i, uint64_t v)
     void shm_stat_inc(shm_seg *s, uint32_t i, uint64_t v)
-    uint64_t shm_hist_get(shm_seg *s, uint32_t which, uint32_t b)
     uint64_t shm_hist_wait(shm_seg *s, uint32_t b)
     uint64_t shm_hist_model(shm_seg *s, uint32_t b)
     uint64_t shm_hist_batch(shm_seg *s, uint32_t n)

@@ -447,9 +447,6 @@ static inline shm_slot_meta *shm_slot_meta_at(const shm_seg *s, uint32_t c,
                                               uint32_t k) {
     return (shm_slot_meta *)shm_slot_data(s, c, k);
 }
-static inline shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k) {
-    return shm_slot_meta_at(s, c, k);
-}
 static inline char *shm_slot_in(const shm_seg *s, uint32_t c, uint32_t k) {
     return shm_slot_data(s, c, k) + s->l.in_off;
 }

@@ -81,11 +81,5 @@ static inline uint64_t shm_hist_batch(shm_seg *s, uint32_t n) {
                                                       memory_order_relaxed)
                                : 0;
 }
-/* The three by number: 0 wait, 1 model, 2 batch sizes. */
-static inline uint64_t shm_hist_get(shm_seg *s, uint32_t which, uint32_t b) {
-    return which == 0 ? shm_hist_wait(s, b)
-           : which == 1 ? shm_hist_model(s, b)
-                        : shm_hist_batch(s, b);
-}
 
 #endif /* SHMEVAL_RING_STATS_H */
