@@ -402,7 +402,7 @@ def same_setting(model: str, cpus: int, workers: int) -> bool:
     """``today`` and ``nospin`` are one setting in this cell: a model
     without TensorFlow (the two differ in the net's style only for tfnet),
     and more processes (the workers and the evaluator) than one per CPU
-    plus one, where the spin rule (``_ring._spin_policy``) lets neither the
+    plus one, where the spin rule (``_ring.spin_policy``) lets neither the
     clients nor the evaluator spin, whatever their budgets.  Their ratio
     there is the grid's noise: what two runs of one setting differ by."""
     return model != "tfnet" and workers > cpus

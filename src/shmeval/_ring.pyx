@@ -225,52 +225,16 @@ def now_ns():
     return shm_now_ns()
 
 
-cdef inline uint64_t _spin_policy(uint64_t spin_ns, uint32_t processes,
-                                 uint32_t ncpu) noexcept nogil:
-    """How a waiter (a client, or the evaluator) spins before it sleeps,
-    given the processes on the segment (the attached clients and the
-    evaluator) and the CPUs they may use:
-
-    * as many CPUs as processes: spin (``spin_ns``), since each has a core;
-      the spin still gives its CPU away every ``SHM_SPIN_LOOKS`` looks, for
-      a wake-up may have put the process it waits for on the same CPU;
-    * one process more than CPUs (as many clients as CPUs): spin, but give
-      the CPU away between looks (``SHM_SPIN_YIELD``: ``sched_yield()``
-      instead of ``pause``), so a waiter takes a CPU only while no other
-      process wants it.  With 2 clients on 2 CPUs this took 2 workers from
-      ~100 k to 340-420 k round trips/s on the reference VM; sleeping
-      instead, a CPU went idle and every answer paid the wake-up of a halted
-      CPU;
-    * more: no spin.  Even a yielding spin then loses: its waiters crowd the
-      run queues (there the slowest worker fell to 0.14-0.66 of the mean and
-      p99.9 to 0.5-4 ms at 3-16 workers), and a plain spin holds a CPU that
-      the process it waits for needs (docs/performance.md, "Which knob when")."""
-    if spin_ns == 0 or processes > ncpu + 1:
-        return 0
-    if processes <= ncpu:
-        return spin_ns
-    return spin_ns | SHM_SPIN_YIELD
-
-
 def only_python_thread():
     """True when the caller is the only Python thread of the only
     interpreter: then a client keeps the GIL while it waits (for tests)."""
     return bool(shm_only_python_thread())
 
 
-cdef inline uint64_t _evaluator_spin(uint64_t spin_ns, uint32_t n_attached,
-                                    uint32_t ncpu) noexcept nogil:
-    """The evaluator's spin budget (_spin_policy): none once the client
-    processes outnumber its CPUs, when a spinning evaluator holds a CPU that
-    the clients it waits for need; a yielding spin with as many clients as
-    CPUs (docs/performance.md, "Which knob when").  Spinning at all with 2
-    clients on 2 CPUs doubled round trips/s on the reference VM."""
-    return _spin_policy(spin_ns, n_attached + 1, ncpu)
-
-
 def evaluator_spin(uint64_t spin_ns, uint32_t n_attached, uint32_t ncpu):
-    """_evaluator_spin, for tests."""
-    return _evaluator_spin(spin_ns, n_attached, ncpu)
+    """The evaluator's spin budget with n_attached clients on ncpu CPUs
+    (ring/wait.h, shm_evaluator_spin), for tests."""
+    return shm_evaluator_spin(spin_ns, n_attached, ncpu)
 
 
 #: The flag of a yielding spin in a spin budget (ring.h's SHM_SPIN_YIELD).
@@ -282,9 +246,11 @@ CROWD_SLEEP = SHM_CROWD_SLEEP
 
 
 def spin_policy(uint64_t spin_ns, uint32_t processes, uint32_t ncpu):
-    """_spin_policy (a client's spin: processes = attached clients + 1),
-    for tests."""
-    return _spin_policy(spin_ns, processes, ncpu)
+    """The spin rule (ring/wait.h, shm_spin_policy): the budget of a wait
+    among `processes` processes (the attached clients and the evaluator) on
+    ncpu CPUs -- spin_ns while each has a CPU, spin_ns | SPIN_YIELD with one
+    process more, 0 beyond."""
+    return shm_spin_policy(spin_ns, processes, ncpu)
 
 
 cdef bint _rows_ok(object x, Py_ssize_t rows, uint64_t row_bytes):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds src/shmeval/_core/ring_test.c (the standalone test of ring.h) three
-# ways, or a fourth on request, and runs each build; exits nonzero if any
-# build or run fails.
+# Builds the C tests of the core (tests/c/*.c: one program, ring_test, of
+# the core's headers, ring.h and ring/) three ways, or a fourth on request,
+# and runs each build; exits nonzero if any build or run fails.
 #
 #   plain   -O2 -Wall -Wextra -Werror -std=c11 -D_GNU_SOURCE -DSHM_DEBUG
 #   tsan    -fsanitize=thread -O1 -g               (ThreadSanitizer)
@@ -44,19 +44,22 @@
 #                   or CC on an aarch64 host)
 #   QEMU_AARCH64    the emulator that runs it (default qemu-aarch64-static,
 #                   else qemu-aarch64; none on an aarch64 host)
-#   RING_H_DIR      directory holding the ring.h to test (default
-#                   src/shmeval/_core); e.g. a deliberately broken copy
+#   RING_H_DIR      directory holding the core to test, ring.h and ring/
+#                   (default src/shmeval/_core); e.g. a deliberately
+#                   broken copy
 #   RING_TEST_ARGS  test names to run (default: all)
 #   RING_TEST_BUILDS  builds to run (default: "plain tsan asan")
 #   RUN_TIMEOUT     seconds per run (default 150)
+#   BUILD_JOBS      compilers each build runs at once (default: the CPUs)
 #   RING_TEST_PLAIN_OPT  the plain build's optimisation (default -O2; the
 #                   mutation tests use -O1, which compiles in half the time)
-#   SHM_TEST_*      passed through to ring_test (see the top of ring_test.c)
+#   SHM_TEST_*      passed through to ring_test (see the top of
+#                   tests/c/main.c)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-src="$root/src/shmeval/_core/ring_test.c"
+srcs=("$here"/*.c)
 ring_dir="${RING_H_DIR:-$root/src/shmeval/_core}"
 cc="${CC:-gcc}"
 host_arch="$(uname -m)"
@@ -67,6 +70,7 @@ else
 fi
 builds="${RING_TEST_BUILDS:-plain tsan asan}"
 run_timeout="${RUN_TIMEOUT:-150}"
+jobs="${BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 read -r -a test_args <<<"${RING_TEST_ARGS:-}"
 
 die() { echo "run_c_tests: error: $*" >&2; exit 1; }
@@ -84,8 +88,8 @@ if [[ " $builds " == *" arm64 "* ]]; then
     command -v "$arm64_cc" >/dev/null 2>&1 ||
         die "aarch64 C compiler '$arm64_cc' not found (Debian: apt-get install -y $arm64_pkgs)"
 fi
-[[ -f "$src" ]] || die "missing $src"
-[[ -f "$ring_dir/ring.h" ]] || die "missing $ring_dir/ring.h"
+[[ -f "$here/main.c" ]] || die "missing $here/main.c"
+[[ -f "$ring_dir/ring.h" && -d "$ring_dir/ring" ]] || die "missing $ring_dir/ring.h or $ring_dir/ring/"
 have_timeout=1
 command -v timeout >/dev/null 2>&1 || have_timeout=0
 
@@ -164,18 +168,39 @@ if [[ " $builds " == *" arm64 "* ]]; then
     fi
 fi
 
-# --- build: the compilers run at once (each is one process) ------------
+# --- build: the builds at once, each compiling its files in parallel ----
 for b in $builds; do
     [[ -n "${flags[$b]:-}" ]] || die "unknown build '$b'"
 done
+
+# Build $1: every source to an object, $jobs compilers at a time, then the
+# link.  Returns nonzero if a compile or the link failed.
+build() {
+    local b=$1 obj="$tmp/obj_$1" f rc=0
+    local -a pids=()
+    mkdir -p "$obj"
+    for f in "${srcs[@]}"; do
+        # shellcheck disable=SC2086
+        "${compiler[$b]}" "${common[@]}" ${flags[$b]} -c "$f" \
+            -o "$obj/$(basename "$f" .c).o" &
+        pids+=("$!")
+        if (( ${#pids[@]} >= jobs )); then
+            wait "${pids[0]}" || rc=1
+            pids=("${pids[@]:1}")
+        fi
+    done
+    for f in "${pids[@]}"; do wait "$f" || rc=1; done
+    (( rc == 0 )) || return 1
+    # shellcheck disable=SC2086
+    "${compiler[$b]}" "${common[@]}" ${flags[$b]} "$obj"/*.o -o "$tmp/ring_test_$b"
+}
+
 declare -A build_pid
 for b in $builds; do
     (
         t0=$(date +%s.%N)
         rc=0
-        # shellcheck disable=SC2086
-        "${compiler[$b]}" "${common[@]}" ${flags[$b]} "$src" -o "$tmp/ring_test_$b" \
-            >"$tmp/build_$b.log" 2>&1 || rc=$?
+        build "$b" >"$tmp/build_$b.log" 2>&1 || rc=$?
         awk -v t0="$t0" -v t1="$(date +%s.%N)" 'BEGIN { printf "%.1f", t1 - t0 }' \
             >"$tmp/build_$b.s"
         exit "$rc"

@@ -1,4 +1,5 @@
-"""The C core on its own: builds src/shmeval/_core/ring_test.c plain, under
+"""The C core on its own: builds the C tests (tests/c/*.c, one program
+against src/shmeval/_core/ring.h and its ring/ headers) plain, under
 ThreadSanitizer and under AddressSanitizer+UBSan, and runs each build
 (tests/c/run_c_tests.sh); and once more for aarch64 (cross-compiled and run
 under QEMU, or built and run natively on an aarch64 host).  Each needs
@@ -60,7 +61,7 @@ def test_c_core_plain_tsan_asan() -> None:
 
 @pytest.mark.timeout(ARM64_TIMEOUT_S + 60)
 def test_c_core_arm64() -> None:
-    """ring_test built for aarch64 (every x86-only path of ring.h has a
+    """ring_test built for aarch64 (every x86-only path of the core has a
     portable twin) passes every test there."""
     require_arm64_tools()
     run_script("arm64", ARM64_TIMEOUT_S)

@@ -96,7 +96,7 @@ def test_waits_longer_than_a_tick(ticker: bool, monkeypatch: Any) -> None:
     """A 0.35 s model with ticks (or timers) every 50 ms: each wait comes
     back to the Python layer, which checks the evaluator and waits again,
     and every thread still gets its own answer.  (That the ticks do wake a
-    waiter is ring_test.c's test_ticker and, end to end,
+    waiter is the C test ticker (tests/c/test_doorbell.c) and, end to end,
     test_killed_evaluator_wakes_every_waiter: here a waiter the ticks
     missed would only sleep until its answer.)"""
     monkeypatch.setattr(entry_mod, "WAIT_TIMEOUT_NS", 50_000_000)

@@ -146,7 +146,7 @@ cdef extern from "ring.h" nogil:
     char *shm_slot_in(const shm_seg *s, uint32_t c, uint32_t k)
     char *shm_slot_out(const shm_seg *s, uint32_t c, uint32_t k)
     void shm_copy(char *dst, const char *src, size_t n)
-    shm_slot_meta *shm_meta(shm_seg *s, uint32_t c, uint32_t k)
+    shm_slot_meta *shm_slot_meta_at(const shm_seg *s, uint32_t c, uint32_t k)
 
     int shm_collect(shm_seg *s, uint32_t v, shm_taken *own, char *batch,
                     uint32_t max_batch, uint32_t *cursor, uint64_t spin_ns,
@@ -175,7 +175,9 @@ cdef extern from "ring.h" nogil:
     uint64_t shm_stat_get(shm_seg *s, uint32_t i)
     void shm_stat_put(shm_seg *s, uint32_t i, uint64_t v)
     void shm_stat_inc(shm_seg *s, uint32_t i, uint64_t v)
-    uint64_t shm_hist_get(shm_seg *s, uint32_t which, uint32_t b)
+    uint64_t shm_hist_wait(shm_seg *s, uint32_t b)
+    uint64_t shm_hist_model(shm_seg *s, uint32_t b)
+    uint64_t shm_hist_batch(shm_seg *s, uint32_t n)
     uint32_t shm_ev_state(shm_seg *s)
     int32_t shm_replica_info(shm_seg *s, uint32_t r, uint64_t *starttime, uint32_t *state,
                              uint64_t *version)
@@ -200,6 +202,10 @@ cdef extern from "ring.h" nogil:
     enum: SHM_CROWD_SLEEP
     uint32_t shm_crowding(shm_seg *s)
     void shm_set_crowding(shm_seg *s, uint32_t c)
+    uint64_t shm_spin_policy(uint64_t spin_ns, uint32_t processes, uint32_t ncpu)
+    uint64_t shm_evaluator_spin(uint64_t spin_ns, uint32_t n_attached, uint32_t ncpu)
+    uint64_t shm_client_spin(uint64_t spin_ns, uint32_t n_attached, uint32_t crowding,
+                             uint32_t ncpu)
     uint32_t shm_clients_hwm(shm_seg *s)
     const char *shm_spec(shm_seg *s, uint32_t *len)
     int32_t shm_owner_pid(shm_seg *s)

@@ -1,7 +1,7 @@
 /*
  * ring_python.h -- the C helpers of the Cython wrapper (_ring.pyx) that are
  * not part of the protocol and need Python.h.  ring.h stays free of Python
- * (ring_test.c builds it alone).
+ * (the C tests, tests/c, build it alone).
  */
 #ifndef SHMEVAL_RING_PYTHON_H
 #define SHMEVAL_RING_PYTHON_H

@@ -300,10 +300,10 @@ cdef class Segment:
         cdef cnp.ndarray[cnp.uint64_t, ndim=1] batch = cnp.PyArray_ZEROS(
             1, &nb, cnp.NPY_UINT64, 0)
         for i in range(SHM_HIST_BINS):
-            wait[i] = shm_hist_get(&self.seg, 0, i)
-            model[i] = shm_hist_get(&self.seg, 1, i)
+            wait[i] = shm_hist_wait(&self.seg, i)
+            model[i] = shm_hist_model(&self.seg, i)
         for i in range(self.seg.p.max_batch + 1):
-            batch[i] = shm_hist_get(&self.seg, 2, i)
+            batch[i] = shm_hist_batch(&self.seg, i)
         d = {name: shm_stat_get(&self.seg, i) for i, name in enumerate(STAT_NAMES)}
         d.update(hist_wait=wait, hist_model=model, batch_hist=batch,
                  clients=shm_n_attached(&self.seg), heartbeat_ns=shm_heartbeat(&self.seg),
@@ -451,7 +451,7 @@ cdef class Segment:
     def wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns, uint64_t timeout_ns,
              uint32_t ncpu):
         """Waits for slot (c, k), begun with generation gen, to finish,
-        spinning first as _spin_policy says (plain while the attached clients
+        spinning first as the spin rule says (plain while the attached clients
         plus the evaluator fit on the cores, yielding when they are one
         more).  Returns DONE, FAILED, TIMEOUT, CLOSED or STALE."""
         self._slot(c, k)
@@ -462,20 +462,13 @@ cdef class Segment:
         return self._spin(spin_ns, ncpu)
 
     cdef inline uint64_t _spin(self, uint64_t spin_ns, uint32_t ncpu) noexcept nogil:
-        """The client spin budget (_spin_policy): none when the attached
-        clients outnumber the CPUs (spinning would steal the CPU of the
-        process we wait for), a yielding spin when the evaluator is the one
-        process more than CPUs.  The processes counted are at least as many
-        as the crowding the evaluator's tuner published says: other
-        programs' runnable tasks take CPUs too, and a spin that yields to one
-        of them gets its CPU back only when that task's time slice ends
-        (milliseconds), where a sleeper is woken at once (docs/protocol.md,
-        Waiting)."""
-        cdef uint32_t processes = shm_n_attached(&self.seg) + 1
-        cdef uint32_t crowd = shm_crowding(&self.seg)
-        if crowd != SHM_CROWD_NONE and processes < ncpu + crowd:
-            processes = ncpu + crowd
-        return _spin_policy(spin_ns, processes, ncpu)
+        """The client spin budget now (ring/wait.h, shm_client_spin): none
+        when the attached clients outnumber the CPUs, a yielding spin when
+        the evaluator is the one process more than CPUs, counting at least
+        as many processes as the crowding the evaluator's tuner published
+        (docs/protocol.md, Waiting)."""
+        return shm_client_spin(spin_ns, shm_n_attached(&self.seg), shm_crowding(&self.seg),
+                               ncpu)
 
     cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
                    uint64_t timeout_ns, uint32_t ncpu):
@@ -556,7 +549,7 @@ cdef class Segment:
         if w >> SLOT_GEN_SHIFT != gen:
             return SHM_STALE  # not worth a copy
         st = w & SLOT_STATE_MASK
-        m = shm_meta(&self.seg, c, k)
+        m = shm_slot_meta_at(&self.seg, c, k)
         out = shm_slot_out(&self.seg, c, k)
         if st == SLOT_DONE:
             if not trusted:

@@ -359,7 +359,7 @@ cdef class Server:
             raise ShmevalError("collect() while a batch is outstanding")
         max_batch = min(max_batch, self.cap)
         self.end_busy()
-        spin_ns = _evaluator_spin(spin_ns, shm_n_attached(&self.seg.seg), self.ncpu)
+        spin_ns = shm_evaluator_spin(spin_ns, shm_n_attached(&self.seg.seg), self.ncpu)
         with nogil:
             rc = shm_collect(&self.seg.seg, self.v, self.taken_all, self.batch, max_batch,
                              &self.group.cursor, spin_ns, max_wait_ns, timeout_ns)
