@@ -70,6 +70,8 @@ LAYOUT_VERSION = SHM_LAYOUT_VERSION
 #: Bytes of text a replica can publish (Segment.set_report).
 REPORT_BYTES = 8 * SHM_REPORT_WORDS
 SPEC_MAX = SHM_SPEC_MAX
+#: The most methods one evaluator serves (spec.MAX_METHODS).
+MAX_METHODS = SHM_MAX_METHODS
 
 # Return values of Segment.wait(); final slot states are positive.
 DONE = SLOT_DONE

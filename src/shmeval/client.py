@@ -249,6 +249,9 @@ class Client(_ring.ClientBase):
             segment.is_alive(seg.owner_pid, seg.owner_starttime)
         if seg.cache_entries:
             raw["cache"] = _cache_raw(seg)
+        if len(seg.layouts) > 1:
+            raw["methods"] = [(lay.name, counts)
+                              for lay, counts in zip(seg.layouts, seg.method_stats())]
         st = summarize(raw)
         reports = [read_report(seg, r) for r in range(len(raw["replicas"]))]
         if reports and reports[0] is not None:

@@ -167,6 +167,15 @@ def test_each_call_holds_one_methods_requests_and_neither_starves() -> None:
         for name, n in model.calls:
             rows[name] += n
         assert rows == {"initial": 90, "recurrent": 90}
+        per_method = ev.stats()["methods"]
+        for name in rows:
+            assert per_method[name]["requests"] == 90
+            assert per_method[name]["batches"] == sum(1 for m, _ in model.calls if m == name)
+
+
+def test_the_methods_limit_is_the_cores() -> None:
+    from shmeval import _ring, spec
+    assert spec.MAX_METHODS == _ring.MAX_METHODS
 
 
 @pytest.mark.timeout(60)

@@ -289,6 +289,13 @@ cdef class Segment:
     def stat(self, name):
         return shm_stat_get(&self.seg, STAT_INDEX[name])
 
+    def method_stats(self):
+        """[(requests, model calls, model ns)] of each method, in order (an
+        evaluator of several methods counts them; one method, zeros)."""
+        cdef uint32_t m
+        return [(shm_method_stat(&self.seg, m, 0), shm_method_stat(&self.seg, m, 1),
+                 shm_method_stat(&self.seg, m, 2)) for m in range(len(self.layouts))]
+
     def raw_stats(self):
         """Counters and histograms, read with relaxed loads (a snapshot)."""
         cdef uint32_t i

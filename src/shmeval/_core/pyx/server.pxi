@@ -533,6 +533,8 @@ cdef class Server:
             if self.reject_nonfinite and lay.out_float[j] and _finite(a, self.n) != 1:
                 return False
         shm_record_batch(&self.seg.seg, self.replica, self.n, rows, model_ns, 0)
+        if self.multi:
+            shm_record_method(&self.seg.seg, self.lay.index, self.n, model_ns)
         self.complete(arrays, version)
         return True
 
@@ -611,3 +613,5 @@ cdef class Server:
 
     def record(self, uint32_t n, uint32_t rows, uint64_t model_ns, bint failed):
         shm_record_batch(&self.seg.seg, self.replica, n, rows, model_ns, failed)
+        if self.multi:
+            shm_record_method(&self.seg.seg, self.lay.index, n, model_ns)
