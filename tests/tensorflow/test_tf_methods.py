@@ -448,3 +448,20 @@ def test_a_named_input_the_model_lacks_fails_at_prepare(keras: Any, backend: Any
                                                  r"declare them by name"):
         backend.TFModel(tmp_path / "masked").prepare(
             Spec.build(INPUT_SHAPE, F32, MASKED_OUTPUTS, 4, 1, 1), None)
+
+
+def test_named_inputs_called_before_prepare(keras: Any, backend: Any) -> None:
+    """Without a spec, a dict of inputs is traced for its shapes and the
+    model's own output structure comes back; an array after it is traced
+    again for itself."""
+    net = masked_net(keras, 2)
+    tm = backend.TFModel(net, freeze=False)
+    x = masked_inputs(3, 1)
+    out = tm(x)
+    assert isinstance(out, dict) and out["value"].shape == (3, 1)
+    np.testing.assert_allclose(out["policy"], masked_direct(net, x)["policy"], rtol=1e-5,
+                               atol=1e-5)
+    assert tm(masked_inputs(3, 2))["policy"].shape == (3, ACTIONS)
+    assert tm.trace_count == 1
+    with pytest.raises(ValueError, match="no input"):
+        tm({})

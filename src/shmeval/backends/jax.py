@@ -268,7 +268,7 @@ class JaxModel:
             served.append((method, m))
         self.spec = spec
         for method in self._methods.values():
-            method.m = None
+            method.m, method.by_rows = None, {}
         for method, m in served:
             method.compile(m, sizes)
         self._one = served[0][0] if len(served) == 1 else None

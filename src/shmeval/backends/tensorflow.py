@@ -366,9 +366,14 @@ class _Method:
             self.input_names = tuple(str(t.name) for t in keras_model.inputs)
         except (AttributeError, TypeError, ValueError):  # no model, or not a functional one
             pass
+        self.trace_error: Optional[ModelError] = None  # raised while tracing
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the spec and what was traced."""
         self.m: Optional[MethodSpec] = None  # the spec's method, once prepared
         self.names: tuple[str, ...] = ()  # its outputs, in order
-        self.fields: Fields = ()
+        self.fields: Fields = ()  # the inputs traced for
         self.named = False
         # One unnamed input: its row shape and dtype (compared on every call).
         self.row_shape: Optional[tuple[int, ...]] = None
@@ -378,7 +383,6 @@ class _Method:
         self.general: Any = None
         self.by_rows: dict[int, Any] = {}
         self.traced: dict[Optional[int], Any] = {}
-        self.trace_error: Optional[ModelError] = None  # raised while tracing
 
     def _body(self, x: Any) -> Any:
         # Runs only while TensorFlow traces: count traces here.
@@ -457,12 +461,12 @@ class _Method:
         ndarray}`` of the declared dtypes and shapes.  Before it (a
         standalone call): the function's outputs as numpy arrays, in its
         own structure, traced for the batch's shapes."""
-        if self.named:
-            return self._call_named(batch)
         if type(batch) is not np.ndarray:
-            if isinstance(batch, Mapping):
+            if isinstance(batch, Mapping) or (self.named and self.m is not None):
                 return self._call_named(batch)
             batch = np.asarray(batch)
+        elif self.named and self.m is not None:
+            return self._call_named(batch)  # which refuses it, naming the inputs
         if batch.shape[1:] != self.row_shape or batch.dtype != self.dtype:
             if self.m is not None:
                 raise ValueError(f"TFModel was prepared for batches of shape "
@@ -478,9 +482,8 @@ class _Method:
         if m is not None:
             rows = check_named_batch(batch, m, "TFModel")
         else:
-            if not isinstance(batch, Mapping) or not batch:
-                raise TypeError(f"this TFModel function was last called with a dict of inputs "
-                                f"{[f[0] for f in self.fields]}, got a {type(batch).__name__}")
+            if not batch:
+                raise ValueError("TFModel: a dict of inputs with no input")
             batch = {str(k): np.asarray(a) for k, a in batch.items()}
             fields = tuple((k, a.shape[1:], a.dtype) for k, a in batch.items())
             if not self.named or fields != self.fields:
@@ -758,8 +761,7 @@ class TFModel:
             served.append(method)
         self.spec = spec
         for method in self._methods.values():
-            method.m = None
-            method.traced = {}
+            method.reset()
         for method, m in zip(served, spec.methods):
             method.prepare_for(m)
             if sizes is not None:
