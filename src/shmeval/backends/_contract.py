@@ -217,7 +217,6 @@ def npz_weights(path: PathLike) -> list[np.ndarray]:
 # batched arrays) and several methods (the callable of each is the model's
 # attribute of that name); see shmeval.spec.
 
-from ..spec import MethodSpec  # noqa: E402  (beside the functions that use it)
 
 
 def methods_arg(methods: Any, who: str) -> dict[str, Any]:
