@@ -218,7 +218,6 @@ def npz_weights(path: PathLike) -> list[np.ndarray]:
 # attribute of that name); see shmeval.spec.
 
 
-
 def methods_arg(methods: Any, who: str) -> dict[str, Any]:
     """A backend's ``methods=`` argument: a non-empty dict whose keys are
     method names (identifiers, as ``Evaluator(methods=...)`` takes them)."""
