@@ -1,6 +1,7 @@
 """An evaluator of several methods, watched: the interval between two
 snapshots has each method's requests, model calls and model time, the
-live view a line per method, and ``shmeval stats`` each method's figures;
+live view a line per method, the Prometheus metrics a series per method
+with the segment's counts, and ``shmeval stats`` each method's figures;
 an evaluator of one method shows none of it."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from rich.console import Console
 
 import shmeval
+from shmeval.monitor.prometheus import SegmentCollector, start_exporter
 from shmeval.monitor.reader import EvaluatorReader, Interval, Snapshot
 from shmeval.monitor.watch import render
 from helpers import make_ev, make_state
@@ -115,6 +117,46 @@ def test_the_interval_and_the_view_have_each_methods_figures() -> None:
     assert first == ["initial", "-", "-", "-", "-", "2"]
 
 
+@pytest.mark.timeout(TIMEOUT_S)
+def test_the_metrics_have_a_series_per_method() -> None:
+    model = TwoMethods()
+    with two_method_ev(model) as ev:
+        send(ev, [1, 2, 3], [4, 4])
+        samples = {(s.name, s.labels.get("method")): s.value
+                   for m in SegmentCollector(EvaluatorReader(ev.address)).collect()
+                   for s in m.samples}
+        stats = ev.stats()
+    for name, requests in (("initial", 6), ("recurrent", 8)):
+        assert samples[("shmeval_method_requests_total", name)] == requests
+        assert samples[("shmeval_method_batches_total", name)] == model.calls[name]
+        figures = stats["methods"][name]
+        assert samples[("shmeval_method_model_seconds_total", name)] == pytest.approx(
+            figures["model_ms_per_batch"] * figures["batches"] / 1e3)
+    assert (samples[("shmeval_method_requests_total", "initial")]
+            + samples[("shmeval_method_requests_total", "recurrent")]
+            == samples[("shmeval_requests_total", None)] == 14)
+    assert (samples[("shmeval_method_model_seconds_total", "initial")]
+            + samples[("shmeval_method_model_seconds_total", "recurrent")]
+            == pytest.approx(samples[("shmeval_model_seconds_sum", None)]))
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_the_exporter_serves_the_method_series() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+    import urllib.request
+
+    with two_method_ev(TwoMethods()) as ev:
+        with start_exporter(ev.address, 0) as exporter:
+            send(ev, [2], [3])
+            with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics",
+                                        timeout=10) as r:
+                text = r.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for family in ("shmeval_method_requests", "shmeval_method_batches",
+                   "shmeval_method_model_seconds"):
+        assert families[family].type == "counter"
+        assert {s.labels["method"] for s in families[family].samples
+                if s.name == family + "_total"} == {"initial", "recurrent"}
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -135,6 +177,8 @@ def test_one_method_shows_none_of_it() -> None:
         a = reader.snapshot()
         ev.evaluate_many(np.stack([make_state(1)] * 3))
         b = reader.snapshot()
+        names = {m.name for m in SegmentCollector(reader).collect()}
     iv = Interval.between(a, b)
     assert iv.methods == {} and "methods" not in b.raw and b.stats["methods"] is None
     assert "methods" not in text_of(b, iv)
+    assert not any(n.startswith("shmeval_method") for n in names)
