@@ -126,9 +126,10 @@ def own_cost(served: Any, xs: Dict[int, Any], calls: int) -> Dict[int, tuple[flo
     out = {}
     # Outside inference mode, as the evaluator calls: a mode held across
     # calls makes them cheaper than one entered for each.
+    method = served.methods[""]  # its only function, and the forms that serve it
     for b, x in xs.items():
-        small = served._small is not None and b <= served.own_conv_rows
-        form = served._small if small else served._forward
+        small = method.small is not None and b <= method.own_conv_rows
+        form = method.small if small else method.forward
         batch = x.numpy()
         pairs: Dict[str, List[int]] = {"served": [], "form": []}
         both = (("served", lambda: served(batch)), ("form", lambda: form(x)))

@@ -10,11 +10,12 @@ from .errors import (ClientTableFull, EvaluatorClosed, EvaluatorDied, ModelError
 from .config import BatchPolicy
 from .evaluator import Evaluator
 from .sched import use_batch_scheduling
+from .spec import Method
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Evaluator", "Client", "connect", "BatchPolicy", "use_batch_scheduling",
+    "Evaluator", "Client", "connect", "BatchPolicy", "Method", "use_batch_scheduling",
     "ShmevalError", "SegmentError", "ClientTableFull", "EvaluatorClosed", "EvaluatorDied",
     "ModelError", "ShmevalTimeout", "NotTheMainProcess", "__version__",
 ]

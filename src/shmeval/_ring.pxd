@@ -10,21 +10,30 @@ from cpython.ref cimport PyObject
 from shmeval._core.ring cimport shm_seg, shm_taken, shm_ticker, SHM_MAX_SLOTS_PER_CLIENT
 
 
-cdef class Segment:
-    """One mapping of a shared segment in this process."""
-    cdef shm_seg seg
-    cdef char *addr
-    cdef uint64_t size
+cdef class Layout:
+    """One method's rows (spec.MethodSpec), in C."""
+    cdef readonly uint32_t index  # the method's index (its requests' header)
+    cdef readonly object method   # spec.MethodSpec
     cdef uint32_t n_out
     cdef uint64_t *out_off
     cdef uint64_t *out_nbytes
-    cdef tuple out_names          # declared outputs, in order (set_outputs)
+    cdef tuple out_names          # declared outputs, in order
     cdef int *out_nd              # their ranks,
     cdef int *out_type            # NumPy type numbers,
     cdef cnp.npy_intp *out_shape  # and shapes, back to back (_out_dims)
     cdef Py_ssize_t *out_at       # where output j's shape starts in out_shape
     cdef list out_float           # float or complex kind
     cdef bint out_native          # every output a native built-in dtype
+
+    cdef cnp.npy_intp *_out_dims(self, Py_ssize_t j) noexcept
+
+
+cdef class Segment:
+    """One mapping of a shared segment in this process."""
+    cdef shm_seg seg
+    cdef char *addr
+    cdef uint64_t size
+    cdef readonly tuple layouts   # one per method of the spec (set_spec)
     cdef shm_ticker *ticker       # this process's ticker (start_ticker), or NULL
     cdef int ticker_pid           # the process that started it
     cdef list old_tickers         # stopped ones (addresses), freed with the segment
@@ -43,8 +52,6 @@ cdef class Segment:
                         bint hashed) noexcept
     cdef int _map(self, int fd, uint64_t size) except -1
     cdef int _alloc_cache_buffer(self) except -1
-    cdef void _free_outputs(self)
-    cdef cnp.npy_intp *_out_dims(self, Py_ssize_t j) noexcept
     cdef void _retire_ticker(self)
     cdef shm_ticker *_ticker_for(self, uint32_t c, uint64_t timeout_ns) noexcept nogil
     cdef int _client(self, uint32_t c) except -1
@@ -53,15 +60,15 @@ cdef class Segment:
     cdef uint64_t _spin(self, uint64_t spin_ns, uint32_t ncpu) noexcept nogil
     cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
                    uint64_t timeout_ns, uint32_t ncpu)
-    cdef object _fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
-                       bint trusted=*)
-    cdef void _deliver(self, const char *src, list dst, Py_ssize_t row)
-    cdef int _check_dst(self, list dst, Py_ssize_t row) except -1
-    cdef int _cache_get(self, uint32_t c, const char *state, object key, list dst,
+    cdef object _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
+                       Py_ssize_t row, bint trusted=*)
+    cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row)
+    cdef int _check_dst(self, Layout lay, list dst, Py_ssize_t row) except -1
+    cdef int _cache_get(self, Layout lay, uint32_t c, const char *state, object key, list dst,
                         Py_ssize_t row, uint64_t *k1, uint64_t *k2,
                         uint64_t *version) except -1
-    cdef void _cache_put(self, uint32_t c, uint64_t k1, uint64_t k2, uint64_t version,
-                         list dst, Py_ssize_t row)
+    cdef void _cache_put(self, Layout lay, uint32_t c, uint64_t k1, uint64_t k2,
+                         uint64_t version, list dst, Py_ssize_t row)
 
 
 # SpinArms: judged waits per block (SPIN_BLOCK), the longest of them
@@ -110,8 +117,10 @@ cdef class ClientPort:
     cdef readonly list free
     cdef readonly uint32_t slots   # slots_per_client
     cdef public int waiters
-    cdef bint fast                 # outputs made in C, results reused
-    cdef tuple outputs             # spec.outputs (made by NumPy unless fast)
+    cdef object spec               # spec.Spec
+    cdef Layout lay0               # the only method's, or None with several
+    cdef bint plain                # one method of one unnamed input: arrays as given
+    cdef bint fast                 # one method, outputs made in C, results reused
     cdef object in_dtype
     cdef tuple in_shape
     cdef int in_nd
@@ -132,22 +141,26 @@ cdef class ClientPort:
     # when it is freed).
     cdef PyObject *owner[SHM_MAX_SLOTS_PER_CLIENT]
 
-    cpdef object evaluate(self, object state, bint versioned=*, object key=*)
-    cpdef object evaluate_many(self, object states, bint versioned=*, object keys=*)
-    cpdef Pending submit(self, object states, bint block=*, bint versioned=*, object keys=*)
+    cpdef object evaluate(self, object state, bint versioned=*, object key=*, object method=*)
+    cpdef object evaluate_many(self, object states, bint versioned=*, object keys=*,
+                               object method=*)
+    cpdef Pending submit(self, object states, bint block=*, bint versioned=*, object keys=*,
+                         object method=*)
     cpdef give_back(self, uint32_t k)
-    cdef Pending _post(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
-                       list outs, object versions, bint block, bint own)
+    cdef Pending _post(self, Layout lay, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n,
+                       object keys, list outs, object versions, bint block, bint own)
     cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
                             Pending p, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -1
     cdef int _take(self, Py_ssize_t m, bint block, uint32_t *ks) except -1
     cdef int _collect(self, Pending p) except -1
     cdef int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns)
+    cdef Layout _layout(self, object method)
+    cdef cnp.ndarray _rows(self, object x, Layout lay, bint single)
     cdef cnp.ndarray _input(self, object x, bint single)
     cdef object _keys(self, object keys, Py_ssize_t n)
-    cdef list _new_outs(self, Py_ssize_t n)
-    cdef list _spare_outs(self, Py_ssize_t n)
+    cdef list _new_outs(self, Py_ssize_t n, Layout lay)
+    cdef list _spare_outs(self, Py_ssize_t n, Layout lay)
     cdef void _keep_spare(self, list outs) noexcept
     cdef bint _is_output(self, cnp.ndarray arr, Py_ssize_t j, Py_ssize_t rows)
     cdef bint _unreferenced(self, int older)
@@ -159,6 +172,7 @@ cdef class Pending:
     cdef void _abandon(self) noexcept
     cdef ClientPort port
     cdef Segment seg
+    cdef Layout lay                # its method's
     cdef readonly Py_ssize_t _n    # states submitted
     cdef readonly Py_ssize_t _m    # requests posted (the others the cache answered)
     cdef readonly list _outs
@@ -207,8 +221,19 @@ cdef class ServeGroup:
 cdef class Server:
     """The evaluator's side: collect a batch, then complete or fail it."""
     cdef Segment seg
+    cdef Layout lay               # the method of the group outstanding
     cdef readonly ServeGroup group
-    cdef shm_taken *taken         # its batch table, in this process's memory
+    cdef shm_taken *taken_all     # its batch table, in this process's memory
+    cdef shm_taken *taken         # ... from the group outstanding on
+    cdef uint32_t left            # requests of the batch not finished yet
+    cdef bint packed              # named inputs: made from the request rows
+    cdef bint multi               # several methods: a group per method
+    cdef object _rows             # request rows: grouped by method, or the batch's
+    cdef uint32_t gstart[16]      # each method's first row in _rows
+    cdef uint32_t gmethod[16]     # the batch's groups: method,
+    cdef uint32_t gcount[16]      # ... requests
+    cdef int ng, gi               # groups, and the one outstanding
+    cdef object _returned         # what serve() returns after _serve_group
     cdef char *batch
     cdef object _keep
     cdef uint32_t n
@@ -235,7 +260,12 @@ cdef class Server:
     cdef uint32_t *buckets        # padded batch sizes, ascending
     cdef uint32_t n_buckets
 
-    cdef void _set_n(self, uint32_t n) noexcept
+    cdef void _collected(self, uint32_t n) noexcept
+    cdef void _finished(self, uint32_t k) noexcept
+    cdef uint32_t _group(self, uint32_t n) except? 0xffffffff
+    cdef uint32_t _next_group(self) noexcept
+    cdef object _model_input(self, uint32_t rows)
+    cdef int _serve_group(self, object model, uint32_t n) except -1
     cdef void _seg_unlock(self) noexcept
     cpdef int collect(self, uint32_t max_batch, uint64_t spin_ns, uint64_t max_wait_ns,
                       uint64_t timeout_ns) except? -1000

@@ -70,6 +70,8 @@ LAYOUT_VERSION = SHM_LAYOUT_VERSION
 #: Bytes of text a replica can publish (Segment.set_report).
 REPORT_BYTES = 8 * SHM_REPORT_WORDS
 SPEC_MAX = SHM_SPEC_MAX
+#: The most methods one evaluator serves (spec.MAX_METHODS).
+MAX_METHODS = SHM_MAX_METHODS
 
 # Return values of Segment.wait(); final slot states are positive.
 DONE = SLOT_DONE
@@ -315,6 +317,7 @@ def all_finite(cnp.ndarray a, Py_ssize_t rows):
     return None if r < 0 else bool(r)
 
 
+include "_core/pyx/layout.pxi"
 include "_core/pyx/segment.pxi"
 include "_core/pyx/spin_arms.pxi"
 include "_core/pyx/port.pxi"

@@ -129,42 +129,48 @@ class Client(_ring.ClientBase):
 
     # ------------------------------------------------------------ public API
     @overload
-    def evaluate(self, state: Any, *, key: Optional[int] = None) -> Outputs: ...
+    def evaluate(self, state: Any, *, key: Optional[int] = None,
+                 method: Optional[str] = None) -> Outputs: ...
     @overload
     def evaluate(self, state: Any, return_version: Literal[False],
-                 key: Optional[int] = None) -> Outputs: ...
+                 key: Optional[int] = None, method: Optional[str] = None) -> Outputs: ...
     @overload
     def evaluate(self, state: Any, return_version: Literal[True],
-                 key: Optional[int] = None) -> tuple[Outputs, int]: ...
+                 key: Optional[int] = None,
+                 method: Optional[str] = None) -> tuple[Outputs, int]: ...
     @overload
-    def evaluate(self, state: Any, return_version: bool,
-                 key: Optional[int] = None) -> Outputs | tuple[Outputs, int]: ...
+    def evaluate(self, state: Any, return_version: bool, key: Optional[int] = None,
+                 method: Optional[str] = None) -> Outputs | tuple[Outputs, int]: ...
 
-    def evaluate(self, state: Any, return_version: bool = False,
-                 key: Optional[int] = None) -> Outputs | tuple[Outputs, int]:
+    def evaluate(self, state: Any, return_version: bool = False, key: Optional[int] = None,
+                 method: Optional[str] = None) -> Outputs | tuple[Outputs, int]:
         """Evaluates one state; returns ``{name: array of the output's shape}``,
         or ``(outputs, model_version)`` with ``return_version=True``: the
         version of the weights that computed it (0 for the model the
         evaluator started with, then as set by ``Evaluator.set_weights``).
         With an evaluation cache (``cache_entries``), ``key`` is the state's
         cache key (any int, e.g. a Zobrist hash; taken modulo 2**64) instead
-        of a hash of its bytes; without one it is ignored."""
-        return _ring.port_of(self).evaluate(state, return_version, key)  # type: ignore[no-any-return]
+        of a hash of its bytes; without one it is ignored.  Where the inputs
+        are named (``inputs=``, ``methods=``), ``state`` is a dict ``{name:
+        array}``; where there are several methods, ``method`` names the one
+        to call."""
+        return _ring.port_of(self).evaluate(state, return_version, key, method)  # type: ignore[no-any-return]
 
     @overload
-    def evaluate_many(self, states: Any, *, keys: Any = None) -> Outputs: ...
+    def evaluate_many(self, states: Any, *, keys: Any = None,
+                      method: Optional[str] = None) -> Outputs: ...
     @overload
-    def evaluate_many(self, states: Any, return_version: Literal[False],
-                      keys: Any = None) -> Outputs: ...
+    def evaluate_many(self, states: Any, return_version: Literal[False], keys: Any = None,
+                      method: Optional[str] = None) -> Outputs: ...
     @overload
-    def evaluate_many(self, states: Any, return_version: Literal[True],
-                      keys: Any = None) -> tuple[Outputs, np.ndarray]: ...
+    def evaluate_many(self, states: Any, return_version: Literal[True], keys: Any = None,
+                      method: Optional[str] = None) -> tuple[Outputs, np.ndarray]: ...
     @overload
-    def evaluate_many(self, states: Any, return_version: bool,
-                      keys: Any = None) -> Outputs | tuple[Outputs, np.ndarray]: ...
+    def evaluate_many(self, states: Any, return_version: bool, keys: Any = None,
+                      method: Optional[str] = None) -> Outputs | tuple[Outputs, np.ndarray]: ...
 
-    def evaluate_many(self, states: Any, return_version: bool = False,
-                      keys: Any = None) -> Outputs | tuple[Outputs, np.ndarray]:
+    def evaluate_many(self, states: Any, return_version: bool = False, keys: Any = None,
+                      method: Optional[str] = None) -> Outputs | tuple[Outputs, np.ndarray]:
         """Evaluates a batch ``[n, *input_shape]``; returns arrays with a
         leading dimension n.  Any n works: more than the client's slots are
         sent in several rounds.  With ``return_version=True`` returns
@@ -172,19 +178,22 @@ class Client(_ring.ClientBase):
         (rows may be computed in different batches, so versions may differ).
         ``keys``: n evaluation-cache keys (ints), instead of hashes of
         the states' bytes; rows the cache holds are answered at once and
-        only the others are sent."""
-        return _ring.port_of(self).evaluate_many(states, return_version, keys)  # type: ignore[no-any-return]
+        only the others are sent.  Named inputs: a dict of arrays, each
+        with the same leading dimension n; ``method``: as for
+        :meth:`evaluate`."""
+        return _ring.port_of(self).evaluate_many(states, return_version, keys, method)  # type: ignore[no-any-return]
 
     # Pipelined evaluation: shmeval.pipeline (docs/guide.md, Pipelining).
     def submit(self, states: Any, *, block: bool = True, return_version: bool = False,
-               keys: Any = None) -> "pipeline.Pending":
+               keys: Any = None, method: Optional[str] = None) -> "pipeline.Pending":
         """Posts states ``[n, *input_shape]`` (n at most ``slots_per_client``)
         and returns at once a :class:`~shmeval.pipeline.Pending`, whose
         ``result()`` returns what ``evaluate_many`` would (``keys``: as
         there).  With too few free slots it waits for the evaluator to
         answer this process's other requests, or with ``block=False``
-        raises :class:`~shmeval.pipeline.NoFreeSlots`."""
-        return _ring.port_of(self).submit(states, block, return_version, keys)
+        raises :class:`~shmeval.pipeline.NoFreeSlots`.  ``states`` and
+        ``method``: as for :meth:`evaluate_many`."""
+        return _ring.port_of(self).submit(states, block, return_version, keys, method)
 
     def wait_any(self, pendings: Iterable["pipeline.Pending"],
                  timeout: Optional[float] = None) -> "pipeline.Pending":
@@ -200,11 +209,12 @@ class Client(_ring.ClientBase):
         return pipeline.as_completed(self._process_entry(), pendings, timeout)
 
     async def evaluate_async(self, states: Any, return_version: bool = False,
-                             keys: Any = None) -> Any:
+                             keys: Any = None, method: Optional[str] = None) -> Any:
         """``evaluate_many`` for asyncio: ``await client.evaluate_async(states)``.
         The event loop is never blocked: one waiter thread per process
         watches every awaited request."""
-        return await pipeline.evaluate_async(self._process_entry(), states, return_version, keys)
+        return await pipeline.evaluate_async(self._process_entry(), states, return_version, keys,
+                                             method)
 
     def stats(self) -> Dict[str, Any]:
         """Evaluator statistics read from the segment (any process may ask).
@@ -239,6 +249,9 @@ class Client(_ring.ClientBase):
             segment.is_alive(seg.owner_pid, seg.owner_starttime)
         if seg.cache_entries:
             raw["cache"] = _cache_raw(seg)
+        if len(seg.layouts) > 1:
+            raw["methods"] = [(lay.name, counts)
+                              for lay, counts in zip(seg.layouts, seg.method_stats())]
         st = summarize(raw)
         reports = [read_report(seg, r) for r in range(len(raw["replicas"]))]
         if reports and reports[0] is not None:

@@ -37,7 +37,7 @@ from typing import (Any, Callable, Concatenate, Mapping, Optional, ParamSpec, Se
 
 from . import _ring
 from .checks import AUTO, as_number, check_auto
-from .spec import OutputsLike, ShapeLike, Spec
+from .spec import InputsLike, Method, OutputsLike, ShapeLike, Spec
 from .tuning import Overrides
 from .waiting import check_spin_auto, check_spin_us
 
@@ -141,22 +141,53 @@ def _set(obj: object, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)
 
 
+def _checked_io(spec: Spec) -> tuple[tuple[str, Any], ...]:
+    """The checked values of the input and output settings: those of one
+    unnamed input, of named inputs, or of methods, as the spec holds them."""
+    def fields(fs: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+        return {f.name: (f.shape, f.dtype) for f in fs}
+
+    if len(spec.methods) > 1 or spec.methods[0].name:
+        return (("methods", {m.name: Method(fields(m.inputs), fields(m.outputs))
+                             for m in spec.methods}),)
+    m = spec.methods[0]
+    if m.named:
+        return (("inputs", fields(m.inputs)), ("outputs", fields(m.outputs)))
+    return (("input_shape", m.inputs[0].shape), ("input_dtype", m.inputs[0].dtype),
+            ("outputs", fields(m.outputs)))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """The settings of an evaluator: the keyword arguments of
     ``Evaluator(model, ...)``, checked once.  ``spec`` and ``policy`` are
     built from them."""
 
-    input_shape: ShapeLike
-    """The shape of one state."""
-    outputs: OutputsLike
+    input_shape: Optional[ShapeLike] = None
+    """The shape of one state, an array (one unnamed input).  Give this,
+    ``inputs`` or ``methods``."""
+    outputs: Optional[OutputsLike] = None
     """``{name: (shape, dtype)}`` of one result: the model returns a dict of
     arrays by these names, a tuple or list in this order, or one array when
     one output is declared, each with a leading dimension of the batch's
-    rows."""
+    rows.  (With ``methods``, each Method has its own.)"""
     input_dtype: Any = "float32"
     """The dtype of one state: a fixed-size numeric or bool NumPy dtype.
     Client inputs are cast to it under NumPy's 'same_kind' casting."""
+    inputs: Optional[InputsLike] = None
+    """Named inputs, ``{name: (shape, dtype)}``, in place of
+    ``input_shape``: a request is a dict of arrays by these names (each
+    checked by name), and the model is called with a dict of batched
+    arrays.  For nets of several inputs (board planes and a legal-move
+    mask, spatial planes and global features)."""
+    methods: Optional[Mapping[str, Method]] = None
+    """Several functions of one set of weights, ``{name:
+    shmeval.Method(inputs=..., outputs=...)}``, in place of ``inputs`` and
+    ``outputs`` (MuZero's ``initial`` and ``recurrent`` inference): a
+    request names its method (``evaluate(x, method="recurrent")``), each
+    method's requests are batched with each other, and the model's function
+    of that name (``model[name]`` of a dict, else ``getattr(model, name)``)
+    is called with them.  Slots are sized for the largest method."""
     max_batch: int = 256
     """Most requests per model call (1 to 65536)."""
     max_wait_us: Union[float, str] = AUTO
@@ -231,14 +262,14 @@ class ServeConfig:
                              f"picks), got {self.metrics_port!r}")
         _set(self, "spin_us", check_spin_auto(self.spin_us))
         spec = Spec.build(self.input_shape, self.input_dtype, self.outputs, self.max_batch,
-                          self.max_clients, self.slots_per_client)
+                          self.max_clients, self.slots_per_client, inputs=self.inputs,
+                          methods=self.methods)
         policy = BatchPolicy.make(spec.max_batch, self.max_wait_us, self.buckets,
                                   self.evaluator_spin_us, self.serving_threads)
         # The checked values, plain Python and NumPy: the object pickles
         # into a serving process without the caller's types (a framework's
         # dtype, a list) and builds again the same (dataclasses.replace).
-        for name, value in (("input_shape", spec.input_shape), ("input_dtype", spec.input_dtype),
-                            ("outputs", {o.name: (o.shape, o.dtype) for o in spec.outputs}),
+        for name, value in (*_checked_io(spec),
                             ("max_batch", spec.max_batch), ("max_clients", spec.max_clients),
                             ("slots_per_client", spec.slots_per_client),
                             ("max_wait_us", policy.max_wait_us), ("buckets", policy.buckets),

@@ -95,7 +95,7 @@ class Evaluator(Client):
 
     @takes_settings(ServeConfig)
     def __init__(self, model: Model, config: ServeConfig) -> None:
-        if not callable(model):
+        if not callable(model) and len(config.spec.methods) == 1:
             raise TypeError(f"model must be callable, got {type(model).__name__}")
         check_not_bootstrapping("Evaluator()")
         t0 = time.perf_counter_ns()

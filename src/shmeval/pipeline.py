@@ -136,7 +136,7 @@ def as_completed(entry: ProcessEntry, pendings: Iterable[Pending],
 
 
 async def evaluate_async(entry: ProcessEntry, states: Any, return_version: bool = False,
-                         keys: Any = None) -> Result:
+                         keys: Any = None, method: Optional[str] = None) -> Result:
     """``Client.evaluate_async``: ``evaluate_many`` for asyncio.  Submits
     without blocking the event loop (awaiting free slots if need be), then
     awaits the answers, which the process's waiter thread announces.  The
@@ -144,7 +144,7 @@ async def evaluate_async(entry: ProcessEntry, states: Any, return_version: bool 
     loop = asyncio.get_running_loop()
     while True:
         try:
-            p = entry.port.submit(states, False, return_version, keys)
+            p = entry.port.submit(states, False, return_version, keys, method)
             break
         except NoFreeSlots:
             await async_waiter(entry).slots_freed(loop)

@@ -131,7 +131,7 @@ def create(spec: Spec, name: Optional[str] = None, replicas: int = 1,
         unlink(name)
         raise
     shm.close_fd()
-    seg.set_outputs(spec.outputs)
+    seg.set_spec(spec)
     return seg, name
 
 
@@ -179,7 +179,7 @@ def attach(name: str, expect: Optional[Spec] = None) -> tuple["_ring.Segment", S
         raise SegmentError(
             f"segment {name} serves another spec: expected {expect.to_json().decode()}, "
             f"found {spec.to_json().decode()}")
-    seg.set_outputs(spec.outputs)
+    seg.set_spec(spec)
     return seg, spec
 
 

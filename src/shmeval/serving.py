@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from . import _ring, segment
 from .config import ServeConfig
 from .errors import ModelError, exception_text
 from .restarts import Restart
+from .spec import MethodSpec, Spec
 from .tuning import Board, Decision, ServingTuner, model_concurrency
 
 Model = Callable[[np.ndarray], Any]
@@ -58,6 +59,24 @@ ISOLATE_GIVE_UP = 3
 ISOLATE_PAUSE_NS = 1_000_000_000
 
 
+def method_calls(model: Any, spec: Spec) -> Any:
+    """What serves each method's requests: the model itself when there is
+    one method; else a list, by method index, of the model's function of
+    each method's name (``model[name]`` of a dict, else ``getattr(model,
+    name)``).  ModelError naming a method the model lacks."""
+    if len(spec.methods) == 1:
+        return model
+    calls = []
+    for m in spec.methods:
+        fn = model.get(m.name) if isinstance(model, Mapping) else getattr(model, m.name, None)
+        if not callable(fn):
+            raise ModelError(f"the model ({type(model).__name__}) has no function for "
+                             f"{m.describe()}: give a dict of callables by method name, or "
+                             f"an object with a callable attribute {m.name!r}")
+        calls.append(fn)
+    return calls
+
+
 def prepare(model: Model, config: ServeConfig) -> ServeConfig:
     """The config after the model's optional ``prepare(spec, buckets)``
     hook (build, check the outputs against the spec, warm up every batch
@@ -65,6 +84,7 @@ def prepare(model: Model, config: ServeConfig) -> ServeConfig:
     return the bucket sizes it wants batches padded to when the settings
     name none."""
     policy = config.policy
+    method_calls(model, config.spec)  # a method the model lacks fails here
     hook = getattr(model, "prepare", None)
     if hook is None:
         return config
@@ -120,8 +140,15 @@ class ServingLoop:
         self.replica = replica
         self.device = device
         self.group = _ring.ServeGroup()
-        # Each server's batch buffer; isolate() reads a failed batch there.
-        self.batches = [np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype)
+        # What each method's requests are served by: the model (one
+        # method), or its function of each method's name.
+        self.calls = method_calls(model, spec)
+        # Each server's batch buffer: states of the one unnamed input, or
+        # request rows (named inputs, methods), from which the server makes
+        # the model's inputs.
+        plain = len(spec.methods) == 1 and not spec.methods[0].named
+        self.batches = [np.zeros((policy.rows,) + spec.input_shape, spec.input_dtype) if plain
+                        else np.zeros((policy.rows, spec.in_bytes), np.uint8)
                         for _ in range(policy.threads)]
         self.servers = [_ring.Server(seg, batch, self.group, replica * policy.threads + i,
                                      replica)
@@ -239,7 +266,7 @@ class ServingLoop:
             until = self.housekeeping_at
             if self.control_until:
                 until = min(until, _ring.now_ns() + CONTROL_POLL_NS)
-            kind, n, rows, detail, model_ns = server.serve(self.model, until)
+            kind, n, rows, detail, model_ns = server.serve(self.calls, until)
             if kind == _ring.SERVE_SLOW:
                 self.finish_slow(server, detail, n, rows, model_ns)
             elif kind == _ring.SERVE_RAISED:
@@ -422,7 +449,7 @@ class ServingLoop:
         do not fit the spec are the model's fault, not a row's: the whole
         batch fails)."""
         try:
-            arrays = self.check_outputs(out, n, rows)
+            arrays = self.check_outputs(out, n, rows, self.spec.methods[server.method])
         except Exception as e:
             server.record(n, rows, model_ns, True)
             server.fail(self.error_text(e))
@@ -465,9 +492,10 @@ class ServingLoop:
         serving meanwhile); the normal path never comes here.  Returns the
         outputs (n rows, zeros where a row failed) and {row: error text}
         of the rows that fail."""
-        batch = self.batches[self.servers.index(server)]
-        part = np.empty_like(batch)
-        arrays = [np.zeros((n,) + o.shape, o.dtype) for o in self.spec.outputs]
+        method = self.spec.methods[server.method]
+        batch = server.request_rows().copy()  # the group's requests
+        part = np.empty((self.policy.rows,) + batch.shape[1:], batch.dtype)
+        arrays = [np.zeros((n,) + o.shape, o.dtype) for o in method.outputs]
         failed: dict[int, str] = {}
         # Parts [lo, hi) of the batch, with the error of the call that
         # raised for them (or for the part that held them), and whether
@@ -480,7 +508,7 @@ class ServingLoop:
             if not tested and calls < ISOLATE_CALLS:
                 calls += 1
                 try:
-                    got = self.call_part(batch[lo:hi], part)
+                    got = self.call_part(batch[lo:hi], part, method)
                 except Exception as e:
                     todo.append((lo, hi, e, True))
                     continue
@@ -496,16 +524,18 @@ class ServingLoop:
         self.seg.stat_inc("isolated_rows", isolated)
         return arrays, failed
 
-    def call_part(self, x: np.ndarray, part: np.ndarray) -> list[np.ndarray]:
-        """The model's checked outputs for the rows x (isolate()): called
-        on them in ``part``, padded to a bucket size with copies of x's
-        first row, so that no other request's state (nor a stale one) is
-        in the call."""
+    def call_part(self, x: np.ndarray, part: np.ndarray, method: MethodSpec) -> list[np.ndarray]:
+        """The checked outputs of ``method``'s function for the rows x
+        (isolate(); states, or request rows of named inputs): called on them
+        in ``part``, padded to a bucket size with copies of x's first row,
+        so that no other request's state (nor a stale one) is in the call."""
         m = len(x)
         b = next(s for s in self.policy.buckets if s >= m) if self.policy.buckets else m
         part[:m] = x
         part[m:b] = x[0]
-        return [a[:m] for a in self.check_outputs(self.model(part[:b]), m, b)]
+        call = self.calls[method.index] if isinstance(self.calls, list) else self.calls
+        inputs = method.unpack(part[:b]) if method.named else part[:b]
+        return [a[:m] for a in self.check_outputs(call(inputs), m, b, method)]
 
     def answer(self, server: "_ring.Server", arrays: list[np.ndarray], n: int,
                failed: dict[int, str]) -> None:
@@ -514,7 +544,7 @@ class ServingLoop:
         with reject_nonfinite, those whose outputs hold NaN or inf: these
         get ModelError with their text (a NaN in one client's state must
         not fail the others batched with it)."""
-        bad, name = self.nonfinite_rows(arrays, n)
+        bad, name = self.nonfinite_rows(arrays, n, self.spec.methods[server.method])
         if bad.size:
             text = ModelError(f"model output {name!r} holds NaN or infinite values for this "
                               "request (pass reject_nonfinite=False to allow them)").message
@@ -546,9 +576,11 @@ class ServingLoop:
         return (text if len(text.encode("utf-8", "replace")) <= limit
                 else exception_text(e, limit))
 
-    def check_outputs(self, out: Any, n: int, rows: int) -> list[np.ndarray]:
-        """The model's outputs as C-contiguous arrays of the declared dtypes,
-        in declaration order; ModelError when they do not fit the spec.
+    def check_outputs(self, out: Any, n: int, rows: int,
+                      method: MethodSpec) -> list[np.ndarray]:
+        """The outputs of ``method``'s function as C-contiguous arrays of the
+        declared dtypes, in declaration order; ModelError when they do not
+        fit the spec (naming the method, where there are several).
 
         The rules, the same for every model (TFModel applies them in the
         traced function): an output whose rows hold as many values as the
@@ -556,40 +588,40 @@ class ServingLoop:
         a declared scalar ``()``, say); a dtype is cast under 'same_kind'
         casting; a dict may hold more outputs than declared, which are
         dropped, with one warning."""
-        spec = self.spec
-        names = spec.output_names
+        names = method.output_names
+        who = f"{method.describe()}: model" if method.name else "model"
         if isinstance(out, dict):
             missing = [k for k in names if k not in out]
             if missing:
-                raise ModelError(f"model output lacks {missing}; it returned keys "
+                raise ModelError(f"{who} output lacks {missing}; it returned keys "
                                  f"{sorted(map(str, out))}, expected {list(names)}")
             if len(out) > len(names):
                 self.warn_extra_outputs(sorted(str(k) for k in out if k not in names))
             given = [out[k] for k in names]
         elif isinstance(out, (tuple, list)):
             if len(out) != len(names):
-                raise ModelError(f"model returned {len(out)} outputs, expected {len(names)} "
+                raise ModelError(f"{who} returned {len(out)} outputs, expected {len(names)} "
                                  f"({', '.join(names)})")
             given = list(out)
         elif len(names) == 1:
             given = [out]
         else:
-            raise ModelError(f"model returned one {type(out).__name__}, expected a dict or "
+            raise ModelError(f"{who} returned one {type(out).__name__}, expected a dict or "
                              f"tuple of {len(names)} outputs ({', '.join(names)})")
         arrays = []
-        for o, arr in zip(spec.outputs, given):
+        for o, arr in zip(method.outputs, given):
             a = arr if type(arr) is np.ndarray else np.asarray(arr)
             if a.shape != (rows,) + o.shape:
                 if a.ndim == 0 or a.shape[0] != rows or \
                         math.prod(a.shape[1:]) != math.prod(o.shape):
                     raise ModelError(
-                        f"model output {o.name!r} has shape {a.shape}, expected "
+                        f"{who} output {o.name!r} has shape {a.shape}, expected "
                         f"{(rows,) + o.shape} for a batch of {rows} (or any shape "
                         f"(rows, ...) with {math.prod(o.shape)} values per row)")
                 a = a.reshape((rows,) + o.shape)
             if a.dtype != o.dtype:
                 if a.dtype.hasobject or not np.can_cast(a.dtype, o.dtype, "same_kind"):
-                    raise ModelError(f"model output {o.name!r} has dtype {a.dtype}, which "
+                    raise ModelError(f"{who} output {o.name!r} has dtype {a.dtype}, which "
                                      f"cannot be cast to {o.dtype} under 'same_kind' casting")
                 a = a.astype(o.dtype)
             elif not a.flags.c_contiguous:
@@ -608,13 +640,15 @@ class ServingLoop:
         for server in self.servers:
             server.extra_outputs_ok = True
 
-    def nonfinite_rows(self, arrays: list[np.ndarray], n: int) -> tuple[np.ndarray, str]:
-        """Rows (< n) whose float outputs hold NaN or inf when those are
-        rejected, and the name of the first output holding one."""
+    def nonfinite_rows(self, arrays: list[np.ndarray], n: int,
+                       method: MethodSpec) -> tuple[np.ndarray, str]:
+        """Rows (< n) whose float outputs (of ``method``) hold NaN or inf
+        when those are rejected, and the name of the first output holding
+        one."""
         bad = np.zeros(n, bool)
         name = ""
         if self.config.reject_nonfinite:
-            for o, a in zip(self.spec.outputs, arrays):
+            for o, a in zip(method.outputs, arrays):
                 if o.dtype.kind in "fc" and _ring.all_finite(a, n) is not True:
                     rows_bad = ~np.isfinite(a[:n].reshape(n, -1)).all(axis=1)
                     if rows_bad.any() and not name:

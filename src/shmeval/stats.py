@@ -65,6 +65,19 @@ def _replica(r: Dict[str, Any], uptime_ns: int) -> Dict[str, Any]:
     }
 
 
+def _method(counts: Sequence[int], uptime_ns: int) -> Dict[str, Any]:
+    """One method's figures: its requests, model calls, their mean size and
+    its share of the time in its model calls."""
+    requests, batches, model_ns = (int(x) for x in counts)
+    return {
+        "requests": requests,
+        "batches": batches,
+        "mean_batch": requests / batches if batches else 0.0,
+        "model_ms_per_batch": model_ns / batches / 1e6 if batches else 0.0,
+        "model_time_share": model_ns / uptime_ns if uptime_ns else 0.0,
+    }
+
+
 def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
     requests = int(raw["requests"])
     batches = int(raw["batches"])
@@ -119,6 +132,9 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
         "heartbeat_age_s": (now - int(raw["heartbeat_ns"])) / 1e9 if raw["heartbeat_ns"] else None,
         "replicas": [_replica(r, uptime_ns) for r in raw.get("replicas", ())],
         "cache": _cache(raw["cache"]) if raw.get("cache") else None,
+        # An evaluator of several methods: each one's figures, by name.
+        "methods": ({name: _method(counts, uptime_ns) for name, counts in raw["methods"]}
+                    if raw.get("methods") else None),
     }
 
 

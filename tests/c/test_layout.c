@@ -396,7 +396,7 @@ static void test_attach(void) {
     CORRUPT("out_bytes 32->1100", SHM_E_PARAMS, h->params.out_bytes = 1100);
     CORRUPT("replicas 1->2", SHM_E_PARAMS, h->params.replicas = 2);
     CORRUPT("replicas 0", SHM_E_PARAMS, h->params.replicas = 0);
-    CORRUPT("servers 1->3", SHM_E_PARAMS, h->params.servers = 3);
+    CORRUPT("servers 1->33", SHM_E_PARAMS, h->params.servers = 33);
     CORRUPT("in_bytes 336->400", SHM_E_PARAMS, h->params.in_bytes = 400);
     CORRUPT("max_batch 0", SHM_E_PARAMS, h->params.max_batch = 0);
     CORRUPT("in_bytes 0", SHM_E_PARAMS, h->params.in_bytes = 0);

@@ -48,7 +48,7 @@ def test_unknown_missing_and_bad_settings_are_refused_up_front() -> None:
     with pytest.raises(TypeError, match=r"Evaluator.__init__\(\) got an unexpected keyword "
                                         r"argument 'restarts'"):
         shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE, outputs=OUTPUTS, restarts=1)
-    with pytest.raises(TypeError, match="missing a required argument: 'outputs'"):
+    with pytest.raises(TypeError, match="outputs must be a non-empty dict"):
         shmeval.Evaluator(fake_model, input_shape=INPUT_SHAPE)
     with pytest.raises(ValueError, match="restarts must be an int >= 0"):
         SpawnConfig(input_shape=INPUT_SHAPE, outputs=OUTPUTS, restarts=-1)

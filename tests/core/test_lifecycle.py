@@ -897,8 +897,20 @@ def _spec_dict() -> dict[str, Any]:
 
 
 def _spec_with(**changes: Any) -> bytes:
+    """The spec's JSON with changes: of the capacities, or of the one
+    method's input_shape, input_dtype (its one input's) or outputs."""
     d = _spec_dict()
-    d.update(changes)
+    (method,) = d["methods"]  # [name, named, [[input, shape, dtype]], [[output, shape, dtype]...]]
+    (inp,) = method[2]
+    for key, value in changes.items():
+        if key == "input_shape":
+            inp[1] = value
+        elif key == "input_dtype":
+            inp[2] = value
+        elif key == "outputs":
+            method[3] = value
+        else:
+            d[key] = value
     return json.dumps(d).encode()
 
 

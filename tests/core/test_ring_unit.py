@@ -933,3 +933,102 @@ def test_the_collect_lock_is_taken_over_only_from_a_dead_replica() -> None:
         a.unlock()
     finally:
         segment.unlink(name)
+
+
+@pytest.mark.timeout(30)
+def test_a_put_back_after_failed_rows_finds_every_request_kept() -> None:
+    """A replica that failed some rows of its batch (fail_rows) and died
+    before it completed the others: the replica that puts its batch back
+    finds every request it kept, not only the first ones of the batch (the
+    segment's table lists the whole batch until none of it is left)."""
+    spec = Spec.build(INPUT_SHAPE, "float32", OUTPUTS, 8, 4, 8)
+    seg, name = segment.create(spec, replicas=2, servers=2)
+    try:
+        a = _ring.Server(seg, np.zeros((8,) + INPUT_SHAPE, np.float32), _ring.ServeGroup(), 0, 0)
+        b = _ring.Server(seg, np.zeros((8,) + INPUT_SHAPE, np.float32), _ring.ServeGroup(), 1, 1)
+        seg.set_serving(0, os.getpid(), 0)
+        c = seg.register(os.getpid(), 0, 0)
+        gens = seg.post(c, [0, 1, 2, 3], np.stack([make_state(t) for t in range(4)]), 0)
+        assert a.collect(8, 0, 0, 10 * MS) == 4
+        assert a.fail_rows([0, 1], "refused") == 2   # rows 2 and 3 are kept
+        assert [seg.slot_state(c, k)[0] for k in range(4)] == [FAILED, FAILED, TAKEN, TAKEN]
+        seg.set_serving(1, os.getpid(), 0)
+        assert seg.replica_stop(0, "dead") >= 0
+        # b holds the collect lock (serve() returns IDLE holding it), then
+        # puts a's batch back: both requests it kept are READY again.
+        b.configure(serve_config(8), 5 * MS)
+        assert b.serve(fake_model, 0)[0] == _ring.SERVE_IDLE
+        assert b.requeue_replica(0) == 2
+        b.unlock()
+        assert [seg.slot_state(c, k)[0] for k in (2, 3)] == [READY, READY]
+        assert b.collect(8, 0, 0, 10 * MS) == 2
+        out = fake_model(b.request_rows().copy())
+        b.complete([np.ascontiguousarray(out[k]) for k in spec.output_names], 0)
+        for k, tag in ((2, 2), (3, 3)):
+            outs = [np.zeros((1,) + o.shape, o.dtype) for o in spec.outputs]
+            assert seg.fetch(c, k, gens[k], outs, 0) == 0
+            assert outs[1][0] == expected(tag)[1]
+    finally:
+        segment.unlink(name)
+
+
+@pytest.mark.timeout(30)
+def test_a_batch_of_two_methods_is_served_a_method_at_a_time() -> None:
+    """Requests of two methods taken in one collect: each method's function
+    is called once, with its own requests' inputs only (by name), and each
+    answer has its method's outputs; a request whose header names no
+    method fails alone."""
+    methods = {
+        "initial": shmeval.Method(inputs={"obs": ((3,), "float32")},
+                                  outputs={"hidden": ((2,), "float32"), "value": ((), "float32")}),
+        "recurrent": shmeval.Method(inputs={"hidden": ((2,), "float32"), "action": ((), "int64")},
+                                    outputs={"hidden": ((2,), "float32"),
+                                             "reward": ((), "float64")}),
+    }
+    spec = Spec.build(None, None, None, 8, 4, 8, methods=methods)
+    seg, name = segment.create(spec)
+    try:
+        ini, rec = spec.methods
+        server = _ring.Server(seg, np.zeros((8, spec.in_bytes), np.uint8))
+        seg.set_serving(0, os.getpid(), 0)
+        c = seg.register(os.getpid(), 0, 0)
+        calls: list[tuple[str, int]] = []
+
+        def initial(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            calls.append(("initial", len(x["obs"])))
+            return {"hidden": x["obs"][:, :2] * 2, "value": x["obs"].sum(axis=1)}
+
+        def recurrent(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            calls.append(("recurrent", len(x["hidden"])))
+            return {"hidden": (x["hidden"] + x["action"][:, None]).astype(np.float32),
+                    "reward": x["action"].astype(np.float64) / 2}
+
+        rows = np.zeros((5, spec.in_bytes), np.uint8)
+        for i, m in enumerate([ini, rec, ini, rec, ini]):
+            x = ({"obs": np.array([i, i + 1, i + 2], np.float32)} if m is ini else
+                 {"hidden": np.array([i, -i], np.float32), "action": np.array(i, np.int64)})
+            rows[i, :4].view(np.uint32)[0] = m.index
+            for f in m.inputs:
+                rows[i, f.offset:f.offset + f.nbytes] = np.ascontiguousarray(
+                    x[f.name], f.dtype).reshape(-1).view(np.uint8)
+        bad = rows[0].copy()
+        bad[:4].view(np.uint32)[0] = 7  # names no method
+        gens = seg.post(c, list(range(6)), np.concatenate([rows, bad[None]]), 0)
+        server.configure(serve_config(8, input_shape=None, outputs=None, methods=methods), 5 * MS)
+        kind = server.serve([initial, recurrent], 0)[0]
+        assert kind == _ring.SERVE_IDLE
+        server.unlock()
+        assert calls == [("initial", 3), ("recurrent", 2)]
+        for i, m in enumerate([ini, rec, ini, rec, ini]):
+            outs = [np.zeros((1,) + o.shape, o.dtype) for o in m.outputs]
+            assert seg.fetch(c, i, gens[i], outs, 0, m.index) == 0
+            if m is ini:
+                np.testing.assert_array_equal(outs[0][0], [2 * i, 2 * i + 2])
+                assert outs[1][0] == 3 * i + 3
+            else:
+                np.testing.assert_array_equal(outs[0][0], [2 * i, 0])
+                assert outs[1][0] == i / 2
+        assert "no method" in seg.fetch(c, 5, gens[5], [np.zeros((1, 2), np.float32),
+                                                        np.zeros(1, np.float32)], 0)
+    finally:
+        segment.unlink(name)

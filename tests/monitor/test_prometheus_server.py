@@ -2,8 +2,11 @@
 installs) scrapes the exporter of an evaluator under load, on loopback
 ports: through its HTTP query API the counters rise during the load, and
 once it stops every histogram's buckets add up to the request or batch
-count, and it runs every query of docs/grafana-dashboard.json.  Nothing is left running: Prometheus is stopped and waited for, the
-exporter and the evaluator closed.  Without the binary the test is
+count, and it runs every query of docs/grafana-dashboard.json; for an
+evaluator of two methods it holds each method's series, and the
+dashboard's per-method queries give one series per method.  Nothing is
+left running: Prometheus is stopped and waited for, the exporter and the
+evaluator closed.  Without the binary the test is
 skipped, or fails in CI (tests/external.py)."""
 from __future__ import annotations
 
@@ -186,3 +189,45 @@ def test_prometheus_scrapes_an_evaluator_under_load(prometheus_binary: str, tmp_
                 w.join()
         prom.stop()
     assert prom.proc.returncode is not None
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_prometheus_has_each_methods_series(prometheus_binary: str, tmp_path: Path) -> None:
+    import shmeval
+
+    methods = {"initial": shmeval.Method(inputs={"obs": ((3,), "float32")},
+                                         outputs={"value": ((), "float32")}),
+               "recurrent": shmeval.Method(inputs={"hidden": ((2,), "float32")},
+                                           outputs={"value": ((), "float32")})}
+    model = {"initial": lambda x: {"value": x["obs"].sum(axis=1)},
+             "recurrent": lambda x: {"value": x["hidden"].sum(axis=1)}}
+    with shmeval.Evaluator(model, methods=methods, max_batch=16) as ev, \
+            start_exporter(ev.address, 0) as exporter:
+        prom = Prometheus(prometheus_binary, tmp_path, exporter.port)
+        try:
+            prom.wait_ready()
+            for n in (1, 2, 3):
+                ev.evaluate_many({"obs": np.ones((n, 3), np.float32)}, method="initial")
+            for _ in range(4):
+                ev.evaluate_many({"hidden": np.ones((5, 2), np.float32)}, method="recurrent")
+            figures = ev.stats()["methods"]
+            for name, requests in (("initial", 6), ("recurrent", 20)):
+                labels = f'{{method="{name}"}}'
+                assert prom.wait_for("shmeval_method_requests_total" + labels,
+                                     lambda v, n=requests: v == n) == requests
+                assert prom.one("shmeval_method_batches_total" + labels) == \
+                    figures[name]["batches"]
+                assert prom.one("shmeval_method_model_seconds_total" + labels) > 0
+            # The dashboard's per-method queries: one series per method, once
+            # the window holds two scrapes (a rate needs two samples).
+            for expr in dashboard_queries():
+                if "shmeval_method_" not in expr:
+                    continue
+                expr = expr.replace("$job", "shmeval").replace("$__rate_interval", "5s")
+                deadline = time.monotonic() + WAIT_S
+                while (got := sorted(json.loads(k)["method"] for k in prom.query(expr))) != \
+                        ["initial", "recurrent"] and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert got == ["initial", "recurrent"], expr
+        finally:
+            prom.stop()

@@ -35,10 +35,15 @@ def unshare(*flags: str) -> list[str]:
     return [exe, *flags, "--fork"]
 
 
-def run(cmd: list[str], timeout: float = 60) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+def child_env() -> dict[str, str]:
+    """The environment of a child Python: the tests' helpers, and the same
+    shmeval as this process (a checkout built in place on PYTHONPATH)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
         [TESTS] + ([os.environ["PYTHONPATH"]] if "PYTHONPATH" in os.environ else [])))
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def run(cmd: list[str], timeout: float = 60) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -85,8 +90,7 @@ def test_cleanup_keeps_a_segment_of_another_pid_namespace() -> None:
     # sh is pid 1 in the new namespace; the python it forks gets `pid`.
     script = (f"echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "
               f"{sys.executable} -c '{CREATOR}'")
-    env = dict(os.environ, PYTHONPATH=TESTS)
-    p = subprocess.Popen(unshare("--pid", "--mount-proc") + ["sh", "-c", script], env=env,
+    p = subprocess.Popen(unshare("--pid", "--mount-proc") + ["sh", "-c", script], env=child_env(),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdin is not None

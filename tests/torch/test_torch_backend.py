@@ -459,7 +459,7 @@ def test_weight_updates_freeze_again(torch: Any, backend: Any) -> None:
     assert tm.frozen and "frozen again" in tm.freeze_reason, tm.freeze_reason
     _answers_match(tm, pv_net(2), x)
     tm.set_weights(pv_net(3).state_dict())
-    tm._fold.saving = (1e12, 0.0)  # as if an unfrozen call lost 1000 s: the next one freezes
+    tm.methods[""].fold.saving = (1e12, 0.0)  # as if an unfrozen call lost 1000 s: it freezes
     tm(x[:1])
     assert tm.frozen
     _answers_match(tm, pv_net(3), x)
@@ -533,10 +533,12 @@ def test_own_convolution_rows(backend: Any, monkeypatch: Any) -> None:
                 timed.append(rows)
             return 5 * (frozen_ns if name == "frozen" else small_ns)(rows)
 
-        monkeypatch.setattr(backend, "best_ns", best_ns)
-        tm = backend.TorchModel(pv_net(1))
-        tm.spec, tm._input_dtype = spec, backend.torch.float32
-        return tm._own_conv_rows(form("frozen"), form("small"), sizes), timed
+        from shmeval.backends import _torch_method
+
+        monkeypatch.setattr(_torch_method, "best_ns", best_ns)
+        served = backend.TorchModel(pv_net(1)).methods[""]
+        served.bind(spec.methods[0], spec.max_batch)
+        return served.own_conv_split(form("frozen"), form("small"), sizes), timed
 
     # Cheaper by 30 ns at 2 rows, dearer by 30 at 4: they cross at 3.
     assert run(lambda r: 100 + 10 * r, lambda r: 10 + 40 * r) == (3, [2, 4])
@@ -552,30 +554,31 @@ def test_own_convolution_serves_small_batches(torch: Any, backend: Any,
     batches up to own_conv_rows, the frozen module the larger ones; a weight
     update drops it with the frozen module, and freezing again rebuilds it
     with the new weights."""
-    monkeypatch.setattr(backend.TorchModel, "_own_conv_rows", lambda self, *a: 4)
+    monkeypatch.setattr(backend.ServedMethod, "own_conv_split", lambda self, *a: 4)
     spec = Spec.build(INPUT_SHAPE, F32, OUTPUTS, 8, 1, 1)
     x = random_states(8, 5)
     tm = backend.TorchModel(pv_net(1))
     tm.prepare(spec, None)
+    served = tm.methods[""]
     assert tm.frozen and tm.own_conv_rows == 4
-    assert "aten::thnn_conv2d" in str(tm._small.graph)
+    assert "aten::thnn_conv2d" in str(served.small.graph)
     seen: list[int] = []
-    small = tm._small
+    small = served.small
 
     def counted(batch: Any) -> Any:
         seen.append(len(batch))
         return small(batch)
 
-    tm._small = counted
+    served.small = counted
     for rows in range(1, 9):
         _answers_match(tm, pv_net(1), x[:rows])
     assert sorted(set(seen)) == [1, 2, 3, 4]
     tm.set_weights(pv_net(2).state_dict())
-    assert tm._small is None
+    assert served.small is None
     _answers_match(tm, pv_net(2), x[:2])
-    tm._fold.saving = (1e12, 0.0)  # the next call freezes again
+    served.fold.saving = (1e12, 0.0)  # the next call freezes again
     tm(x[:1])
-    assert tm.frozen and "aten::thnn_conv2d" in str(tm._small.graph)
+    assert tm.frozen and "aten::thnn_conv2d" in str(served.small.graph)
     for rows in (2, 8):
         _answers_match(tm, pv_net(2), x[:rows])
 

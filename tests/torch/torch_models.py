@@ -118,3 +118,87 @@ def misbehaving_net() -> Any:
             return out
 
     return Misbehaving().eval()
+
+
+#: A MuZero-style net's sizes: observations of OBS values, hidden states of
+#: HIDDEN, ACTIONS actions.
+OBS, HIDDEN, ACTIONS = 8, 6, 4
+
+
+def muzero_net(seed: int = 0) -> Any:
+    """A MuZero-style net of representation, dynamics and prediction
+    functions, serving two methods: ``initial_inference(observation)`` ->
+    {hidden_state, policy, value} and ``recurrent_inference(hidden_state,
+    action)`` -> {hidden_state, reward, policy, value} (action an int64
+    index; the value a scalar per row, the reward an (n, 1) column).  Its
+    methods are marked for TorchScript, so that torch.jit.script keeps
+    them."""
+    import torch
+
+    class MuZeroNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.representation = torch.nn.Linear(OBS, HIDDEN)
+            self.dynamics = torch.nn.Linear(HIDDEN + ACTIONS, HIDDEN)
+            # Folded into the linear layers before them by freezing: a
+            # frozen function holds weights of its own.
+            self.representation_norm = torch.nn.BatchNorm1d(HIDDEN)
+            self.dynamics_norm = torch.nn.BatchNorm1d(HIDDEN)
+            self.reward = torch.nn.Linear(HIDDEN, 1)
+            self.policy = torch.nn.Linear(HIDDEN, ACTIONS)
+            self.value = torch.nn.Linear(HIDDEN, 1)
+            self.actions = ACTIONS
+
+        def prediction(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.policy(h), torch.tanh(self.value(h))[:, 0]
+
+        @torch.jit.export
+        def initial_inference(self, observation: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = torch.relu(self.representation_norm(self.representation(observation)))
+            p, v = self.prediction(h)
+            return {"hidden_state": h, "policy": p, "value": v}
+
+        @torch.jit.export
+        def recurrent_inference(self, hidden_state: torch.Tensor,
+                                action: torch.Tensor) -> dict[str, torch.Tensor]:
+            a = torch.nn.functional.one_hot(action, self.actions).to(hidden_state.dtype)
+            h = torch.relu(self.dynamics_norm(self.dynamics(torch.cat([hidden_state, a], 1))))
+            p, v = self.prediction(h)
+            return {"hidden_state": h, "reward": self.reward(h), "policy": p, "value": v}
+
+        def forward(self, observation: torch.Tensor) -> dict[str, torch.Tensor]:
+            return self.initial_inference(observation)
+
+    net = MuZeroNet()
+    state = net.state_dict()
+    net.load_state_dict({k: torch.from_numpy(w) for k, w in zip(state, seeded_weights(net, seed))})
+    return net.eval()
+
+
+#: A masked AlphaZero net's board: PLANES planes of ROWS x COLS; a move per column.
+PLANES, ROWS, COLS = 2, 6, 7
+
+
+def masked_net(seed: int = 0) -> Any:
+    """An AlphaZero-style net of two named inputs, ``planes`` (float32
+    (PLANES, ROWS, COLS)) and ``mask`` (bool (COLS,), the legal moves):
+    forward(planes, mask) -> {policy: probabilities, 0 where illegal,
+    value}."""
+    import torch
+
+    class MaskedNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(PLANES, 4, 3, padding=1)
+            self.policy = torch.nn.Linear(4 * ROWS * COLS, COLS)
+            self.value = torch.nn.Linear(4 * ROWS * COLS, 1)
+
+        def forward(self, planes: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = torch.relu(self.conv(planes)).flatten(1)
+            logits = self.policy(h).masked_fill(~mask, float("-inf"))
+            return {"policy": torch.softmax(logits, 1), "value": torch.tanh(self.value(h))}
+
+    net = MaskedNet()
+    state = net.state_dict()
+    net.load_state_dict({k: torch.from_numpy(w) for k, w in zip(state, seeded_weights(net, seed))})
+    return net.eval()

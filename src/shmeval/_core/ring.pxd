@@ -7,6 +7,7 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 cdef extern from "ring.h" nogil:
     uint64_t SHM_SPIN_YIELD
     enum: SHM_REPORT_WORDS
+    enum: SHM_MAX_METHODS
 
     ctypedef struct shm_params:
         uint64_t in_bytes
@@ -169,6 +170,8 @@ cdef extern from "ring.h" nogil:
                                  const uint64_t *field_off, uint64_t model_version)
     uint32_t shm_fail(shm_seg *s, shm_taken *taken, uint32_t n,
                       const char *msg, uint32_t len)
+    void shm_record_method(shm_seg *s, uint32_t m, uint32_t n, uint64_t model_ns)
+    uint64_t shm_method_stat(shm_seg *s, uint32_t m, uint32_t which)
     void shm_record_batch(shm_seg *s, uint32_t r, uint32_t n, uint32_t rows,
                           uint64_t model_ns, int failed)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 import numpy as np
 
 from ..errors import ModelError
-from ..spec import Spec
+from ..spec import MethodSpec, Spec
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -168,8 +168,9 @@ def castable(have: Any, want: np.dtype[Any], is_float: bool) -> bool:
         return False
 
 
-def check_warm_outputs(out: Mapping[str, Any], spec: Spec, rows: int) -> None:
-    """The outputs of a warm-up batch of ``rows`` have the declared shapes."""
+def check_warm_outputs(out: Mapping[str, Any], spec: Union[Spec, MethodSpec], rows: int) -> None:
+    """The outputs of a warm-up batch of ``rows`` have the declared shapes
+    (``spec``: an evaluator's of one method, or one method's)."""
     for o in spec.outputs:
         shape = tuple(out[o.name].shape)
         if shape != (rows, *o.shape):
@@ -209,3 +210,101 @@ def npz_weights(path: PathLike) -> list[np.ndarray]:
             raise ValueError(f"load_weights: {path} holds {sorted(z.files)}, expected "
                              "arr_0, arr_1, ... (np.savez(path, *weights))")
         return [z[k] for k in keys]
+
+
+# -- named inputs and several methods ------------------------------------------------
+# An evaluator's spec may declare named inputs (the model gets a dict of
+# batched arrays) and several methods (the callable of each is the model's
+# attribute of that name); see shmeval.spec.
+
+
+def methods_arg(methods: Any, who: str) -> dict[str, Any]:
+    """A backend's ``methods=`` argument: a non-empty dict whose keys are
+    method names (identifiers, as ``Evaluator(methods=...)`` takes them)."""
+    if not isinstance(methods, Mapping) or not methods:
+        raise TypeError(f"{who}(methods=...) must be a non-empty dict {{method name: "
+                        f"function}}, got {methods!r}")
+    for name in methods:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TypeError(f"{who}(methods=...): method names must be identifiers, got "
+                            f"{name!r}")
+    return dict(methods)
+
+
+def expose_methods(owner: Any, callables: Mapping[str, Callable[[Any], Any]], who: str) -> None:
+    """Sets each method's callable as the attribute of its name on the
+    backend's object ``owner`` (where the evaluator looks it up); a name
+    that is already one of ``owner``'s attributes is refused."""
+    for name, call in callables.items():
+        if hasattr(owner, name):
+            raise ValueError(f"{who}(methods=...): {name!r} is an attribute of {who} itself; "
+                             "give the method another name (here and in the evaluator's "
+                             "methods=)")
+    for name, call in callables.items():
+        setattr(owner, name, call)
+
+
+def for_method(m: MethodSpec, message: str) -> str:
+    """``message`` naming method ``m`` ("method 'recurrent': ..."), as it is
+    for an evaluator's only method."""
+    return f"{m.describe()}: {message}" if m.name else message
+
+
+def method_not_served(m: MethodSpec, served: Sequence[str], who: str) -> ModelError:
+    """The error of a declared method the backend has no function for."""
+    if not m.name:
+        return ModelError(f"the evaluator serves one method, called as the model itself; "
+                          f"{who} was given only methods= ({', '.join(map(repr, served))})")
+    have = ", ".join(repr(s) for s in served if s) or "none"
+    return ModelError(f"{m.describe()} is declared by the evaluator, but {who} has no function "
+                      f"for it (its methods=: {have})")
+
+
+def check_method_outputs(out: Mapping[str, Any], m: MethodSpec, rows: int) -> None:
+    """The outputs of a warm-up batch of ``rows`` of method ``m`` have the
+    declared shapes (ModelError naming the method and the output)."""
+    for o in m.outputs:
+        shape = tuple(out[o.name].shape)
+        if shape != (rows, *o.shape):
+            raise ModelError(for_method(m, f"model output {o.name!r} has shape {shape} for a "
+                                           f"batch of {rows}, expected {(rows, *o.shape)}"))
+
+
+def zero_inputs(m: MethodSpec, rows: int) -> Any:
+    """A batch of ``rows`` zero states of method ``m``, as the evaluator
+    passes them: an array for one unnamed input, else a dict by input name."""
+    if not m.named:
+        f = m.inputs[0]
+        return np.zeros((rows, *f.shape), f.dtype)
+    return {f.name: np.zeros((rows, *f.shape), f.dtype) for f in m.inputs}
+
+
+def check_named_batch(batch: Any, m: MethodSpec, who: str) -> int:
+    """The rows of ``batch``, a dict ``{input name: ndarray [rows, *shape]}``
+    holding exactly method ``m``'s inputs with their declared shapes and
+    dtypes; TypeError / ValueError naming the method and the input
+    otherwise."""
+    where = f"{who} ({m.describe()})" if m.name else who
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"{where} takes a dict {{input name: array}} of the inputs "
+                        f"{list(m.input_names)}, got a {type(batch).__name__}")
+    if len(batch) != len(m.inputs) or not all(f.name in batch for f in m.inputs):
+        missing = [n for n in m.input_names if n not in batch]
+        extra = [str(k) for k in batch if k not in m.input_names]
+        raise ValueError(f"{where} takes the inputs {list(m.input_names)}; "
+                         + "; ".join(w for w in (f"missing {missing}" if missing else "",
+                                                 f"not declared {extra}" if extra else "") if w))
+    rows = -1
+    for f in m.inputs:
+        a = batch[f.name]
+        if not (isinstance(a, np.ndarray) and a.ndim == len(f.shape) + 1
+                and a.shape[1:] == f.shape and a.dtype == f.dtype):
+            got = (f"an array of shape {a.shape}, dtype {a.dtype}" if isinstance(a, np.ndarray)
+                   else f"a {type(a).__name__}")
+            raise ValueError(f"{where}: input {f.name!r} must be an ndarray [rows, *{f.shape}] "
+                             f"{f.dtype}, got {got}")
+        if rows not in (-1, len(a)):
+            raise ValueError(f"{where}: input {f.name!r} has {len(a)} rows, the inputs before "
+                             f"it {rows}")
+        rows = len(a)
+    return rows

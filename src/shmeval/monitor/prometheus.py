@@ -84,6 +84,16 @@ def batch_size_buckets(batch_hist: np.ndarray) -> List[Tuple[str, float]]:
     return out
 
 
+#: Each method's counters (an evaluator of several methods), labelled by
+#: method: (metric name without _total, help text), in the order of a
+#: method's raw counts (requests, model calls, model ns).
+METHOD_COUNTERS = (
+    ("shmeval_method_requests", "Requests of each method answered, failed ones included."),
+    ("shmeval_method_batches", "Model calls of each method."),
+    ("shmeval_method_model_seconds", "Time in each method's model calls."),
+)
+
+
 #: Keys of a replica's dict that identify it (labels, not values).
 REPLICA_IDENTITY = ("replica", "pid", "starttime")
 #: A replica's figures that count up (the others are gauges).
@@ -101,8 +111,9 @@ def _number(v: Any) -> Optional[float]:
 class SegmentCollector:
     """A prometheus_client collector that reads the evaluator's segment at
     each scrape: counters, histograms of batch size, queue wait and model
-    time, gauges of state, clients and model version; the replicas, cache
-    and tuner figures when ``stats()`` has them."""
+    time, gauges of state, clients and model version; each method's
+    counters for an evaluator of several methods; the replicas, cache and
+    tuner figures when ``stats()`` has them."""
 
     def __init__(self, reader: EvaluatorReader) -> None:
         self.reader = reader
@@ -136,8 +147,23 @@ class SegmentCollector:
         yield HistogramMetricFamily(
             "shmeval_model_seconds", "Time of each model call.",
             buckets=latency_buckets(raw["hist_model"]), sum_value=int(raw["model_ns"]) / 1e9)
+        yield from self._methods(raw)
         yield from self._gauges(st)
         yield from self._extras(st)
+
+    def _methods(self, raw: Dict[str, Any]) -> Iterator[Metric]:
+        """``shmeval_method_requests_total``, ``shmeval_method_batches_total``
+        and ``shmeval_method_model_seconds_total`` labelled by method, for an
+        evaluator of several methods (none for one)."""
+        methods = raw.get("methods")
+        if not methods:
+            return
+        for i, (name, doc) in enumerate(METHOD_COUNTERS):
+            scale = 1e-9 if name.endswith("_seconds") else 1.0
+            family = CounterMetricFamily(name, doc, labels=["method"])
+            for method, counts in methods:
+                family.add_metric([method], int(counts[i]) * scale)
+            yield family
 
     def _gauges(self, st: Dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily("shmeval_up", "1 while the evaluator serves, else 0.",

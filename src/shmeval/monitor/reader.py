@@ -3,7 +3,7 @@ the segment's cumulative counters, histograms and client table, and the
 figures of the interval between two snapshots."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -26,7 +26,9 @@ class Snapshot:
     """What the segment held at one moment."""
 
     #: ``Segment.raw_stats()``: the cumulative counters, ``hist_wait``,
-    #: ``hist_model``, ``batch_hist``, ``now_ns`` (CLOCK_MONOTONIC).
+    #: ``hist_model``, ``batch_hist``, ``now_ns`` (CLOCK_MONOTONIC); for an
+    #: evaluator of several methods also ``methods``, ``[(name, (requests,
+    #: model calls, model ns))]`` in the order they were declared.
     raw: Dict[str, Any]
     #: ``stats()``: the summary, with ``replicas``, ``cache`` and ``tuner``
     #: when the evaluator has them.
@@ -54,7 +56,11 @@ class EvaluatorReader:
         attached = {(c, pid, starttime): counts.get(c, 0)
                     for c, pid, starttime, _pid_ns, detached in self.seg.clients()
                     if not detached}
-        return Snapshot(self.seg.raw_stats(), self.client.stats(), attached)
+        raw = self.seg.raw_stats()
+        if len(self.seg.layouts) > 1:
+            raw["methods"] = [(lay.name, tuple(int(x) for x in counts))
+                              for lay, counts in zip(self.seg.layouts, self.seg.method_stats())]
+        return Snapshot(raw, self.client.stats(), attached)
 
     def gone(self) -> Optional[str]:
         """Why the evaluator no longer serves, None while it does: it was
@@ -65,6 +71,48 @@ class EvaluatorReader:
         except (EvaluatorClosed, EvaluatorDied) as e:
             return str(e)
         return None
+
+
+@dataclass(frozen=True)
+class MethodInterval:
+    """One method's figures between two snapshots (an evaluator of several
+    methods)."""
+
+    seconds: float
+    requests: int
+    #: Its model calls.
+    batches: int
+    #: Time in its model calls, ns.
+    model_ns: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def mean_batch(self) -> Optional[float]:
+        return self.requests / self.batches if self.batches else None
+
+    @property
+    def model_ms_per_batch(self) -> Optional[float]:
+        return self.model_ns / self.batches / 1e6 if self.batches else None
+
+    @property
+    def model_share(self) -> float:
+        """Its model calls' share of the interval."""
+        return self.model_ns / 1e9 / self.seconds
+
+
+def _method_intervals(a: Snapshot, b: Snapshot, dt: float) -> Dict[str, MethodInterval]:
+    """Each method's figures between ``a`` and ``b``, in declaration order;
+    empty for an evaluator of one method."""
+    before = dict(a.raw.get("methods") or ())
+    out: Dict[str, MethodInterval] = {}
+    for name, counts in b.raw.get("methods") or ():
+        requests, batches, model_ns = (int(x) - int(y)
+                                       for x, y in zip(counts, before.get(name, (0, 0, 0))))
+        out[name] = MethodInterval(dt, requests, batches, model_ns)
+    return out
 
 
 @dataclass(frozen=True)
@@ -85,6 +133,9 @@ class Interval:
     model_share: float
     #: Requests/s of each client entry attached at both ends.
     client_rates: Dict[ClientKey, float]
+    #: Each method's figures, by name in declaration order (empty for an
+    #: evaluator of one method).
+    methods: Dict[str, MethodInterval] = field(default_factory=dict)
 
     @classmethod
     def between(cls, a: Snapshot, b: Snapshot) -> "Interval":
@@ -102,7 +153,8 @@ class Interval:
             model_call_ns=hist_percentiles(grew("hist_model"), PERCENTILES),
             model_share=int(grew("model_ns")) / 1e9 / dt,
             client_rates={key: (n - a.client_requests[key]) / dt
-                          for key, n in b.client_requests.items() if key in a.client_requests})
+                          for key, n in b.client_requests.items() if key in a.client_requests},
+            methods=_method_intervals(a, b, dt))
 
     @property
     def requests_per_s(self) -> float:

@@ -1,7 +1,8 @@
 """``shmeval stats ADDRESS --watch``: a live terminal view of a running
 evaluator, redrawn every interval from two snapshots of its segment
 (rates, batch sizes and percentiles of the last interval, per-client
-rates, and the replicas, cache and tuner when the evaluator has them).
+rates, per-method rates when it serves several methods, and the replicas,
+cache and tuner when the evaluator has them).
 Without a terminal it prints the last view only, when it stops."""
 from __future__ import annotations
 
@@ -27,14 +28,20 @@ def _rate(x: Optional[float]) -> str:
     return "-" if x is None or math.isnan(x) else fmt_rate(x)
 
 
+def _durations(ns: List[float]) -> str:
+    """Durations given in ns, " / " between them, in the unit that keeps
+    the largest under 1000."""
+    top = max(ns)
+    unit, scale = next(((u, s) for u, s in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)) if top >= s),
+                       ("ns", 1.0))
+    return " / ".join(f"{v / scale:.3g}" for v in ns) + f" {unit}"
+
+
 def _percentiles(p_ns: Dict[str, float]) -> str:
     """p50 / p90 / p99 in the unit that keeps the largest under 1000."""
     if any(math.isnan(v) for v in p_ns.values()):
         return "-"
-    top = max(p_ns.values())
-    unit, scale = next(((u, s) for u, s in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)) if top >= s),
-                       ("ns", 1.0))
-    return " / ".join(f"{v / scale:.3g}" for v in p_ns.values()) + f" {unit}"
+    return _durations(list(p_ns.values()))
 
 
 def _size_range(lo: int, hi: int) -> str:
@@ -126,6 +133,28 @@ def _clients(iv: Interval) -> RenderableType:
     return t
 
 
+def _methods(snap: Snapshot, iv: Optional[Interval]) -> Table:
+    """One row per method: its requests/s, mean batch, mean model time per
+    call and model busy share over the last interval, and its requests
+    since the start."""
+    t = Table(box=None, padding=(0, 2), show_edge=False, header_style="dim")
+    t.add_column("method", justify="left")
+    for col in ("requests/s", "mean batch", "model per batch", "model busy",
+                "requests since start"):
+        t.add_column(col, justify="right")
+    for name, total in snap.stats["methods"].items():
+        m = iv.methods.get(name) if iv is not None else None
+        if m is None:
+            t.add_row(name, "-", "-", "-", "-", f"{total['requests']:,}")
+            continue
+        t.add_row(name, _rate(m.requests_per_s),
+                  f"{m.mean_batch:.1f}" if m.mean_batch else "-",
+                  _durations([m.model_ms_per_batch * 1e6])
+                  if m.model_ms_per_batch is not None else "-",
+                  f"{m.model_share:.0%}", f"{total['requests']:,}")
+    return t
+
+
 def _value(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}"
@@ -161,6 +190,8 @@ def render(address: str, snap: Snapshot, iv: Optional[Interval], every: float) -
         parts += [Text(), Text("clients, last interval (slowest first)", style="bold"),
                   _clients(iv)]
     st = snap.stats
+    if st.get("methods"):
+        parts += [Text(), Text("methods, last interval", style="bold"), _methods(snap, iv)]
     if st.get("replicas"):
         parts += [Text(), Text("replicas", style="bold"), _replicas(st["replicas"])]
     for name in ("cache", "tuner"):

@@ -128,7 +128,7 @@ cdef class Pending:
                                                  (deadline - _monotonic()) * 1e9))
             try:
                 rc = port._wait_one(k, gen, wait_ns)
-                r = rc if rc < 0 else self.seg._fetch(port.c, k, gen, self._outs,
+                r = rc if rc < 0 else self.seg._fetch(self.lay, port.c, k, gen, self._outs,
                                                       self.rows[i], True)
             except BaseException:
                 self._unclaim(i)
@@ -217,8 +217,8 @@ cdef class Pending:
             self.exc = ModelError(self.error)
             raise self.exc.with_traceback(None)
         result = {}
-        for j in range(self.seg.n_out):
-            result[self.seg.out_names[j]] = self._outs[j]
+        for j in range(self.lay.n_out):
+            result[self.lay.out_names[j]] = self._outs[j]
         self.result_ = result if self._versions is None else (result, self._versions)
         return self.result_
 
@@ -248,7 +248,7 @@ cdef class Pending:
                 continue  # not answered yet
             self._claim_at(i)
             try:
-                r = (self.seg._fetch(port.c, k, gen, self._outs, self.rows[i], True)
+                r = (self.seg._fetch(self.lay, port.c, k, gen, self._outs, self.rows[i], True)
                      if w >> SLOT_GEN_SHIFT == gen else SHM_STALE)
             except BaseException:
                 self._unclaim(i)

@@ -25,6 +25,7 @@ cdef class ClientPort:
         cdef int i
         spec = entry.spec
         self.seg = seg
+        self.spec = spec
         self.c = c
         self.entry = entry
         self.pid = _current_pid
@@ -32,48 +33,57 @@ cdef class ClientPort:
         self.free = list(range(self.slots))
         self.abandoned = []
         self.spares = []
-        self.outputs = tuple(spec.outputs)
-        self.in_dtype = spec.input_dtype
-        self.in_shape = tuple(spec.input_shape)
-        self.in_nd = len(self.in_shape)
-        for i in range(min(self.in_nd, 32)):
-            self.in_dims[i] = self.in_shape[i]
+        # The only method's Layout, when there is one; its one unnamed
+        # input is taken as the caller's array (plain), named inputs are
+        # packed into request rows (_pack).
+        self.lay0 = seg.layouts[0] if len(seg.layouts) == 1 else None
+        self.plain = self.lay0 is not None and not self.lay0.method.named
+        if self.plain:
+            self.in_dtype = spec.input_dtype
+            self.in_shape = tuple(spec.input_shape)
+            self.in_nd = len(self.in_shape)
+            for i in range(min(self.in_nd, 32)):
+                self.in_dims[i] = self.in_shape[i]
         # Outputs of native built-in dtypes are made in C (PyArray_EMPTY),
-        # and a result nobody holds any more is reused; any other declared
-        # output is made by NumPy.
-        self.fast = seg.out_native and seg.n_out > 0
+        # and a result nobody holds any more is reused (one method only);
+        # any other declared output is made by NumPy.
+        self.fast = self.lay0 is not None and self.lay0.out_native and self.lay0.n_out > 0
         self.arms = SpinArms(entry.spin_ns, entry.spin_long_ns)
         self.timeout_ns = entry.timeout_ns
         self.ncpu = entry.ncpu
 
     # ------------------------------------------------------------ public
-    cpdef object evaluate(self, object state, bint versioned=False, object key=None):
-        """One state: ``{name: array of the output's shape}``; with
-        versioned the pair (outputs, model version).  key: the state's
-        evaluation-cache key, or None to hash its bytes."""
-        cdef cnp.ndarray a = self._input(state, True)
+    cpdef object evaluate(self, object state, bint versioned=False, object key=None,
+                          object method=None):
+        """One state (a dict of named inputs where they are named):
+        ``{name: array of the output's shape}``; with versioned the pair
+        (outputs, model version).  key: the state's evaluation-cache key,
+        or None to hash its bytes; method: the method's name (None: the
+        only one)."""
+        cdef Layout lay = self._layout(method)
+        cdef cnp.ndarray a = self._rows(state, lay, True)
         cdef dict result = None
         cdef list outs
         cdef Pending p
         cdef Py_ssize_t j
         # A result nobody references is reused; it is taken out of the
         # port while in use, so that another thread cannot take it too.
-        if self._unreferenced(0):
+        if self.fast and self._unreferenced(0):
             result, outs = self.last, self.last_outs
             self.last = self.last_outs = None
-        elif self._unreferenced(1):
+        elif self.fast and self._unreferenced(1):
             result, outs = self.prev, self.prev_outs
             self.prev = self.prev_outs = None
         else:
-            outs = self._new_outs(-1)
-        p = self._post(a, 0, 1, None if key is None else (key,), outs, None, True, False)
+            outs = self._new_outs(-1, lay)
+        p = self._post(lay, a, 0, 1, None if key is None else (key,), outs, None, True, False)
         self._collect(p)
         if p.error is not None:
             raise ModelError(p.error)
         if result is None:
             result = {}
             for j in range(len(outs)):
-                result[self.seg.out_names[j]] = outs[j]
+                result[lay.out_names[j]] = outs[j]
         if self.fast:
             if self.last is not None:  # not reused: it becomes the older one
                 self.prev, self.prev_outs = self.last, self.last_outs
@@ -82,15 +92,18 @@ cdef class ClientPort:
             return (result, p.version)
         return result
 
-    cpdef object evaluate_many(self, object states, bint versioned=False, object keys=None):
-        """A batch ``[n, *input_shape]``: arrays with a leading dimension n
-        (with versioned, also an int64 array of n model versions).  More
-        rows than the entry's slots are sent in rounds of a slot each.
-        Raises ModelError (the last failed row's) once every row is in."""
-        cdef cnp.ndarray a = self._input(states, False)
+    cpdef object evaluate_many(self, object states, bint versioned=False, object keys=None,
+                               object method=None):
+        """A batch ``[n, *input_shape]`` (a dict of such arrays where the
+        inputs are named): arrays with a leading dimension n (with
+        versioned, also an int64 array of n model versions).  More rows
+        than the entry's slots are sent in rounds of a slot each.  Raises
+        ModelError (the last failed row's) once every row is in."""
+        cdef Layout lay = self._layout(method)
+        cdef cnp.ndarray a = self._rows(states, lay, False)
         cdef Py_ssize_t n = cnp.PyArray_DIM(a, 0), start = 0, m, j
         cdef cnp.npy_intp dims[1]
-        cdef list outs = self._new_outs(n)
+        cdef list outs = self._new_outs(n, lay)
         cdef object versions = None
         cdef object error = None
         cdef dict result = {}
@@ -101,7 +114,7 @@ cdef class ClientPort:
             versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
         while start < n:
             m = min(n - start, <Py_ssize_t>self.slots)
-            p = self._post(a, start, m, keys, outs, versions, True, False)
+            p = self._post(lay, a, start, m, keys, outs, versions, True, False)
             self._collect(p)
             if p.error is not None:
                 error = p.error
@@ -109,18 +122,19 @@ cdef class ClientPort:
         if error is not None:
             raise ModelError(error)
         for j in range(len(outs)):
-            result[self.seg.out_names[j]] = outs[j]
+            result[lay.out_names[j]] = outs[j]
         if versioned:
             return (result, versions)
         return result
 
     cpdef Pending submit(self, object states, bint block=True, bint versioned=False,
-                         object keys=None):
+                         object keys=None, object method=None):
         """Posts a batch of at most ``slots`` states and returns its
         Pending at once.  With too few free slots: waits for this process's
         other requests to be answered, or with block False raises
         NoFreeSlots."""
-        cdef cnp.ndarray a = self._input(states, False)
+        cdef Layout lay = self._layout(method)
+        cdef cnp.ndarray a = self._rows(states, lay, False)
         cdef Py_ssize_t n = cnp.PyArray_DIM(a, 0)
         cdef cnp.npy_intp dims[1]
         cdef object versions = None
@@ -131,7 +145,7 @@ cdef class ClientPort:
         if versioned:
             dims[0] = n
             versions = cnp.PyArray_ZEROS(1, dims, cnp.NPY_INT64, 0)
-        return self._post(a, 0, n, keys, self._spare_outs(n), versions, block, True)
+        return self._post(lay, a, 0, n, keys, self._spare_outs(n, lay), versions, block, True)
 
     cpdef give_back(self, uint32_t k):
         """Slot k is free again (its answer was copied out)."""
@@ -157,13 +171,14 @@ cdef class ClientPort:
         return self.arms.report()
 
     # ------------------------------------------------------------ post
-    cdef Pending _post(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
-                       list outs, object versions, bint block, bint own):
-        """The post, for every caller: rows start..start+n of a are answered
-        into the same rows of outs (and versions) -- from the evaluation
-        cache where it holds them, the others through the evaluator -- and
-        their Pending returned with those in flight.  own: a submit's
-        Pending, which the entry's harvests may collect (port.owner)."""
+    cdef Pending _post(self, Layout lay, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n,
+                       object keys, list outs, object versions, bint block, bint own):
+        """The post, for every caller: rows start..start+n of a (request
+        rows of lay's method, in_bytes each) are answered into the same
+        rows of outs (and versions) -- from the evaluation cache where it
+        holds them, the others through the evaluator -- and their Pending
+        returned with those in flight.  own: a submit's Pending, which the
+        entry's harvests may collect (port.owner)."""
         cdef Pending p = Pending.__new__(Pending)
         cdef Py_ssize_t m, i
         cdef Py_ssize_t rows[SHM_MAX_SLOTS_PER_CLIENT]
@@ -174,6 +189,7 @@ cdef class ClientPort:
         cdef const char *src = <const char *>cnp.PyArray_DATA(a)
         p.port = self
         p.seg = self.seg
+        p.lay = lay
         p._n = n
         p._outs = outs
         p._versions = versions
@@ -223,8 +239,9 @@ cdef class ClientPort:
             return n
         try:
             for i in range(start, start + n):
-                if self.seg._cache_get(self.c, src + i * inb, None if keys is None else keys[i],
-                                       p._outs, i, &k1s[m], &k2s[m], &v):
+                if self.seg._cache_get(p.lay, self.c, src + i * inb,
+                                       None if keys is None else keys[i], p._outs, i, &k1s[m],
+                                       &k2s[m], &v):
                     p.version = <int64_t>v
                     if p._versions is not None:
                         (<int64_t *>cnp.PyArray_DATA(p._versions))[i] = <int64_t>v
@@ -284,6 +301,28 @@ cdef class ClientPort:
         return rc
 
     # ------------------------------------------------------------ inputs
+    cdef Layout _layout(self, object method):
+        """The Layout of the method called `method` (None: the only one)."""
+        cdef Layout lay
+        if method is None and self.lay0 is not None:
+            return self.lay0
+        if method is not None:
+            for lay in self.seg.layouts:
+                if lay.method.name == method:
+                    return lay
+        return self.seg.layouts[self.spec.method(method).index]  # raises, naming them
+
+    cdef cnp.ndarray _rows(self, object x, Layout lay, bint single):
+        """The request rows of x for lay's method: the caller's array itself
+        where it is one unnamed input of the right dtype and shape (_input),
+        else packed (_pack)."""
+        if self.pid != _current_pid:
+            raise ShmevalError("this port belongs to another process (a fork's parent); "
+                               "call through the Client")
+        if self.plain:
+            return self._input(x, single)
+        return _pack(x, lay.method, self.seg.seg.p.in_bytes, self.spec.header_bytes, single)
+
     cdef cnp.ndarray _input(self, object x, bint single):
         """x as a C-contiguous array of the declared dtype: one state
         (single) or a batch with a leading axis.  The common case, an array
@@ -291,9 +330,6 @@ cdef class ClientPort:
         or refused with a message naming what is wrong (_as_input)."""
         cdef cnp.ndarray a
         cdef int i, lead = 0 if single else 1
-        if self.pid != _current_pid:
-            raise ShmevalError("this port belongs to another process (a fork's parent); "
-                               "call through the Client")
         if type(x) is cnp.ndarray and self.in_nd <= 32:
             a = <cnp.ndarray>x
             if cnp.PyArray_IS_C_CONTIGUOUS(a) and cnp.PyArray_NDIM(a) == self.in_nd + lead and (
@@ -314,25 +350,25 @@ cdef class ClientPort:
         return keys
 
     # ------------------------------------------------------------ outputs
-    cdef list _new_outs(self, Py_ssize_t n):
-        """Empty output arrays of n rows (n < 0: of one state, no leading
-        axis)."""
+    cdef list _new_outs(self, Py_ssize_t n, Layout lay):
+        """Empty output arrays of lay's method, of n rows (n < 0: of one
+        state, no leading axis)."""
         cdef cnp.npy_intp dims[33]  # rows, then up to 32
         cdef cnp.npy_intp *od
         cdef Py_ssize_t j, d, lead = 0 if n < 0 else 1
         cdef list outs = []
-        if not self.fast:
-            return [np.empty(((n,) if lead else ()) + o.shape, o.dtype) for o in self.outputs]
+        if not lay.out_native:
+            return [np.empty(((n,) if lead else ()) + o.shape, o.dtype)
+                    for o in lay.method.outputs]
         dims[0] = n
-        for j in range(self.seg.n_out):
-            od = self.seg._out_dims(j)
-            for d in range(self.seg.out_nd[j]):
+        for j in range(lay.n_out):
+            od = lay._out_dims(j)
+            for d in range(lay.out_nd[j]):
                 dims[d + lead] = od[d]
-            outs.append(cnp.PyArray_EMPTY(self.seg.out_nd[j] + lead, dims,
-                                          self.seg.out_type[j], 0))
+            outs.append(cnp.PyArray_EMPTY(lay.out_nd[j] + lead, dims, lay.out_type[j], 0))
         return outs
 
-    cdef list _spare_outs(self, Py_ssize_t n):
+    cdef list _spare_outs(self, Py_ssize_t n, Layout lay):
         """Output arrays of n rows that a freed Pending left (spares) and
         nothing references any more, unchanged; else new ones.  Allocating
         them is a good part of what a submit costs the worker."""
@@ -340,13 +376,13 @@ cdef class ClientPort:
         cdef list outs
         cdef PyObject *x
         if not self.fast:
-            return self._new_outs(n)
+            return self._new_outs(n, lay)
         for i in range(len(self.spares) - 1, -1, -1):
             outs = <list>PyList_GET_ITEM(self.spares, i)
             # References: the spares list, and `outs` here.
-            if Py_REFCNT(<PyObject *>outs) != 2 or len(outs) != self.seg.n_out:
+            if Py_REFCNT(<PyObject *>outs) != 2 or len(outs) != lay.n_out:
                 continue
-            for j in range(self.seg.n_out):
+            for j in range(lay.n_out):
                 x = PyList_GET_ITEM(outs, j)
                 # One reference from the list: nobody else.
                 if Py_REFCNT(x) != 1 or not self._is_output(<cnp.ndarray>x, j, n):
@@ -354,20 +390,21 @@ cdef class ClientPort:
             else:
                 del self.spares[i]
                 return outs
-        return self._new_outs(n)
+        return self._new_outs(n, lay)
 
     cdef bint _is_output(self, cnp.ndarray arr, Py_ssize_t j, Py_ssize_t rows):
         """arr is still what output j was made as: C-contiguous, writeable,
         of its type and shape, with a first axis of rows (rows < 0: none)."""
         cdef Py_ssize_t d, lead = 0 if rows < 0 else 1
         cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(arr)
-        cdef cnp.npy_intp *want = self.seg._out_dims(j)
+        cdef Layout lay = self.lay0  # (fast: the only method's)
+        cdef cnp.npy_intp *want = lay._out_dims(j)
         if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or not cnp.PyArray_ISWRITEABLE(arr) or \
-                cnp.PyArray_TYPE(arr) != self.seg.out_type[j] or \
-                cnp.PyArray_NDIM(arr) != self.seg.out_nd[j] + lead or \
+                cnp.PyArray_TYPE(arr) != lay.out_type[j] or \
+                cnp.PyArray_NDIM(arr) != lay.out_nd[j] + lead or \
                 (lead and dims[0] != rows):
             return False
-        for d in range(self.seg.out_nd[j]):
+        for d in range(lay.out_nd[j]):
             if dims[d + lead] != want[d]:
                 return False
         return True
@@ -399,12 +436,12 @@ cdef class ClientPort:
         cdef PyObject *cached = <PyObject *>(self.prev if older else self.last)
         cdef PyObject *cached_outs = <PyObject *>(self.prev_outs if older else self.last_outs)
         if cached == <PyObject *>None or Py_REFCNT(cached) != 1 or \
-                PyDict_Size(<object>cached) != self.seg.n_out:
+                PyDict_Size(<object>cached) != self.lay0.n_out:
             return False
-        for j in range(self.seg.n_out):
+        for j in range(self.lay0.n_out):
             x = PyList_GET_ITEM(<object>cached_outs, j)
             # One reference from the cached list, one from the dict: nobody else.
-            if Py_REFCNT(x) != 2 or PyDict_GetItem(<object>cached, self.seg.out_names[j]) != x:
+            if Py_REFCNT(x) != 2 or PyDict_GetItem(<object>cached, self.lay0.out_names[j]) != x:
                 return False
             # Unchanged in place too (a caller may set .shape or resize).
             if not self._is_output(<cnp.ndarray>x, j, -1):
@@ -412,12 +449,13 @@ cdef class ClientPort:
         return True
 
 
-cdef object _as_input(object x, object dtype, tuple shape, bint single):
+cdef object _as_input(object x, object dtype, tuple shape, bint single, str what=None):
     """x as a C-contiguous array of dtype: of shape `shape` (single), or
     (n, *shape); TypeError when its dtype cannot be cast under 'same_kind'
     casting, ValueError for a wrong shape (checked before any cast, so a
-    wrong-shaped array is never copied)."""
-    what = "state" if single else "states"
+    wrong-shaped array is never copied).  what: how errors name x."""
+    if what is None:
+        what = "state" if single else "states"
     a = x if type(x) is np.ndarray else np.asarray(x)
     if a.dtype != dtype and (a.dtype.hasobject or not np.can_cast(a.dtype, dtype, "same_kind")):
         raise TypeError(f"{what} has dtype {a.dtype}, which cannot be cast to the expected "
@@ -433,6 +471,44 @@ cdef object _as_input(object x, object dtype, tuple shape, bint single):
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
     return a
+
+
+cdef cnp.ndarray _pack(object x, object method, uint64_t in_bytes, uint64_t header,
+                       bint single):
+    """The request rows (uint8, n x in_bytes) of named inputs x, a dict
+    {name: array} of one state (single) or of n each: the method's index
+    first where there are several (header), then each input's bytes at its
+    offset.  Every input is checked by name (the right names, each one's
+    dtype and shape, the same number of states in each) and errors name the
+    method and the input, before anything is sent."""
+    where = f" of method {method.name!r}" if method.name else ""
+    names = method.input_names
+    if not isinstance(x, dict):
+        raise TypeError(f"the inputs{where} are named {list(names)}: pass a dict "
+                        f"{{name: array}}, not {type(x).__name__}")
+    missing = [k for k in names if k not in x]
+    extra = [k for k in x if k not in names]
+    if missing or extra:
+        raise ValueError(f"the inputs{where} are {list(names)}: "
+                         + "; ".join(w for w in (f"missing {missing}" if missing else "",
+                                                 f"not declared {extra}" if extra else "")
+                                     if w))
+    arrays = []
+    n = 1
+    for i, f in enumerate(method.inputs):
+        a = _as_input(x[f.name], f.dtype, f.shape, single, f"input {f.name!r}{where}")
+        if not single:
+            if i and a.shape[0] != n:
+                raise ValueError(f"the inputs{where} hold different numbers of states: "
+                                 f"{names[0]!r} {n}, {f.name!r} {a.shape[0]}")
+            n = a.shape[0]
+        arrays.append(a)
+    rows = np.zeros((n, in_bytes), np.uint8)
+    if header:
+        rows[:, :4].view(np.uint32)[:, 0] = method.index
+    for f, a in zip(method.inputs, arrays):
+        rows[:, f.offset:f.offset + f.nbytes] = a.reshape(n, -1).view(np.uint8)
+    return rows
 
 
 cdef int _check_keys(object keys, Py_ssize_t n) except -1:

@@ -14,7 +14,6 @@ cdef class Segment:
                 free(<void *><size_t>addr)
         if self.addr != NULL:
             munmap(self.addr, self.size)
-        self._free_outputs()
         free(self.cbuf)
 
     cdef uint32_t _begin(self, uint32_t c, uint32_t k) except? 0xffffffff:
@@ -112,54 +111,10 @@ cdef class Segment:
                 raise MemoryError()
         return 0
 
-    def set_outputs(self, tuple outputs):
-        """The declared outputs (spec.OutputSpec: name, offset, nbytes, shape,
-        dtype), in order.  Client and server fast paths read them from here."""
-        cdef Py_ssize_t j, i, n = len(outputs), at = 0
-        cdef Py_ssize_t total = sum(len(o.shape) for o in outputs)
-        self._free_outputs()
-        self.n_out = 0
-        self.out_off = <uint64_t *>malloc(sizeof(uint64_t) * max(1, n))
-        self.out_nbytes = <uint64_t *>malloc(sizeof(uint64_t) * max(1, n))
-        self.out_nd = <int *>malloc(sizeof(int) * max(1, n))
-        self.out_type = <int *>malloc(sizeof(int) * max(1, n))
-        self.out_at = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * max(1, n))
-        self.out_shape = <cnp.npy_intp *>malloc(sizeof(cnp.npy_intp) * max(1, total))
-        if not (self.out_off and self.out_nbytes and self.out_nd and self.out_type and
-                self.out_at and self.out_shape):
-            raise MemoryError()
-        for j, o in enumerate(outputs):
-            if o.offset + o.nbytes > self.seg.p.out_bytes:
-                raise ValueError("output field exceeds the result row")
-            self.out_off[j] = o.offset
-            self.out_nbytes[j] = o.nbytes
-            self.out_nd[j] = len(o.shape)
-            self.out_type[j] = o.dtype.num
-            self.out_at[j] = at
-            for i in range(len(o.shape)):
-                self.out_shape[at + i] = o.shape[i]
-            at += len(o.shape)
-        self.out_names = tuple(o.name for o in outputs)
-        self.out_float = [o.dtype.kind in "fc" for o in outputs]
-        self.out_native = all(o.dtype.isnative and o.dtype.num < cnp.NPY_NTYPES_LEGACY and
-                              len(o.shape) <= 32 for o in outputs)
-        self.n_out = len(outputs)
-
-    cdef void _free_outputs(self):
-        free(self.out_off)
-        free(self.out_nbytes)
-        free(self.out_nd)
-        free(self.out_type)
-        free(self.out_at)
-        free(self.out_shape)
-        self.out_off = self.out_nbytes = NULL
-        self.out_nd = self.out_type = NULL
-        self.out_at = NULL
-        self.out_shape = NULL
-
-    cdef inline cnp.npy_intp *_out_dims(self, Py_ssize_t j) noexcept:
-        """Output j's shape (out_nd[j] dimensions), in C."""
-        return &self.out_shape[self.out_at[j]]
+    def set_spec(self, object spec):
+        """The spec's methods (spec.Spec), each as a Layout, in order:
+        client and server read their outputs' places from these."""
+        self.layouts = tuple(Layout(m, self.seg.p.out_bytes) for m in spec.methods)
 
     # ---------------------------------------------------------------- header
     @property
@@ -333,6 +288,13 @@ cdef class Segment:
 
     def stat(self, name):
         return shm_stat_get(&self.seg, STAT_INDEX[name])
+
+    def method_stats(self):
+        """[(requests, model calls, model ns)] of each method, in order (an
+        evaluator of several methods counts them; one method, zeros)."""
+        cdef uint32_t m
+        return [(shm_method_stat(&self.seg, m, 0), shm_method_stat(&self.seg, m, 1),
+                 shm_method_stat(&self.seg, m, 2)) for m in range(len(self.layouts))]
 
     def raw_stats(self):
         """Counters and histograms, read with relaxed loads (a snapshot)."""
@@ -556,12 +518,14 @@ cdef class Segment:
                                         t, &which)
         return which, rc
 
-    def fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row):
-        """Copies a finished slot's outputs into dst[j][row] and frees the slot.
-        Returns the model version (DONE), the error text as str (FAILED), or
-        STALE when the slot was reclaimed (nothing is delivered)."""
+    def fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
+              Py_ssize_t method=0):
+        """Copies a finished slot's outputs (those of the request's method,
+        by index) into dst[j][row] and frees the slot.  Returns the model
+        version (DONE), the error text as str (FAILED), or STALE when the
+        slot was reclaimed (nothing is delivered)."""
         self._slot(c, k)
-        return self._fetch(c, k, gen, dst, row)
+        return self._fetch(self.layouts[method], c, k, gen, dst, row)
 
     def answer(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
                uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu):
@@ -573,15 +537,16 @@ cdef class Segment:
         rc = self._wait(c, k, gen, spin_ns, timeout_ns, ncpu)
         if rc < 0:
             return rc
-        return self._fetch(c, k, gen, dst, row)
+        return self._fetch(self.layouts[0], c, k, gen, dst, row)
 
-    cdef object _fetch(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
-                       bint trusted=False):
+    cdef object _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
+                       Py_ssize_t row, bint trusted=False):
         """Copies out the answer of the request begun with generation gen and
         releases the slot; STALE (and nothing delivered) when the slot was
         reclaimed before or during the copy: the release validates the copy
-        (shm_slot_release).  trusted: dst are arrays of the declared outputs
-        (ClientPort made or checked them), so their size needs no check."""
+        (shm_slot_release).  lay: the request's method; trusted: dst are
+        arrays of its declared outputs (ClientPort made them), so their size
+        needs no check."""
         cdef uint32_t st, w
         cdef int rc
         cdef shm_slot_meta *m
@@ -595,8 +560,8 @@ cdef class Segment:
         out = shm_slot_out(&self.seg, c, k)
         if st == SLOT_DONE:
             if not trusted:
-                self._check_dst(dst, row)
-            self._deliver(out, dst, row)
+                self._check_dst(lay, dst, row)
+            self._deliver(lay, out, dst, row)
             version = m.model_version
             result = version
         elif st == SLOT_FAILED:
@@ -612,7 +577,7 @@ cdef class Segment:
             if version > self.seen_version:
                 self.seen_version = version
             if self.ck1[k]:
-                self._cache_put(c, self.ck1[k], self.ck2[k], version, dst, row)
+                self._cache_put(lay, c, self.ck1[k], self.ck2[k], version, dst, row)
         return result
 
     def release(self, uint32_t c, uint32_t k, uint32_t gen):
@@ -719,13 +684,14 @@ cdef class Segment:
         cdef Py_ssize_t i, n
         cdef uint64_t v = 0
         cdef const char *src
+        cdef Layout lay = self.layouts[0]
         self._client(c)
-        self._check_dst(dst, 0)
+        self._check_dst(lay, dst, 0)
         if not cnp.PyArray_IS_C_CONTIGUOUS(rows) or cnp.PyArray_NBYTES(rows) % inb:
             raise ValueError("rows must be C-contiguous rows of in_bytes each")
         n = cnp.PyArray_NBYTES(rows) // inb
         if n:
-            self._check_dst(dst, n - 1)
+            self._check_dst(lay, dst, n - 1)
         if keys is not None and len(keys) != n:
             raise ValueError(f"{len(keys)} keys for {n} states")
         k1 = np.zeros(n, np.uint64)
@@ -737,8 +703,8 @@ cdef class Segment:
             return list(range(n)), k1, k2
         src = <const char *>cnp.PyArray_DATA(rows)
         for i in range(n):
-            if self._cache_get(c, src + i * inb, None if keys is None else keys[i], dst, i,
-                               &a[i], &b[i], &v):
+            if self._cache_get(lay, c, src + i * inb, None if keys is None else keys[i], dst,
+                               i, &a[i], &b[i], &v):
                 if versions is not None:
                     versions[i] = v
             else:
@@ -782,35 +748,37 @@ cdef class Segment:
                 shm_cache_census(&self.seg, sample, &scanned, &held, &old)
         return scanned, held, old
 
-    cdef int _check_dst(self, list dst, Py_ssize_t row) except -1:
+    cdef int _check_dst(self, Layout lay, list dst, Py_ssize_t row) except -1:
         """dst can take an answer in row `row`: one C-contiguous array per
-        output, big enough."""
+        output of lay, big enough."""
         cdef uint32_t j
         cdef cnp.ndarray a
-        if len(dst) != self.n_out:
+        if len(dst) != lay.n_out:
             raise ValueError("wrong number of output buffers")
-        for j in range(self.n_out):
+        for j in range(lay.n_out):
             a = dst[j]
             if not cnp.PyArray_IS_C_CONTIGUOUS(a) or \
-                    <uint64_t>cnp.PyArray_NBYTES(a) < (row + 1) * self.out_nbytes[j]:
+                    <uint64_t>cnp.PyArray_NBYTES(a) < (row + 1) * lay.out_nbytes[j]:
                 raise ValueError("output buffer too small or not C-contiguous")
         return 0
 
-    cdef void _deliver(self, const char *src, list dst, Py_ssize_t row):
-        """Copies one answer (output-area bytes at src) into row `row` of
-        the arrays dst (checked by the caller)."""
+    cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row):
+        """Copies one answer of lay's method (output-area bytes at src) into
+        row `row` of the arrays dst (checked by the caller)."""
         cdef uint32_t j
-        for j in range(self.n_out):
-            memcpy(<char *>cnp.PyArray_DATA(<cnp.ndarray>dst[j]) + row * self.out_nbytes[j],
-                   src + self.out_off[j], self.out_nbytes[j])
+        for j in range(lay.n_out):
+            memcpy(<char *>cnp.PyArray_DATA(<cnp.ndarray>dst[j]) + row * lay.out_nbytes[j],
+                   src + lay.out_off[j], lay.out_nbytes[j])
 
-    cdef int _cache_get(self, uint32_t c, const char *state, object key, list dst,
+    cdef int _cache_get(self, Layout lay, uint32_t c, const char *state, object key, list dst,
                         Py_ssize_t row, uint64_t *k1, uint64_t *k2,
                         uint64_t *version) except -1:
-        """Looks one state up (by key, the caller's, or by the hashes of its
-        bytes when key is None) and on a hit delivers its answer into row
-        `row` of dst and returns 1; else 0.  Either way k1, k2 are set to
-        the state's keys.  The GIL is held (self.cbuf is shared)."""
+        """Looks one request of lay's method up (by key, the caller's, or by
+        the hashes of its bytes when key is None; a request's bytes begin
+        with its method's index when there are several) and on a hit
+        delivers its answer into row `row` of dst and returns 1; else 0.
+        Either way k1, k2 are set to the request's keys.  The GIL is held
+        (self.cbuf is shared)."""
         cdef uint64_t v = 0, floor
         if key is None:
             shm_hash_state(state, self.seg.p.in_bytes, k1, k2)
@@ -819,30 +787,32 @@ cdef class Segment:
             if k1[0] == 0:
                 k1[0] = 0x9E3779B97F4A7C15  # 0 marks an empty entry
             # The key scheme's word (0 by default), never a hash's key2 but by
-            # chance (hashes' are never 0): the key spaces stay apart.
-            k2[0] = self.key_tag
+            # chance (hashes' are never 0): the key spaces stay apart.  Each
+            # method's keys are apart too (an odd multiple of its index).
+            k2[0] = self.key_tag + lay.index * <uint64_t>0x9E3779B97F4A7C15
         floor = shm_cache_version(&self.seg)
         if floor < self.seen_version:
             floor = self.seen_version
         if shm_cache_get(&self.seg, c, k1[0], k2[0], floor, self.cbuf, &v) != SHM_CACHE_HIT:
             return 0
-        self._deliver(<const char *>self.cbuf, dst, row)
+        self._deliver(lay, <const char *>self.cbuf, dst, row)
         version[0] = v
         if v > self.seen_version:
             self.seen_version = v
         return 1
 
-    cdef void _cache_put(self, uint32_t c, uint64_t k1, uint64_t k2, uint64_t version,
-                         list dst, Py_ssize_t row):
-        """Caches the answer in row `row` of dst (an answer this process
-        copied out and validated) under (k1, k2).  The GIL is held."""
+    cdef void _cache_put(self, Layout lay, uint32_t c, uint64_t k1, uint64_t k2,
+                         uint64_t version, list dst, Py_ssize_t row):
+        """Caches the answer (of lay's method) in row `row` of dst (an answer
+        this process copied out and validated) under (k1, k2).  The GIL is
+        held."""
         cdef uint32_t j
         cdef char *buf = <char *>self.cbuf
         memset(buf, 0, self.seg.l.cache_words * 8)
-        for j in range(self.n_out):
-            memcpy(buf + self.out_off[j],
-                   <char *>cnp.PyArray_DATA(<cnp.ndarray>dst[j]) + row * self.out_nbytes[j],
-                   self.out_nbytes[j])
+        for j in range(lay.n_out):
+            memcpy(buf + lay.out_off[j],
+                   <char *>cnp.PyArray_DATA(<cnp.ndarray>dst[j]) + row * lay.out_nbytes[j],
+                   lay.out_nbytes[j])
         shm_cache_put(&self.seg, c, k1, k2, version, self.cbuf)
 
     def reclaim(self, uint32_t c):

@@ -48,6 +48,13 @@ cdef class Server:
     0..n-1.  complete copies row i of each output array into the slot that
     request i came from.  Servers sharing a ServeGroup serve one segment
     from several threads (see serve()).
+
+    With several methods a batch collected holds requests of any of them:
+    it is served a method at a time, each method's requests a group of
+    their own (_group), and complete, fail and fail_rows act on the group
+    outstanding (``method``, ``pending``); the next group is served before
+    anything new is collected, so no method waits behind another's next
+    batch.
     """
 
     def __cinit__(self, Segment seg, cnp.ndarray batch, ServeGroup group=None,
@@ -70,8 +77,19 @@ cdef class Server:
             raise ValueError("batch must be C-contiguous")
         if <uint64_t>cnp.PyArray_NBYTES(batch) < self.cap * seg.seg.p.in_bytes:
             raise ValueError("batch buffer smaller than max_batch rows")
-        if seg.n_out == 0:
-            raise ValueError("segment outputs not set")
+        if not seg.layouts:
+            raise ValueError("segment spec not set (Segment.set_spec)")
+        self.lay = seg.layouts[0]
+        nout = max(len(lay.method.outputs) for lay in seg.layouts)
+        # Named inputs: the model's input is made from the request rows;
+        # several methods: grouped by method first, into rows of their own
+        # (twice the batch's rows: a group's padding may run past the end).
+        self.multi = len(seg.layouts) > 1
+        self.packed = self.multi or self.lay.method.named
+        if self.multi:
+            self._rows = np.zeros((2 * cnp.PyArray_DIM(batch, 0), seg.seg.p.in_bytes), np.uint8)
+        elif self.packed:
+            self._rows = batch.view(np.uint8).reshape(cnp.PyArray_DIM(batch, 0), -1)
         # The batch table the completion reads is this process's; the
         # segment has a copy, so that if this replica dies another can put
         # its requests back (shm_requeue).
@@ -79,10 +97,11 @@ cdef class Server:
             raise IndexError(f"server {server} belongs to replica "
                              f"{shm_server_replica(&seg.seg, server)}, not {replica}")
         shm_server_init(&seg.seg, server, replica)
-        self.taken = <shm_taken *>malloc(sizeof(shm_taken) * self.cap)
-        self.fields = <const char **>malloc(sizeof(char *) * seg.n_out)
-        self.strides = <int64_t *>malloc(sizeof(int64_t) * seg.n_out)
-        if self.taken == NULL or self.fields == NULL or self.strides == NULL:
+        self.taken_all = <shm_taken *>malloc(sizeof(shm_taken) * self.cap)
+        self.taken = self.taken_all
+        self.fields = <const char **>malloc(sizeof(char *) * nout)
+        self.strides = <int64_t *>malloc(sizeof(int64_t) * nout)
+        if self.taken_all == NULL or self.fields == NULL or self.strides == NULL:
             raise MemoryError()
         self.batch = <char *>cnp.PyArray_DATA(batch)
         self._keep = batch
@@ -93,7 +112,7 @@ cdef class Server:
             shm_collect_unlock(&self.seg.seg)
         if self.locked:
             PyThread_release_lock(self.group.lock)
-        free(self.taken)
+        free(self.taken_all)
         free(self.fields)
         free(self.strides)
         free(self.calls)
@@ -135,12 +154,116 @@ cdef class Server:
             raise ValueError("max_batch must be >= 1")
         self.max_batch, self.spin_ns, self.max_wait_ns = max_batch, spin_ns, max_wait_ns
 
-    cdef inline void _set_n(self, uint32_t n) noexcept:
-        """The outstanding batch's size; keeps the group's in_flight count
-        and the segment's batch table."""
-        self.group.in_flight += (n > 0) - (self.n > 0)
-        self.n = n
+    cdef inline void _collected(self, uint32_t n) noexcept:
+        """A batch of n requests was collected: they are outstanding (the
+        ServeGroup's in_flight count, the segment's batch table)."""
+        self.taken = self.taken_all
+        self.n = self.left = n
+        self.ng = self.gi = 0
+        self.group.in_flight += 1
         shm_server_set_n(&self.seg.seg, self.v, n)
+
+    cdef inline void _finished(self, uint32_t k) noexcept:
+        """k requests of the batch were answered or failed.  The segment's
+        table keeps listing the whole batch until none is left (a put-back
+        skips the slots no longer TAKEN), so that every request still
+        outstanding, of any group, is found there should this replica die."""
+        self.left -= k
+        if self.left == 0:
+            self.group.in_flight -= 1
+            shm_server_set_n(&self.seg.seg, self.v, 0)
+
+    cdef uint32_t _group(self, uint32_t n) except? 0xffffffff:
+        """Several methods: orders the batch's requests by method (stable),
+        each method's a group of rows of their own (self._rows), fails the
+        requests whose header names no method, and makes the first group
+        outstanding.  Returns its size (0: nothing left)."""
+        cdef uint32_t i, m, nm = len(self.seg.layouts), at = 0, bad = 0
+        cdef uint64_t inb = self.seg.seg.p.in_bytes
+        cdef uint32_t counts[16]
+        cdef uint32_t nxt[16]
+        cdef shm_taken *tmp = <shm_taken *>malloc(sizeof(shm_taken) * max(n, 1))
+        cdef shm_taken *badt = <shm_taken *>malloc(sizeof(shm_taken) * max(n, 1))
+        cdef char *dst = <char *>cnp.PyArray_DATA(<cnp.ndarray>self._rows)
+        cdef bytes text = b"ModelError: the request names no method of this evaluator"
+        cdef const char *tp = text
+        cdef uint32_t tl = len(text)
+        if tmp == NULL or badt == NULL:
+            free(tmp)
+            free(badt)
+            raise MemoryError()
+        memset(counts, 0, sizeof(counts))
+        for i in range(n):
+            m = (<uint32_t *>(self.batch + i * inb))[0]
+            if m < nm:
+                counts[m] += 1
+        for m in range(nm):
+            nxt[m] = at
+            self.gstart[m] = at
+            at += counts[m]
+        memcpy(tmp, self.taken_all, sizeof(shm_taken) * n)
+        for i in range(n):
+            m = (<uint32_t *>(self.batch + i * inb))[0]
+            if m < nm:
+                memcpy(dst + nxt[m] * inb, self.batch + i * inb, inb)
+                self.taken_all[nxt[m]] = tmp[i]
+                nxt[m] += 1
+            else:
+                badt[bad] = tmp[i]
+                bad += 1
+        free(tmp)
+        if bad:
+            with nogil:
+                shm_fail(&self.seg.seg, badt, bad, tp, tl)
+            shm_stat_inc(&self.seg.seg, STAT_INDEX["failed_requests"], bad)
+            self._finished(bad)
+        free(badt)
+        self.ng = 0
+        for m in range(nm):
+            if counts[m]:
+                self.gmethod[self.ng] = m
+                self.gcount[self.ng] = counts[m]
+                self.ng += 1
+        self.gi = -1
+        return self._next_group()
+
+    cdef uint32_t _next_group(self) noexcept:
+        """Makes the batch's next group outstanding; its size (0: none)."""
+        cdef uint32_t m
+        self.gi += 1
+        if self.gi >= self.ng:
+            self.n = 0
+            return 0
+        m = self.gmethod[self.gi]
+        self.lay = self.seg.layouts[m]
+        self.taken = self.taken_all + self.gstart[m]
+        self.n = self.gcount[self.gi]
+        return self.n
+
+    cdef object _model_input(self, uint32_t rows):
+        """The outstanding group's input for the model, padded to rows: a
+        view of the batch (one unnamed input), or {input name: array} made
+        from its request rows."""
+        cdef uint32_t start = self.gstart[self.lay.index] if self.multi else 0
+        if not self.packed:
+            view = self.views[rows]
+            if view is None:
+                view = self.views[rows] = self._keep[:rows]
+            return view
+        return self.lay.method.unpack(self._rows[start:start + rows])
+
+    def request_rows(self):
+        """The outstanding group's request rows (uint8, pending x
+        in_bytes), for the serving loop's row isolation."""
+        cdef uint32_t start = self.gstart[self.lay.index] if self.multi else 0
+        if not self.packed:
+            return self._keep[:self.n]
+        return self._rows[start:start + self.n]
+
+    @property
+    def method(self):
+        """The index of the outstanding group's method (spec.methods)."""
+        return self.lay.index
 
     cdef inline void _seg_unlock(self) noexcept:
         if self.seg_locked:
@@ -232,16 +355,16 @@ cdef class Server:
         as finish_fast and complete: serve() calls them without a Python
         call each, on the evaluator's path between batches.)"""
         cdef int rc
-        if self.n:
+        if self.left:
             raise ShmevalError("collect() while a batch is outstanding")
         max_batch = min(max_batch, self.cap)
         self.end_busy()
         spin_ns = shm_evaluator_spin(spin_ns, shm_n_attached(&self.seg.seg), self.ncpu)
         with nogil:
-            rc = shm_collect(&self.seg.seg, self.v, self.taken, self.batch, max_batch,
+            rc = shm_collect(&self.seg.seg, self.v, self.taken_all, self.batch, max_batch,
                              &self.group.cursor, spin_ns, max_wait_ns, timeout_ns)
         if rc > 0:
-            self._set_n(rc)
+            self._collected(rc)
             self.busy_since = shm_now_ns()
         return rc
 
@@ -281,15 +404,20 @@ cdef class Server:
         waits out the batches in flight): call unlock() after the work they
         call for.  SLOW and RAISED return without it, the batch outstanding."""
         cdef int rc
-        cdef uint32_t n, rows, bi
-        cdef uint64_t t0, model_ns
-        cdef list views = self.views
+        cdef uint32_t n
         cdef ServeGroup g = self.group
         if self.max_batch == 0:
             raise ShmevalError("serve() before configure()")
         if self.locked:
             raise ShmevalError("serve() while holding the collect lock: call unlock() first")
         while True:
+            if self.left:  # the next method's group of the batch collected
+                n = self._next_group()
+                if n:
+                    rc = self._serve_group(model, n)
+                    if rc:
+                        return self._returned
+                    continue
             g._acquire()
             self.locked = True
             if g.stop:
@@ -318,28 +446,43 @@ cdef class Server:
             self.locked = False
             PyThread_release_lock(g.lock)
             n = rc
-            rows = n
-            for bi in range(self.n_buckets):
-                if self.buckets[bi] >= n:
-                    rows = self.buckets[bi]
-                    break
-            view = views[rows]
-            if view is None:
-                view = views[rows] = self._keep[:rows]
-            t0 = shm_now_ns()
-            try:
-                out = model(view)
-            except Exception as e:
-                return (SERVE_RAISED, n, rows, e, shm_now_ns() - t0)
-            model_ns = shm_now_ns() - t0
-            if self.n_calls < self.calls_cap:
-                self.calls[4 * self.n_calls] = <int64_t>t0
-                self.calls[4 * self.n_calls + 1] = <int64_t>model_ns
-                self.calls[4 * self.n_calls + 2] = rows
-                self.calls[4 * self.n_calls + 3] = n
-                self.n_calls += 1
-            if not self.finish_fast(out, rows, model_ns, g.version):
-                return (SERVE_SLOW, n, rows, out, model_ns)
+            if self.multi:
+                n = self._group(n)
+                if n == 0:
+                    continue
+            if self._serve_group(model, n):
+                return self._returned
+
+    cdef int _serve_group(self, object model, uint32_t n) except -1:
+        """Calls the model on the outstanding group of n requests (its
+        method's function, with several: model[index]) and finishes it when
+        the outputs are as declared.  Returns 0 when done; 1 with what
+        serve() returns in _returned (SLOW, RAISED), the group outstanding."""
+        cdef uint32_t rows = n, bi
+        cdef uint64_t t0, model_ns
+        for bi in range(self.n_buckets):
+            if self.buckets[bi] >= n:
+                rows = self.buckets[bi]
+                break
+        x = self._model_input(rows)
+        f = model[self.lay.index] if self.multi else model
+        t0 = shm_now_ns()
+        try:
+            out = f(x)
+        except Exception as e:
+            self._returned = (SERVE_RAISED, n, rows, e, shm_now_ns() - t0)
+            return 1
+        model_ns = shm_now_ns() - t0
+        if self.n_calls < self.calls_cap:
+            self.calls[4 * self.n_calls] = <int64_t>t0
+            self.calls[4 * self.n_calls + 1] = <int64_t>model_ns
+            self.calls[4 * self.n_calls + 2] = rows
+            self.calls[4 * self.n_calls + 3] = n
+            self.n_calls += 1
+        if not self.finish_fast(out, rows, model_ns, self.group.version):
+            self._returned = (SERVE_SLOW, n, rows, out, model_ns)
+            return 1
+        return 0
 
     cpdef bint finish_fast(self, object out, uint32_t rows, uint64_t model_ns,
                            uint64_t version) except -1:
@@ -352,15 +495,15 @@ cdef class Server:
         cdef list arrays
         cdef cnp.ndarray a
         cdef cnp.npy_intp *want
-        cdef Py_ssize_t j, i, nout = self.seg.n_out
-        cdef Segment seg = self.seg
-        if not seg.out_native or self.n == 0:
+        cdef Layout lay = self.lay
+        cdef Py_ssize_t j, i, nout = lay.n_out
+        if not lay.out_native or self.n == 0:
             return False
         if type(out) is dict:
             if not self.extra_outputs_ok and PyDict_Size(out) != nout:
                 return False  # the slow path warns about the undeclared ones, once
             arrays = []
-            for name in seg.out_names:
+            for name in lay.out_names:
                 x = (<dict>out).get(name)
                 if x is None:
                     return False
@@ -378,18 +521,20 @@ cdef class Server:
             if type(x) is not cnp.ndarray:
                 return False
             a = <cnp.ndarray>x
-            want = seg._out_dims(j)
-            if not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_TYPE(a) != seg.out_type[j] or \
-                    cnp.PyArray_NDIM(a) != seg.out_nd[j] + 1 or cnp.PyArray_DIM(a, 0) != rows:
+            want = lay._out_dims(j)
+            if not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_TYPE(a) != lay.out_type[j] or \
+                    cnp.PyArray_NDIM(a) != lay.out_nd[j] + 1 or cnp.PyArray_DIM(a, 0) != rows:
                 return False
-            for i in range(seg.out_nd[j]):
+            for i in range(lay.out_nd[j]):
                 if cnp.PyArray_DIM(a, i + 1) != want[i]:
                     return False
-            if not _rows_ok(a, self.n, self.seg.out_nbytes[j]):
+            if not _rows_ok(a, self.n, lay.out_nbytes[j]):
                 return False
-            if self.reject_nonfinite and seg.out_float[j] and _finite(a, self.n) != 1:
+            if self.reject_nonfinite and lay.out_float[j] and _finite(a, self.n) != 1:
                 return False
         shm_record_batch(&self.seg.seg, self.replica, self.n, rows, model_ns, 0)
+        if self.multi:
+            shm_record_method(&self.seg.seg, self.lay.index, self.n, model_ns)
         self.complete(arrays, version)
         return True
 
@@ -401,20 +546,22 @@ cdef class Server:
         """Scatters row i of each output array into request i's slot; marks
         DONE and wakes.  Each array needs at least n rows of exactly the
         declared row size, each row contiguous (axis 0 may be strided)."""
-        cdef uint32_t j, done, nf = self.seg.n_out
+        cdef Layout lay = self.lay
+        cdef uint32_t j, done, nf = lay.n_out
         if len(arrays) != nf:
             raise ValueError("expected %d output arrays" % nf)
         for j in range(nf):
-            if not _rows_ok(arrays[j], self.n, self.seg.out_nbytes[j]):
+            if not _rows_ok(arrays[j], self.n, lay.out_nbytes[j]):
                 raise ValueError("output array %d: too few rows, wrong row size, or rows "
                                  "not contiguous" % j)
             self.fields[j] = <const char *>cnp.PyArray_DATA(<cnp.ndarray>arrays[j])
             self.strides[j] = cnp.PyArray_STRIDE(<cnp.ndarray>arrays[j], 0)
         with nogil:
             done = shm_complete_fields(&self.seg.seg, self.taken, self.n, nf, self.fields,
-                                       self.seg.out_nbytes, self.strides, self.seg.out_off,
+                                       lay.out_nbytes, self.strides, lay.out_off,
                                        model_version)
-        self._set_n(0)
+        self._finished(self.n)
+        self.n = 0
         return done
 
     def fail_rows(self, object rows, str message):
@@ -446,7 +593,8 @@ cdef class Server:
                     kept += 1
             with nogil:
                 done = shm_fail(&self.seg.seg, bad, <uint32_t>nb, p, ln)
-            self._set_n(<uint32_t>kept)
+            self.n = <uint32_t>kept
+            self._finished(<uint32_t>nb)
         finally:
             free(bad)
         return done
@@ -459,8 +607,11 @@ cdef class Server:
         cdef uint32_t done
         with nogil:
             done = shm_fail(&self.seg.seg, self.taken, self.n, p, ln)
-        self._set_n(0)
+        self._finished(self.n)
+        self.n = 0
         return done
 
     def record(self, uint32_t n, uint32_t rows, uint64_t model_ns, bint failed):
         shm_record_batch(&self.seg.seg, self.replica, n, rows, model_ns, failed)
+        if self.multi:
+            shm_record_method(&self.seg.seg, self.lay.index, n, model_ns)

@@ -15,7 +15,7 @@
 /* ------------------------------------------------------------------ */
 
 #define SHM_MAGIC 0x314C4156454D4853ULL /* "SHMEVAL1" little-endian */
-#define SHM_LAYOUT_VERSION 9u
+#define SHM_LAYOUT_VERSION 10u
 #define SHM_LINE 64u
 #define SHM_SPEC_MAX 4096u       /* bytes of JSON spec kept in the header */
 #define SHM_HIST_BINS 256u       /* log-scale latency histogram bins */
@@ -26,6 +26,7 @@
 #define SHM_MAX_SERVERS 512u     /* serving threads of all replicas */
 #define SHM_DEVICE_MAX 48u       /* bytes of a replica's device name */
 #define SHM_REPORT_WORDS 510u    /* 8-byte words of a replica's report */
+#define SHM_MAX_METHODS 16u      /* methods of one evaluator (spec.MAX_METHODS) */
 #define SHM_MAX_ROW_BYTES (1ull << 30)
 #define SHM_OWNER_RECLAIMING (-1) /* owner_pid while its entry is reclaimed */
 #define SHM_CAS_TRIES 4096u       /* CAS retries on a word a client keeps
@@ -250,6 +251,9 @@ typedef struct {
     _Alignas(SHM_LINE) _Atomic uint64_t st[SHM_N_STATS];            /* enum shm_stat */
     _Atomic uint64_t hist_wait[SHM_HIST_BINS];   /* publish -> taken */
     _Atomic uint64_t hist_model[SHM_HIST_BINS];  /* model call per batch */
+    /* Each method's requests, model calls and model ns (an evaluator of
+     * several methods; shm_record_method). */
+    _Atomic uint64_t method_st[SHM_MAX_METHODS][3];
     /* followed by _Atomic uint64_t batch_hist[max_batch + 1] */
 } shm_header;
 

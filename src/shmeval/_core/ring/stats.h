@@ -46,6 +46,26 @@ static inline void shm_record_batch(shm_seg *s, uint32_t r, uint32_t n,
     }
 }
 
+/* A model call of method m (an evaluator of several methods) served n
+ * requests in model_ns.  Evaluator only, beside shm_record_batch. */
+static inline void shm_record_method(shm_seg *s, uint32_t m, uint32_t n,
+                                     uint64_t model_ns) {
+    if (m >= SHM_MAX_METHODS) return;
+    _Atomic uint64_t *st = shm_hdr(s)->method_st[m];
+    shm_stat_add(&st[0], n);
+    shm_stat_add(&st[1], 1);
+    shm_stat_add(&st[2], model_ns);
+}
+
+/* Method m's statistics: requests, model calls, model ns (which < 3). */
+static inline uint64_t shm_method_stat(shm_seg *s, uint32_t m, uint32_t which) {
+    /* MO: relaxed; statistics are eventually consistent figures. */
+    return m < SHM_MAX_METHODS && which < 3
+               ? atomic_load_explicit(&shm_hdr(s)->method_st[m][which],
+                                      memory_order_relaxed)
+               : 0;
+}
+
 /* Statistics access by index (enum shm_stat). */
 static inline uint64_t shm_stat_get(shm_seg *s, uint32_t i) {
     /* MO: relaxed; statistics are eventually consistent figures. */
