@@ -29,8 +29,9 @@ taking the CPUs.
 
 A build is a git revision (built into a temporary directory: the sources
 of that commit, with the extensions compiled in place by this
-interpreter) or "." (the shmeval this interpreter imports: this checkout
-built in place, or the copy installed from it).  The model is a
+interpreter), "." (the shmeval this interpreter imports: this checkout
+built in place, or the copy installed from it), or a directory holding a
+built ``shmeval`` package (a revision built once for several runs).  The model is a
 NumPy function of the batch (the evaluator's own cost only); --settings is
 a JSON object of Evaluator.spawn keywords, the same for both builds unless
 --settings-b gives B its own (then one build against itself compares two
@@ -192,10 +193,14 @@ def serve(settings: Dict[str, Any], n_workers: int, load: Dict[str, Any]) -> Non
 
 def build(rev: str, into: str) -> str:
     """The directory holding the package of revision ``rev``, built
-    (``"."``: the one this interpreter imports)."""
+    (``"."``: the one this interpreter imports; a directory holding a built
+    ``shmeval`` package: that one, so that a grid of runs builds a revision
+    once)."""
     if rev == ".":
         import shmeval
         return os.path.dirname(os.path.dirname(os.path.abspath(shmeval.__file__)))
+    if os.path.isdir(os.path.join(rev, "shmeval")):
+        return os.path.abspath(rev)
     tree = os.path.join(into, rev.replace("/", "_"))
     os.makedirs(tree)
     archive = subprocess.run(["git", "-C", ROOT, "archive", rev], capture_output=True)
