@@ -166,7 +166,11 @@ class MethodSpec:
         in_bytes): {name: C-contiguous array (n, *shape) of its dtype},
         what the model's function is called with."""
         n = raw.shape[0]
-        return {f.name: np.ascontiguousarray(raw[:, f.offset:f.offset + f.nbytes])
+        # A copy, also of one row: a slice of one row counts as contiguous
+        # to NumPy and would keep the request row's stride, which
+        # frameworks refuse (torch.from_numpy) when it is no multiple of
+        # the item size.
+        return {f.name: raw[:, f.offset:f.offset + f.nbytes].copy()
                 .view(f.dtype).reshape((n,) + f.shape) for f in self.inputs}
 
     def describe_outputs(self) -> str:

@@ -56,6 +56,24 @@ def test_named_inputs_round_trip() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_the_model_gets_plain_c_arrays_of_any_rows() -> None:
+    """Each named input reaches the model as a C-contiguous array with the
+    strides of a fresh one (what torch.from_numpy and the frameworks take),
+    one row included, whatever its place in the request row."""
+    def model(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for a in x.values():
+            assert a.flags.c_contiguous and a.strides == np.empty(a.shape, a.dtype).strides
+        return {"s": x["a"].sum(axis=1) + x["b"].sum(axis=1)}
+
+    with shmeval.Evaluator(model, inputs={"a": ((3,), "int8"), "b": ((5,), "float64")},
+                           outputs={"s": ((), "float64")}, reject_nonfinite=False) as ev:
+        assert ev.evaluate({"a": np.arange(3, dtype=np.int8), "b": np.ones(5)})["s"] == 8
+        out = ev.evaluate_many({"a": np.ones((3, 3), np.int8), "b": np.ones((3, 5))})
+        assert out["s"].tolist() == [8, 8, 8]
+        assert ev.stats()["failed_requests"] == 0
+
+
+@pytest.mark.timeout(60)
 def test_bad_named_inputs_raise_at_the_caller_naming_the_input() -> None:
     """A missing or extra input, a wrong shape or dtype for one input, or
     not a dict: raised at the caller with the input named, and nothing
