@@ -12,7 +12,7 @@ search step sending the leaves of all its games in play in one
 ``evaluate_many`` call.  The workers never import PyTorch.
 
     python examples/alphazero_mask_torch.py                      # a few seconds
-    python examples/alphazero_mask_torch.py --workers 16 --games 32 \\
+    python examples/alphazero_mask_torch.py --workers 16 --games 16 \\
         --simulations 200 --concurrent 8                          # a real run
 
 It prints moves/s, games/s and evaluations/s, and the evaluator's mean
@@ -38,7 +38,7 @@ OUTPUTS = {"policy": ((COLS,), "float32"), "value": ((), "float32")}
 
 
 def make_net(channels: int, seed: int = 0):
-    """A small residual-free AlphaZero net: three 3x3 convolutions, a
+    """A small AlphaZero-style net: three 3x3 convolutions, a
     policy head that masks illegal moves before its softmax, and a tanh
     value head.  PyTorch is imported here, so that only the processes that
     build a net load it."""
@@ -149,7 +149,7 @@ def run_workers(target, n: int, *args) -> tuple[list[dict], float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2, help="self-play processes (16)")
-    parser.add_argument("--games", type=int, default=2, help="games per worker (32)")
+    parser.add_argument("--games", type=int, default=2, help="games per worker (16)")
     parser.add_argument("--simulations", type=int, default=16, help="per move (200)")
     parser.add_argument("--concurrent", type=int, default=2,
                         help="games in play at once per worker, searched together (8)")

@@ -24,7 +24,7 @@ one state per request, in two set-ups:
                   on one state at a time (eager PyTorch, one thread)
 
     python examples/muzero_torch.py                                # a few seconds
-    python examples/muzero_torch.py --workers 16 --games 4 --simulations 50 --hidden 256
+    python examples/muzero_torch.py --workers 16 --games 2 --simulations 50 --hidden 256
 
 It prints, for both, simulations/s (one recurrent evaluation each), moves/s
 and the mean worker RSS, and the ratios.
@@ -257,7 +257,7 @@ def summary(name: str, reports: list[dict], seconds: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2, help="self-play processes (16)")
-    parser.add_argument("--games", type=int, default=1, help="games per worker (4)")
+    parser.add_argument("--games", type=int, default=1, help="games per worker (2)")
     parser.add_argument("--simulations", type=int, default=8, help="per move (50)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden state size (256)")
     args = parser.parse_args()

@@ -23,7 +23,7 @@ Two set-ups, each N processes playing games against themselves:
     pip install open_spiel
     python examples/openspiel_mcts.py                              # a few seconds
     python examples/openspiel_mcts.py --game connect_four --workers 16 \\
-        --games 4 --simulations 100 --hidden 256
+        --games 2 --simulations 100 --hidden 256
 
 It prints games/s and moves/s of both, and the ratios.
 """
@@ -204,7 +204,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--game", default="tic_tac_toe", help="an OpenSpiel game (connect_four)")
     parser.add_argument("--workers", type=int, default=2, help="self-play processes (16)")
-    parser.add_argument("--games", type=int, default=2, help="games per process (4)")
+    parser.add_argument("--games", type=int, default=2, help="games per process (2)")
     parser.add_argument("--simulations", type=int, default=16, help="per move (100)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden units per layer (256)")
     args = parser.parse_args()
