@@ -1,7 +1,7 @@
 """Shared fixtures (the /dev/shm leak guard) and the markers by subject.
 
 Every test gets the marker of its folder (core, stress, c, tensorflow,
-torch, jax, selfplay, bench, monitor, ray).  Folders whose tests take
+torch, jax, selfplay, bench, monitor, ray, examples).  Folders whose tests take
 seconds each are also marked
 ``slow`` as a whole; in core, single tests that take seconds carry
 ``@pytest.mark.slow`` themselves.  ``pytest -m "not slow" -n 0`` checks a
@@ -36,8 +36,9 @@ with contextlib.suppress(ImportError):
 
 HERE = Path(__file__).resolve().parent
 SUBJECTS = ("core", "stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench", "monitor",
-            "ray")
-SLOW_SUBJECTS = {"stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench", "monitor", "ray"}
+            "ray", "examples")
+SLOW_SUBJECTS = {"stress", "c", "tensorflow", "torch", "jax", "selfplay", "bench", "monitor", "ray",
+                 "examples"}
 #: Test files that make no shmeval segment, in any process: they may run
 #: beside the tests that do.
 SEGMENT_FREE = {"c/test_c_core.py", "c/test_mutations.py", "core/test_typing.py"}
