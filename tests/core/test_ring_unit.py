@@ -708,7 +708,7 @@ def test_header_and_params(rig: Rig) -> None:
     assert seg.nbytes == _ring.segment_size(rig.spec.in_bytes, rig.spec.out_bytes, 4, 4, 8)
     assert seg.nbytes == os.stat("/dev/shm" + rig.name).st_size
     assert seg.name == rig.name
-    assert _ring.LAYOUT_VERSION == 9
+    assert _ring.LAYOUT_VERSION == 10
     # A second mapping of the same segment sees the same state words.
     seg2, spec2 = segment.attach(rig.name)
     assert spec2 == rig.spec
