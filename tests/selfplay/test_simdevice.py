@@ -62,6 +62,9 @@ def test_the_device_option_parses_and_refuses_bad_values(capsys: Any) -> None:
         f"sim:{DEFAULT_CALL_US:g},{DEFAULT_ROW_US:g}")
     assert cli.settings_from_args(_parse("--device", "sim:50,1")).sim() == SimSpec(50.0, 1.0)
     assert cli.settings_from_args(_parse()).sim() is None
+    # one device on this machine: refused on a Ray cluster, before Ray starts
+    assert cli.main(_parse("--ray", "--device", "sim")) == 1
+    assert "--device sim is one device on this machine" in capsys.readouterr().err
 
 
 def _double(batch: np.ndarray) -> np.ndarray:

@@ -44,8 +44,7 @@ GPU, one CUDA graph replay per call:
   submit (``cudaMemcpyAsync``, measured in *DualPath*, arXiv 2602.21548),
   and the graph's 29 small kernels at about 2 us each (CUDA.jl's
   documentation: an 8-kernel MLP at batch 16 takes 16 us as one graph, 50 us
-  launched kernel by kernel), with the launch and the wake-up of the
-  waiting thread.  Launched op by op from eager PyTorch the same forward
+  launched kernel by kernel), and the graph's launch.  Launched op by op from eager PyTorch the same forward
   costs more per call (5-25 us of host time per op); the simulation
   charges every mode the graph's cost, which favours the modes that make
   many small calls.
@@ -322,7 +321,9 @@ def device_result(d: Dict[str, Any], window_s: float) -> Dict[str, Any]:
         "queue_ms_per_call": per_call(d["queue_ns"]),
         "host_ms_per_call": per_call(d["host_ns"]),
         "late_calls": d["late_calls"],
-        "late_share": d["late_calls"] / calls if calls else None,
+        # (a call booked before the window and settled in it counts in
+        # late_calls only: at most a call per caller)
+        "late_share": min(1.0, d["late_calls"] / calls) if calls else None,
         "late_ms_per_call": per_call(d["late_ns"]),
         # How far past its end a call whose answers were ready in time
         # woke up: the host's wake-up, not the device's time.
