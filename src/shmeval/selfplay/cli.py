@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any, List
 
 from .._util.display import Display
+from .._util.simdevice import DEFAULT_CALL_US, DEFAULT_ROW_US, parse_device
 from ..games.connect4_net import NetConfig
 from .errors import WorkerError
 from .runner import run
@@ -74,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for batched calls on CPUs with native bfloat16 (docs/selfplay.md)")
     p.add_argument("--pin", action="store_true",
                    help="give the central evaluator a CPU of its own, the workers the others")
+    p.add_argument("--device", type=_device, default=d.device, metavar="cpu|sim[:CALL_US,ROW_US]",
+                   help=f"cpu (the default): the net as it is; sim: every mode's net calls go "
+                        f"through one simulated GPU shared by all the run's processes, one call "
+                        f"at a time, each costing CALL_US + ROW_US x rows microseconds (default "
+                        f"{DEFAULT_CALL_US:g} and {DEFAULT_ROW_US:g}, an H100-class GPU's for "
+                        f"this net); the answers still come from the real net "
+                        f"(docs/selfplay.md, A simulated GPU)")
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help=f"most rows per model call of the central evaluators (default {d.max_batch})")
     p.add_argument("--blocks", type=int, default=n.blocks, help=f"residual blocks (default {n.blocks})")
@@ -113,6 +121,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {d.eval_games})")
 
 
+def _device(text: str) -> str:
+    """``--device``, as the settings record it ("sim" with its costs)."""
+    try:
+        spec = parse_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return "cpu" if spec is None else str(spec)
+
+
 def _auto_or_int(text: str) -> "int | str":
     return text if text == "auto" else int(text)
 
@@ -145,7 +162,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     seed=args.seed, evaluator_threads=args.evaluator_threads,
                     serving_threads=args.serving_threads, worker_sched=args.worker_sched,
                     freeze=not args.no_freeze, precision=args.precision,
-                    max_batch=args.max_batch, pin=args.pin, net=net, train=args.train,
+                    max_batch=args.max_batch, pin=args.pin, device=args.device, net=net,
+                    train=args.train,
                     push_every=args.push_every, batch_size=args.batch_size,
                     buffer_size=args.buffer_size, sample_reuse=args.sample_reuse,
                     eval_every=args.eval_every, eval_games=args.eval_games)
@@ -156,6 +174,8 @@ def _run_on_ray(args: argparse.Namespace, s: Settings, modes: list[str],
     """``--ray``: the shmeval mode on a Ray cluster (shmeval.ray.selfplay)."""
     if modes != ["shmeval"]:
         raise ValueError("--ray plays in the shmeval mode only (no --mode or --compare)")
+    if s.sim() is not None:
+        raise ValueError("--device sim is one device on this machine: not with --ray")
     if s.pipeline > 1:
         raise ValueError("--ray plays the blocking search (no --pipeline)")
     try:

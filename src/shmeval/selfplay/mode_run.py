@@ -18,6 +18,7 @@ import numpy as np
 from .._util.children import start_process
 from .._util.display import Display, fmt_rate
 from .._util.procstat import cpu_s, machine_busy_s, rss_mb
+from .._util.simdevice import SimDevice, device_bound_rate, device_result
 from .arena import arena_main
 from .errors import WorkerError
 from .learner import Learner
@@ -80,6 +81,8 @@ class ModeRun:
         self.arena: Optional[Any] = None
         self.win_rate: List[Dict[str, Any]] = []
         self.series: Optional[TimeSeries] = None
+        #: The simulated GPU of this run (``--device sim``), made in start().
+        self.device: Optional[SimDevice] = None
 
     # -- messages from the workers ------------------------------------------------
 
@@ -131,6 +134,10 @@ class ModeRun:
         self.display.status(f"[{self.name}] starting {self.mode.starting()}", force=True)
         ev_cpus, worker_cpus = cpu_split(s.pin and self.mode.central)
         self.pinned = ev_cpus is not None
+        spec = s.sim()
+        if spec is not None:
+            self.device = SimDevice(spec)
+            self.mode.sim = self.device.link
         links = self.mode.start(self.ctx, ev_cpus)
         for i in range(s.workers):
             self.procs.append(start_process(
@@ -170,6 +177,8 @@ class ModeRun:
             "cpu_evaluator": cpu_s(pid) if pid else 0.0,
             "cpu_main": cpu_s(os.getpid()), "cpu_machine": machine_busy_s()}
         snap.update(self.mode.snapshot())
+        if self.device is not None:
+            snap.update({f"device_{k}": v for k, v in self.device.counters().items()})
         return snap
 
     def _live(self, phase: str, a: Snapshot, b: Snapshot) -> None:
@@ -180,6 +189,8 @@ class ModeRun:
                 f"evals/s {fmt_rate((b['evals'] - a['evals']) / dt)}  "
                 + (f"mean batch {mb:.1f}" if mb is not None else "mean batch -"))
         text += self.mode.status(b)
+        if "device_busy_ns" in b:
+            text += f"  sim GPU busy {(b['device_busy_ns'] - a['device_busy_ns']) / 1e9 / dt:.0%}"
         if self.cache.per_worker and b["local_lookups"]:
             text += f"  local caches {b['local_hits'] / b['local_lookups']:.0%} hits"
         if self.learner is not None:
@@ -310,6 +321,14 @@ class ModeRun:
             },
         }
         r.update(self.mode.result(d, dt))
+        if self.device is not None:
+            dev = device_result({k[len("device_"):]: v for k, v in d.items()
+                                 if k.startswith("device_")}, dt)
+            dev["spec"] = str(self.device.spec)
+            # What the mode's calls would reach with the host keeping up.
+            dev["device_bound_rows_per_s"] = device_bound_rate(self.device.spec,
+                                                               dev["rows_per_call"])
+            r["device"] = dev
         if self.cache.per_worker:
             r["local_cache"] = {"entries_per_worker": self.cache.per_worker,
                                 "hits": d["local_hits"],
@@ -372,7 +391,11 @@ class ModeRun:
                     p.join(1.0)
             with contextlib.suppress(Exception):
                 self._drain()
-            killed += self.mode.stop(abort)
+            try:
+                killed += self.mode.stop(abort)
+            finally:
+                if self.device is not None:
+                    self.device.close()
             self.out_q.cancel_join_thread()
             self.out_q.close()
             for sig, handler in saved.items():

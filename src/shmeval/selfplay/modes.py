@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import mcts
 from .._util.children import start_process
+from .._util.simdevice import SimLink
 from ..evaluator import Evaluator
 from ..games import connect4
 from .errors import WorkerError
@@ -74,6 +75,9 @@ class Mode:
         self.s = s
         #: The evaluator process, whose CPU time and memory are measured.
         self.evaluator_pid: Optional[int] = None
+        #: The simulated GPU every net call of the run goes through (set by
+        #: the run before :meth:`start` under ``--device sim``), or None.
+        self.sim: Optional[SimLink] = None
 
     def starting(self) -> str:
         """What the status line says while the mode starts."""
@@ -203,7 +207,8 @@ class ShmevalMode(_CentralMode):
         ``Evaluator.spawn`` (``--ray`` places the same on every node)."""
         s = self.s
         factory = functools.partial(evaluator_model, s.net, s.seed, self.tf_threads(), cpus,
-                                    s.serving_threads, s.freeze, self.precision() == "bfloat16")
+                                    s.serving_threads, s.freeze, self.precision() == "bfloat16",
+                                    self.sim)
         return factory, dict(input_shape=connect4.INPUT_SHAPE, outputs=OUTPUTS,
                              max_batch=s.max_batch, max_clients=max(64, s.workers + 8),
                              slots_per_client=min(64, max(16, s.pipeline * s.games_per_worker)),
@@ -287,7 +292,7 @@ class QueueMode(_CentralMode):
         self.server = start_process(
             ctx, queue_evaluator_main, "selfplay-queue-evaluator",
             (self.s, self.tf_threads(), self.requests, self.responses, self.counters, child_end,
-             cpus))
+             cpus, self.sim))
         child_end.close()
         return [QueueLink(i, self.requests, r) for i, r in enumerate(self.responses)]
 
@@ -345,12 +350,14 @@ class QueueMode(_CentralMode):
 @dataclass
 class LocalLink:
     """A local worker builds its own net: one row per call, or its whole
-    leaf batch per call when ``batched``."""
+    leaf batch per call when ``batched``; behind the simulated GPU ``sim``
+    when there is one."""
 
     batched: bool
+    sim: Optional[SimLink] = None
 
     def open(self, s: Settings) -> EvaluateBatch:
-        return local_net(s, self.batched)
+        return local_net(s, self.batched, self.sim)
 
 
 class LocalMode(Mode):
@@ -363,7 +370,7 @@ class LocalMode(Mode):
         return f"{self.s.workers} workers, each with its own TensorFlow ..."
 
     def start(self, ctx: Any, cpus: Optional[set[int]]) -> List[NetLink]:
-        return [LocalLink(self.batched)] * self.s.workers
+        return [LocalLink(self.batched, self.sim)] * self.s.workers
 
     def mean_batch(self, a: Snapshot, b: Snapshot) -> Optional[float]:
         return 1.0

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 
+from .._util.simdevice import SimLink, wrap_if
 from ..games import connect4
 from ..games.connect4_net import NetConfig
 from .pinning import pin
@@ -21,14 +22,16 @@ EvaluateBatch = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]
 
 def evaluator_model(net: NetConfig, seed: int, threads: int,
                     cpus: Optional[set[int]] = None, serving_threads: Union[int, str] = 1,
-                    freeze: bool = False, bfloat16: bool = False) -> Any:
+                    freeze: bool = False, bfloat16: bool = False,
+                    sim: Optional[SimLink] = None) -> Any:
     """Evaluator.spawn's factory: runs in the evaluator process, the only
     process of the shmeval mode that imports TensorFlow.  ``threads`` intra-op
     threads per model call; as many inter-op threads as calls in flight
     (``serving_threads``, "auto": TFModel's two; with fewer, concurrent calls
     partly wait for each other: `bench/tf_model_cost.py --concurrent`).
     ``freeze``: TFModel's freeze="auto" (folded while that pays), else
-    unfrozen."""
+    unfrozen.  ``sim``: the TFModel behind the simulated GPU (its warm-ups
+    in ``prepare`` bypass it)."""
     from ..games.connect4_net import build_resnet, import_tensorflow
 
     pin(cpus)  # before TensorFlow starts its threads
@@ -39,8 +42,8 @@ def evaluator_model(net: NetConfig, seed: int, threads: int,
     calls = serving_threads if isinstance(serving_threads, int) else TFModel.max_concurrency
     configure(intra_op_threads=threads or None,
               inter_op_threads=max(threads, calls) if threads else None)
-    return TFModel(build_resnet(net, seed=seed, compile=False),
-                   freeze="auto" if freeze else False, bfloat16=bfloat16)
+    return wrap_if(sim, TFModel(build_resnet(net, seed=seed, compile=False),
+                                freeze="auto" if freeze else False, bfloat16=bfloat16))
 
 
 def net_function(tf: Any, model: Any, rows: Optional[int], s: Settings
@@ -64,15 +67,17 @@ def net_function(tf: Any, model: Any, rows: Optional[int], s: Settings
     return run
 
 
-def local_net(s: Settings, batched: bool) -> EvaluateBatch:
+def local_net(s: Settings, batched: bool, sim: Optional[SimLink] = None) -> EvaluateBatch:
     """A local worker's own copy of the net, traced once for batches of one
-    (or any size when ``batched``)."""
+    (or any size when ``batched``); behind the simulated GPU ``sim`` when
+    given, each call of the net (each row, unless ``batched``) a call of
+    the device."""
     from ..games.connect4_net import build_resnet, import_tensorflow
 
     tf = import_tensorflow(1)
     model = build_resnet(s.net, seed=s.seed, compile=False)
     rows = None if batched else 1
-    fn = net_function(tf, model, rows, s)
+    fn = wrap_if(sim, net_function(tf, model, rows, s))
     n_actions = connect4.N_ACTIONS
 
     if batched:

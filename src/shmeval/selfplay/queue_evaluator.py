@@ -18,6 +18,7 @@ import numpy as np
 
 from .._util.children import child_setup
 from .._util.queue_batches import queued_batches
+from .._util.simdevice import SimLink, wrap_if
 from ..games import connect4
 from .net import EvaluateBatch, net_function
 from .pinning import pin
@@ -36,11 +37,13 @@ def _request_rows(request: Tuple[int, bytes]) -> int:
 
 
 def queue_evaluator_main(s: Settings, tf_threads: int, requests: Any, responses: List[Any],
-                         counters_raw: Any, conn: Any, cpus: Optional[set[int]] = None) -> None:
+                         counters_raw: Any, conn: Any, cpus: Optional[set[int]] = None,
+                         sim: Optional[SimLink] = None) -> None:
     """The queue mode's evaluator: batches as :func:`queued_batches` forms
     them (up to ``s.max_batch`` rows), one call of the traced net on the
     concatenated rows, each worker's rows back on its own queue.  The net
-    runs with ``tf_threads`` TensorFlow threads (0: TensorFlow's default).
+    runs with ``tf_threads`` TensorFlow threads (0: TensorFlow's default),
+    behind the simulated GPU ``sim`` when given (after its warm-ups).
     Reports ("ready", pid) or ("error", traceback) on ``conn``; stops at a
     None request."""
     child_setup()
@@ -53,6 +56,7 @@ def queue_evaluator_main(s: Settings, tf_threads: int, requests: Any, responses:
         fn = net_function(tf, model, None, s)
         for n in (1, s.workers * s.games_per_worker):
             fn(np.zeros((n,) + connect4.INPUT_SHAPE, np.float32))
+        fn = wrap_if(sim, fn)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         os._exit(1)

@@ -118,6 +118,25 @@ def combine_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def device_lines(results: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Under ``--device sim``: per mode, how busy the simulated GPU was and
+    whether the device or the host set the pace."""
+    lines = []
+    for mode, r in results.items():
+        dev = r.get("device")
+        if not dev or not dev["calls"]:
+            continue
+        bound = dev["device_bound_rows_per_s"]
+        lines.append(
+            f"sim GPU, {mode}: busy {dev['busy_share']:.0%} of the window, "
+            f"{dev['rows_per_call']:.1f} rows per call, "
+            f"{dev['queue_ms_per_call']:.2f} ms queued per call; answers ready after the "
+            f"device's end (the host the limit) in {dev['late_share']:.0%} of the calls, "
+            f"by {dev['late_ms_per_call']:.2f} ms per call on average; always busy with such "
+            f"calls it would serve {fmt_rate(bound)} rows/s")
+    return lines
+
+
 def format_table(results: Dict[str, Dict[str, Any]], workers: int) -> str:
     """The summary table, one row per mode (each ran ``workers`` workers)."""
     headers = ["mode", "cache", "moves/s", "evals/s", "mean batch", "games", "worker RSS MB",

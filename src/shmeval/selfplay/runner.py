@@ -33,8 +33,8 @@ from .mode_run import ModeRun
 from .modes import MODE_CLASSES
 from .records import GameStore, load_games, save_games
 from .replay_buffer import ReplayBuffer
-from .report import (caches_line, combine_runs, format_table, like_for_like_phrase, mixed_caches,
-                     ratios, round_ratios)
+from .report import (caches_line, combine_runs, device_lines, format_table, like_for_like_phrase,
+                     mixed_caches, ratios, round_ratios)
 from .settings import MODES, Settings
 
 #: CPU cores used by other programs in a window above which the summary warns.
@@ -106,6 +106,11 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
         + ", ".join(f"{m} {MODE_CLASSES[m](s).precision()}" for m in modes)
         + ("; central evaluator pinned to its own CPU" if s.pin else ""))
     display.line(caches_line(caches))
+    sim = s.sim()
+    if sim is not None:
+        display.line(f"device: a simulated GPU ({sim}: {sim.call_us:g} us per call + "
+                     f"{sim.row_us:g} us per row, one call at a time, shared by every process "
+                     f"of a mode's run; the answers from the real net on the CPU)")
     if s.train:
         buffer = ReplayBuffer(s.buffer_size)
         if loaded is not None:
@@ -139,9 +144,13 @@ def run(s: Settings, modes: Sequence[str], display: Optional[Display] = None,
     if busy:
         display.line(f"warning: other programs kept the CPUs busy during the window of "
                      f"{', '.join(busy)} ('other load', in cores): those figures are skewed")
+    if sim is not None:
+        for line in device_lines(results):
+            display.line(line)
     shm_ratios = ratios(results)
     if shm_ratios:
-        display.line(f"ratios ({like_for_like_phrase(caches)}): "
+        display.line(f"ratios ({'simulated GPU, ' if sim is not None else ''}"
+                     f"{like_for_like_phrase(caches)}): "
                      + "; ".join(f"{k} {v:.2f}x" for k, v in shm_ratios.items()))
     paired = round_ratios(runs)
     if paired:

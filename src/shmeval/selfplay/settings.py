@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Union
 
+from .._util.simdevice import SimSpec, parse_device
 from ..backends._device import cpu_bfloat16, gpu_visible
 from ..games.connect4_net import NetConfig
 
@@ -78,6 +79,10 @@ class Settings:
     precision: str = "auto"
     max_batch: int = 256
     pin: bool = False
+    #: Where the net's calls go: "cpu" (as they are) or a simulated GPU,
+    #: "sim:CALL_US,ROW_US" (shmeval._util.simdevice): one device for every
+    #: process of a mode's run, one call at a time.
+    device: str = "cpu"
     net: NetConfig = field(default_factory=NetConfig)
     c_puct: float = 1.5
     dirichlet_alpha: float = 1.0
@@ -119,6 +124,10 @@ class Settings:
         if self.local_cache:
             return CacheSetting("per worker", self.local_cache)
         return NO_CACHE
+
+    def sim(self) -> Optional[SimSpec]:
+        """The simulated GPU's costs, or None when the net runs as it is."""
+        return parse_device(self.device)
 
     def calls_in_flight(self) -> int:
         """The most model calls the shmeval evaluator keeps in flight:
@@ -169,6 +178,7 @@ class Settings:
         if self.worker_sched not in ("auto", "normal", "batch"):
             raise ValueError(f"worker_sched must be auto, normal or batch, "
                              f"got {self.worker_sched!r}")
+        parse_device(self.device)  # ValueError saying what is wrong
         if self.precision not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"precision must be auto, float32 or bfloat16, "
                              f"got {self.precision!r}")
