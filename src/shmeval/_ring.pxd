@@ -24,8 +24,20 @@ cdef class Layout:
     cdef Py_ssize_t *out_at       # where output j's shape starts in out_shape
     cdef list out_float           # float or complex kind
     cdef bint out_native          # every output a native built-in dtype
+    cdef uint32_t n_in            # its inputs: names, dtypes,
+    cdef tuple in_names
+    cdef tuple in_dtypes
+    cdef uint64_t *in_off         # places in a request row and sizes,
+    cdef uint64_t *in_nbytes
+    cdef int *in_nd               # ranks and shapes (back to back)
+    cdef cnp.npy_intp *in_shape
+    cdef Py_ssize_t *in_at
+    cdef int *in_type             # NumPy type numbers
+    cdef bint in_native           # every input a native built-in dtype
 
     cdef cnp.npy_intp *_out_dims(self, Py_ssize_t j) noexcept
+    cdef void _zero_gaps(self, char *row, uint64_t row_bytes) noexcept
+    cdef dict _unpack(self, const char *rows, uint64_t row_bytes, Py_ssize_t n)
 
 
 cdef class Segment:
@@ -157,6 +169,7 @@ cdef class ClientPort:
     cdef int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns)
     cdef Layout _layout(self, object method)
     cdef cnp.ndarray _rows(self, object x, Layout lay, bint single)
+    cdef object _pack_fast(self, object x, Layout lay, bint single)
     cdef cnp.ndarray _input(self, object x, bint single)
     cdef object _keys(self, object keys, Py_ssize_t n)
     cdef list _new_outs(self, Py_ssize_t n, Layout lay)

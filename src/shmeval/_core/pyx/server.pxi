@@ -245,11 +245,15 @@ cdef class Server:
         view of the batch (one unnamed input), or {input name: array} made
         from its request rows."""
         cdef uint32_t start = self.gstart[self.lay.index] if self.multi else 0
+        cdef uint64_t inb = self.seg.seg.p.in_bytes
         if not self.packed:
             view = self.views[rows]
             if view is None:
                 view = self.views[rows] = self._keep[:rows]
             return view
+        if self.lay.in_native:
+            return self.lay._unpack(<const char *>cnp.PyArray_DATA(<cnp.ndarray>self._rows)
+                                    + start * inb, inb, rows)
         return self.lay.method.unpack(self._rows[start:start + rows])
 
     def request_rows(self):
