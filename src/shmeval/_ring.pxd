@@ -3,6 +3,7 @@
 # in _core/ring.pxd.
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
+cimport cython
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_type_lock
 from cpython.ref cimport PyObject
@@ -120,6 +121,7 @@ cdef class SpinArms:
     cdef void _cover(self) noexcept
 
 
+@cython.final  # not subclassed: its cpdef methods are called as C functions
 cdef class ClientPort:
     """One process's client entry, as the request path uses it."""
     cdef Segment seg
@@ -148,6 +150,8 @@ cdef class ClientPort:
     cdef public bint detached  # its client entry is detached: waiters give up
     cdef readonly list abandoned  # (slot, generation) of requests whose waiter gave up
     cdef list spares           # output arrays of freed Pendings (_spare_outs)
+    cdef Pending sync          # the blocking calls' Pending (_sync_pending)
+    cdef bint sync_busy        # ... in use by a call now
     # Each slot's submit Pending while its request is in flight (borrowed: a
     # Pending clears its entries when a request is fetched or given up, and
     # when it is freed).
@@ -159,8 +163,11 @@ cdef class ClientPort:
     cpdef Pending submit(self, object states, bint block=*, bint versioned=*, object keys=*,
                          object method=*)
     cpdef give_back(self, uint32_t k)
-    cdef Pending _post(self, Layout lay, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n,
-                       object keys, list outs, object versions, bint block, bint own)
+    cdef Pending _post(self, Pending p, Layout lay, cnp.ndarray a, Py_ssize_t start,
+                       Py_ssize_t n, object keys, list outs, object versions, bint block,
+                       bint own)
+    cdef Pending _sync_pending(self)
+    cdef void _release(self, Pending p) noexcept
     cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
                             Pending p, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -1
@@ -179,6 +186,7 @@ cdef class ClientPort:
     cdef bint _unreferenced(self, int older)
 
 
+@cython.final
 cdef class Pending:
     """The answers to one post (ClientPort._post): a submit's, or a
     blocking call's."""

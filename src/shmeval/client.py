@@ -334,6 +334,18 @@ class Client(_ring.ClientBase):
         entry.check_alive(seg, self._address)
 
 
+# The three request methods run as Cython functions of the same one line
+# each (_ring.client_evaluate, client_evaluate_many, client_submit, bound as
+# methods, with the docstrings above): a Python frame around every request
+# cost about a tenth of the round trips with 16 workers on 2 cores
+# (bench/ab_grid.py, docs/performance.md).
+for _name in ("evaluate", "evaluate_many", "submit"):
+    _call = getattr(_ring, "client_" + _name)
+    _call.__doc__ = getattr(Client, _name).__doc__
+    setattr(Client, _name, _call)
+del _name, _call
+
+
 #: Cache entries stats() looks at to estimate how many are held (a sample
 #: spread over a larger table).
 CENSUS_SAMPLE = 1 << 16
