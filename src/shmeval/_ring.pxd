@@ -166,19 +166,19 @@ cdef class ClientPort:
     cdef Pending _post(self, Pending p, Layout lay, cnp.ndarray a, Py_ssize_t start,
                        Py_ssize_t n, object keys, list outs, object versions, bint block,
                        bint own)
-    cdef Pending _sync_pending(self)
-    cdef void _release(self, Pending p) noexcept
-    cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
+    cdef inline Pending _sync_pending(self)
+    cdef inline void _release(self, Pending p) noexcept
+    cdef inline Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
                             Pending p, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -1
-    cdef int _take(self, Py_ssize_t m, bint block, uint32_t *ks) except -1
+    cdef inline int _take(self, Py_ssize_t m, bint block, uint32_t *ks) except -1
     cdef int _collect(self, Pending p) except -1
-    cdef int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns)
-    cdef Layout _layout(self, object method)
-    cdef cnp.ndarray _rows(self, object x, Layout lay, bint single)
+    cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns)
+    cdef inline Layout _layout(self, object method)
+    cdef inline cnp.ndarray _rows(self, object x, Layout lay, bint single)
     cdef object _pack_fast(self, object x, Layout lay, bint single)
-    cdef cnp.ndarray _input(self, object x, bint single)
-    cdef object _keys(self, object keys, Py_ssize_t n)
+    cdef inline cnp.ndarray _input(self, object x, bint single)
+    cdef inline object _keys(self, object keys, Py_ssize_t n)
     cdef list _new_outs(self, Py_ssize_t n, Layout lay)
     cdef list _spare_outs(self, Py_ssize_t n, Layout lay)
     cdef void _keep_spare(self, list outs) noexcept
@@ -212,14 +212,14 @@ cdef class Pending:
     cdef int32_t rows[SHM_MAX_SLOTS_PER_CLIENT]
     cdef uint8_t state[SHM_MAX_SLOTS_PER_CLIENT]
 
-    cdef void _armed(self, Py_ssize_t m, bint own)
+    cdef inline void _armed(self, Py_ssize_t m, bint own)
     cdef int _collect(self, double deadline, object timeout) except -1
-    cdef Py_ssize_t _claim(self) noexcept
-    cdef void _claim_at(self, Py_ssize_t i) noexcept
-    cdef void _unclaim(self, Py_ssize_t i) noexcept
+    cdef inline Py_ssize_t _claim(self) noexcept
+    cdef inline void _claim_at(self, Py_ssize_t i) noexcept
+    cdef inline void _unclaim(self, Py_ssize_t i) noexcept
     cdef int _give_up(self, Py_ssize_t i) except -1
-    cdef int _record(self, Py_ssize_t i, object r) except -1
-    cdef void _disown(self, Py_ssize_t i) noexcept
+    cdef inline int _record(self, Py_ssize_t i, object r) except -1
+    cdef inline void _disown(self, Py_ssize_t i) noexcept
     cdef object _finish(self)
 
 

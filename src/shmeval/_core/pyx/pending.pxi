@@ -35,7 +35,7 @@ cdef class Pending:
     def __init__(self):
         raise TypeError("a Pending is made by Client.submit")
 
-    cdef void _armed(self, Py_ssize_t m, bint own):
+    cdef inline void _armed(self, Py_ssize_t m, bint own):
         """Requests 0..m-1 (ks, gens, rows set) are in flight.  own: a
         submit's, each slot's owner on the port, which the entry's harvests
         and slot waits ask."""
@@ -149,7 +149,7 @@ cdef class Pending:
             port.give_back(k)
             self._record(i, r)
 
-    cdef Py_ssize_t _claim(self) noexcept:
+    cdef inline Py_ssize_t _claim(self) noexcept:
         """Claims the oldest request nobody is fetching; -1 if none."""
         cdef Py_ssize_t i
         if self.unclaimed:
@@ -159,15 +159,15 @@ cdef class Pending:
                     return i
         return -1
 
-    cdef void _claim_at(self, Py_ssize_t i) noexcept:
+    cdef inline void _claim_at(self, Py_ssize_t i) noexcept:
         self.state[i] = REQ_CLAIMED
         self.unclaimed -= 1
 
-    cdef void _unclaim(self, Py_ssize_t i) noexcept:
+    cdef inline void _unclaim(self, Py_ssize_t i) noexcept:
         self.state[i] = REQ_LEFT
         self.unclaimed += 1
 
-    cdef int _record(self, Py_ssize_t i, object r) except -1:
+    cdef inline int _record(self, Py_ssize_t i, object r) except -1:
         """Request i fetched: r is its model version, or its batch's error
         text."""
         cdef Py_ssize_t row = self.rows[i]
@@ -190,7 +190,7 @@ cdef class Pending:
         self.port.entry.give_back([], [(self.ks[i], self.gens[i])])
         return 0
 
-    cdef void _disown(self, Py_ssize_t i) noexcept:
+    cdef inline void _disown(self, Py_ssize_t i) noexcept:
         """Request i is no longer this Pending's to fetch (fetched, or given
         up): its slot's owner is cleared."""
         if self.port.owner[self.ks[i]] == <PyObject *>self:

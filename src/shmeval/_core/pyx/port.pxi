@@ -236,7 +236,7 @@ cdef class ClientPort:
         p._armed(m, own)
         return p
 
-    cdef Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
+    cdef inline Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
                             Pending p, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -1:
         """Answers the rows start..start+n of a that the evaluation cache
@@ -267,7 +267,7 @@ cdef class ClientPort:
             raise
         return m
 
-    cdef int _take(self, Py_ssize_t m, bint block, uint32_t *ks) except -1:
+    cdef inline int _take(self, Py_ssize_t m, bint block, uint32_t *ks) except -1:
         """m free slots into ks: from the free list when it holds them (no
         Python frame), else from the entry, which waits for them (block) or
         raises NoFreeSlots.  A port closed meanwhile raises EvaluatorClosed
@@ -302,7 +302,7 @@ cdef class ClientPort:
             raise
         return 0
 
-    cdef Pending _sync_pending(self):
+    cdef inline Pending _sync_pending(self):
         """The Pending of a blocking call: the port's own when no other
         thread is using it (a blocking call's Pending never outlives the
         call, and allocating and zeroing one per request showed as a few
@@ -316,7 +316,7 @@ cdef class ClientPort:
             self.sync, self.sync_busy = p, True
         return p
 
-    cdef void _release(self, Pending p) noexcept:
+    cdef inline void _release(self, Pending p) noexcept:
         """A blocking call is over with p: the port's own Pending lets go of
         the caller's arrays (a result the port keeps must be referenced
         only by the caller and the port) and is free again."""
@@ -326,7 +326,7 @@ cdef class ClientPort:
             p._m = p.unclaimed = 0
             self.sync_busy = False
 
-    cdef int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns):
+    cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns):
         """Segment._wait for slot k of this entry with the spin budget of
         the arms (SpinArms), which get the wait's ns when it ends answered
         and spinning was allowed."""
@@ -339,7 +339,7 @@ cdef class ClientPort:
         return rc
 
     # ------------------------------------------------------------ inputs
-    cdef Layout _layout(self, object method):
+    cdef inline Layout _layout(self, object method):
         """The Layout of the method called `method` (None: the only one)."""
         cdef Layout lay
         if method is None and self.lay0 is not None:
@@ -350,7 +350,7 @@ cdef class ClientPort:
                     return lay
         return self.seg.layouts[self.spec.method(method).index]  # raises, naming them
 
-    cdef cnp.ndarray _rows(self, object x, Layout lay, bint single):
+    cdef inline cnp.ndarray _rows(self, object x, Layout lay, bint single):
         """The request rows of x for lay's method: the caller's array itself
         where it is one unnamed input of the right dtype and shape (_input),
         else packed (_pack)."""
@@ -433,7 +433,7 @@ cdef class ClientPort:
                            + i * lay.in_nbytes[j], lay.in_nbytes[j])
         return rows
 
-    cdef cnp.ndarray _input(self, object x, bint single):
+    cdef inline cnp.ndarray _input(self, object x, bint single):
         """x as a C-contiguous array of the declared dtype: one state
         (single) or a batch with a leading axis.  The common case, an array
         that is that already, is taken as it is; anything else is converted
@@ -452,7 +452,7 @@ cdef class ClientPort:
                     return a
         return _as_input(x, self.in_dtype, self.in_shape, single)
 
-    cdef object _keys(self, object keys, Py_ssize_t n):
+    cdef inline object _keys(self, object keys, Py_ssize_t n):
         """The caller's cache keys for n states: None, or as many as states
         (their type is checked by the lookup that reads them)."""
         if keys is not None and len(keys) != n:
