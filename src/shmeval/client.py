@@ -336,9 +336,9 @@ class Client(_ring.ClientBase):
 
 # The three request methods run as Cython functions of the same one line
 # each (_ring.client_evaluate, client_evaluate_many, client_submit, bound as
-# methods, with the docstrings above): a Python frame around every request
-# cost about a tenth of the round trips with 16 workers on 2 cores
-# (bench/ab_grid.py, docs/performance.md).
+# methods, with the docstrings above): with a Python frame around every
+# request, `python bench/ab_builds.py --a 69f5c90 --b . --workers 16` read
+# 0.89 of the old build's round trips on 2 cores, without it 0.95.
 for _name in ("evaluate", "evaluate_many", "submit"):
     _call = getattr(_ring, "client_" + _name)
     _call.__doc__ = getattr(Client, _name).__doc__

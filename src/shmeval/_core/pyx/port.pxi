@@ -305,9 +305,8 @@ cdef class ClientPort:
     cdef inline Pending _sync_pending(self):
         """The Pending of a blocking call: the port's own when no other
         thread is using it (a blocking call's Pending never outlives the
-        call, and allocating and zeroing one per request showed as a few
-        percent of a round trip with 16 workers on 2 cores), else a new
-        one.  _release gives it back."""
+        call, so one per port serves, instead of one allocated and zeroed
+        per request), else a new one.  _release gives it back."""
         if self.sync is not None and not self.sync_busy:
             self.sync_busy = True
             return self.sync
@@ -661,8 +660,7 @@ cdef inline ClientPort _port_of(ClientBase client):
 
 # Client.evaluate, evaluate_many and submit: each one line, the call of its
 # port's method, bound to Client as they are (no Python frame around a
-# request: with 16 workers on 2 cores, a Python frame per call cost about a
-# tenth of the round trips, bench/ab_grid.py).
+# request: Client's comment says what it cost).
 @cython.binding(True)
 def client_evaluate(ClientBase self, object state, bint return_version=False, object key=None,
                     object method=None):
