@@ -173,7 +173,7 @@ class ServingLoop:
         # The "auto" settings' tuner; it reads the calls the servers record.
         self.tuner = (ServingTuner(seg, model, self.servers, policy.max_batch, policy.threads,
                                    policy.overrides(), Board(seg, replica), HOUSEKEEPING_NS,
-                                   _ring.SPIN_YIELD)
+                                   _ring.SPIN_YIELD, replica)
                       if policy.tuned else None)
 
     def run(self, started: Optional[Callable[[], None]] = None) -> None:
@@ -321,7 +321,8 @@ class ServingLoop:
         self.poll_control(now)
         if self.control_until and now < self.housekeeping_at and kind == _ring.SERVE_IDLE:
             return True  # only a look at the control pipe was due
-        self.housekeeping_at = now + HOUSEKEEPING_NS
+        self.housekeeping_at = (self.tuner.next_at(now) if self.tuner is not None
+                                else now + HOUSEKEEPING_NS)
         self.reclaim_dead_clients()
         self.check_replicas(server)
         if self.tuner is not None:

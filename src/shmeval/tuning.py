@@ -105,7 +105,7 @@ from . import _ring
 # The names written "X as X" are imported from here by client.py and
 # evaluator.py (mypy's strict mode lets a module import only what another
 # exports explicitly).
-from .stats import fit_report
+from .stats import fit_report, read_report
 from .waiting import (CROWDING, SLEEP, SPIN, SPIN_LONG_WAKES, YIELD, runnable_tasks, spin_mode,
                       usable_cpus, wake_cost_ns)
 
@@ -216,6 +216,10 @@ class Reading:
     #: The evaluator waited a whole idle timeout for a request since the
     #: previous reading: the clients paused.
     paused: bool = False
+    #: Replicas serving the segment now, this one included: the requests,
+    #: the population and the arrivals are theirs together, and each
+    #: replica's batches hold its share.
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -350,6 +354,7 @@ class Load:
     cost: float
     cpus: int
     rate: float
+    replicas: int = 1
 
 
 def _moved(a: float, b: float) -> bool:
@@ -394,6 +399,7 @@ class Tuner:
         self.busy = 0.0           # share of the time in model calls (summed over calls in flight)
         self.clients = 0
         self.cpus = 0
+        self.replicas = 1
         self.trial: Optional[Trial] = None
         self.phase = "measuring"
         self.why_wait = "measuring the model and the arrivals"
@@ -405,6 +411,15 @@ class Tuner:
         self._recent: List[Tuple[int, int, np.ndarray]] = []
         self._changed_at: Optional[int] = None   # when the load was first seen changed
         self._paused = False                      # the clients paused in the last window
+        self._now = 0                             # the last reading's time
+        #: When the settings in force last changed (a trial's verdict that
+        #: adopted its candidate, or trials started afresh), and why.
+        self.changed_ns: Optional[int] = None
+        self.why_changed = "measuring"
+        #: When the current (or last) trials began, and how long they took.
+        self._trials_ns = 0
+        self.settle_s: Optional[float] = None
+        self.settled_ns: Optional[int] = None
 
     # -- the reading of one window ---------------------------------------------
 
@@ -422,7 +437,8 @@ class Tuner:
             int(window[:, 0].min()) if len(window) else r.now_ns
         self._recent.append((min(start, r.now_ns), r.now_ns, window))
         self._recent = [w for w in self._recent if r.now_ns - w[1] < HORIZON_NS]
-        self.clients, self.cpus = r.clients, r.cpus
+        self.clients, self.cpus, self.replicas = r.clients, r.cpus, max(1, r.replicas)
+        self._now = r.now_ns
         self._spin(r)
         if prev is None or r.now_ns <= prev.now_ns:
             return self.decision
@@ -456,6 +472,28 @@ class Tuner:
             self._start_trials()
         return self.decision
 
+    def follow(self, r: Reading, d: Decision, leader: int) -> None:
+        """A reading of a replica that applies another's decision ``d``
+        (ServingTuner): it measures the cost of its calls for its report
+        and runs no trials; the overrides the caller fixed stay its own.
+        Should it lead later, its trials start afresh."""
+        self.clients, self.cpus, self.replicas = r.clients, r.cpus, max(1, r.replicas)
+        self._now = r.now_ns
+        window = _as_calls(r.calls)
+        if len(window):
+            self.cost = Cost.fit(window, self.cost)
+        o = self.overrides
+        d = Decision(o.max_wait_ns if o.max_wait_ns is not None else d.max_wait_ns,
+                     d.batch_cap, o.spin_ns if o.spin_ns is not None else d.spin_ns,
+                     o.threads or d.threads)
+        if d != self.decision:
+            self._mark(f"following replica {leader}")
+        self.decision = d
+        self.trial = None
+        self.load = None  # leading later starts with trials
+        self._prev = None
+        self.phase = f"following replica {leader}"
+
     def _lasting_change(self, now_ns: int) -> bool:
         """The load has differed from the trials' for HORIZON_NS (at once
         before the first trials)."""
@@ -479,7 +517,7 @@ class Tuner:
                 np.mean(requests >= d.batch_cap) > 0.5:
             # Waiting, and most calls stop at the cap: the population
             # outgrew the estimate.
-            largest = 2 * d.batch_cap * d.threads
+            largest = 2 * d.batch_cap * d.threads * self.replicas
         self.population = min(self.max_batch, max(self.clients, largest, 1))
 
     def _spin(self, r: Reading) -> None:
@@ -550,11 +588,26 @@ class Tuner:
         cost = self._predicted(m.rows)
         return (_moved(m.clients, self.clients)
                 or (_moved(m.cost, cost) and abs(cost - m.cost) >= self.wake_ns)
-                or m.cpus != self.cpus)
+                or m.cpus != self.cpus or m.replicas != self.replicas)
+
+    def _what_changed(self) -> str:
+        """What moved the load away from the one the trials measured."""
+        m = self.load
+        if m is None:
+            return "the first trials"
+        moved = [f"{name} {a:g} -> {b:g}" for name, a, b in (
+            ("clients", m.clients, self.clients), ("replicas", m.replicas, self.replicas),
+            ("cpus", m.cpus, self.cpus)) if a != b]
+        cost = self._predicted(m.rows)
+        if _moved(m.cost, cost):
+            moved.append(f"model µs per call {m.cost / 1e3:.0f} -> {cost / 1e3:.0f}")
+        return "the load changed: " + ", ".join(moved) if moved else "the load changed"
 
     def _start_trials(self) -> None:
         """From the simplest settings: one call in flight, greedy."""
         self._changed_at = None
+        self._trials_ns = self._now
+        self._mark(f"trials from the simplest settings: {self._what_changed()}")
         if self.overrides.spin_ns is None:
             self.spin_long = None
         base = replace(self.decision, threads=self.overrides.threads or 1,
@@ -569,6 +622,11 @@ class Tuner:
             self.why_threads = ("serving_threads set by the caller" if self.overrides.threads
                                 else "one: the model's calls may not overlap (max_concurrency)")
             self._try_waiting()
+
+    def _mark(self, why: str) -> None:
+        """The settings in force change now (not a trial's alternation)."""
+        self.changed_ns = self._now
+        self.why_changed = why
 
     def _begin(self, knob: str, base: Decision, candidate: Decision) -> None:
         self.trial = Trial(knob, base, candidate, self.clients)
@@ -593,6 +651,12 @@ class Tuner:
         self._use(keep, t.knob)
         self.rate = t.mean(won)   # what the setting kept serves
         verdict = f"{t.gain():+.0%}, ahead in {t.wins()} of {t.pairs()} window pairs"
+        if not won and t.wins() * 3 >= t.pairs():
+            # Ahead in a third of the pairs or more: the two serve alike
+            # as far as these windows can tell, and the simpler stays.
+            verdict += " (within noise: the simpler setting stays)"
+        if won:
+            self._mark(f"{t.knob}: {verdict}")
         if t.knob == "spin":
             self.spin_long = won
             self.why_spin = (f"{'long' if won else 'short'}: a spin of {SPIN_LONG_WAKES} "
@@ -652,25 +716,30 @@ class Tuner:
         assert self.cost is not None
         d = self.decision
         fixed = self.cost.known_fixed
-        gathered = self.rate * fixed / 1e9
+        # This replica's part: the arrivals and the population are every
+        # replica's together, and the replicas take turns collecting.
+        gathered = self.rate * fixed / 1e9 / self.replicas
+        share = math.ceil(self.population / self.replicas)
         alone = d.threads > 1 and self.overrides.threads is None \
             and gathered / d.threads <= self.small_batch < gathered
         if not alone:
             gathered /= d.threads
         busy = self.busy / d.threads
-        if fixed <= 0 or self.population <= self.small_batch or \
+        if fixed <= 0 or share <= self.small_batch or \
                 gathered <= self.small_batch and busy < BUSY_SHARE:
             self.why_wait = (
                 "greedy: the calls show no fixed cost (one batch size)" if fixed <= 0 else
-                f"greedy: the batches hold every request ({self.population})"
-                if self.population <= self.small_batch else
+                f"greedy: the batches hold every request ({share})"
+                if share <= self.small_batch else
                 f"greedy: one fixed cost ({fixed / 1e3:.0f} µs) gathers {gathered:.1f} requests, "
                 f"the smaller batches hold {self.small_batch:.0f}, and the model computes "
                 f"{busy:.0%} of the time")
             self._try_spinning()
             return
         threads = 1 if alone else d.threads
-        cap = max(1, math.ceil(self.population / threads))
+        # The even split of the population over every call in flight of
+        # every replica: a replica waits for its part, not for all of it.
+        cap = max(1, math.ceil(self.population / (threads * self.replicas)))
         self._begin("wait", d, replace(d, threads=threads, max_wait_ns=max(1, int(fixed)),
                                        batch_cap=cap))
 
@@ -678,7 +747,10 @@ class Tuner:
         self.phase = "settled"
         assert self.cost is not None
         rows = self.cost.mean_rows
-        self.load = Load(self.clients, rows, self._predicted(rows), self.cpus, self.rate)
+        self.load = Load(self.clients, rows, self._predicted(rows), self.cpus, self.rate,
+                         self.replicas)
+        self.settle_s = (self._now - self._trials_ns) / 1e9
+        self.settled_ns = self._now
 
     # -- what stats() shows ---------------------------------------------------------
 
@@ -708,6 +780,19 @@ class Tuner:
             "why_wait": self.why_wait,
             "why_threads": self.why_threads,
             "why_spin": self.why_spin,
+            "replicas": self.replicas,
+            # When the settings last changed (s before this report) and why.
+            "changed_s_ago": (round((self._now - self.changed_ns) / 1e9, 2)
+                              if self.changed_ns is not None else None),
+            "why_changed": self.why_changed,
+            # How long the last trials took, from their start to settled,
+            # and when they settled (s before this report).
+            "settle_s": round(self.settle_s, 2) if self.settle_s is not None else None,
+            "settled_s_ago": (round((self._now - self.settled_ns) / 1e9, 2)
+                              if self.settled_ns is not None else None),
+            # The decision as the serving loop applies it: other replicas
+            # follow the leader's (ServingTuner).
+            "decision": [d.max_wait_ns, d.batch_cap, d.spin_ns, d.threads],
         }
 
 
@@ -734,8 +819,27 @@ class Board:
 CALLS_PER_PERIOD = 1024
 
 
+#: A follower replica's readings come this share of a period after the
+#: leader's, so that it reads the decision the leader has just published
+#: (the replicas' readings are on one grid of CLOCK_MONOTONIC, which every
+#: process of the machine shares).
+FOLLOW_LAG = 0.05
+
+
 class ServingTuner:
     """Feeds a :class:`Tuner` from a serving loop.
+
+    With several replicas one tuner decides for them all: the leader, the
+    serving replica of the lowest index.  The others follow: each reading
+    they apply the decision the leader published with its report (the
+    report's ``decision``).  Independent tuners would each run trials
+    while the others run theirs, and each trial's windows, which count the
+    requests of every replica, would measure the others' settings as much
+    as its own: verdicts that differ from run to run, and trials that
+    start over.  Readings fall on one grid of the monotonic clock, the
+    followers' ``FOLLOW_LAG`` of a period after the leader's, so that the
+    replicas switch settings within a small part of a window of each
+    other.
 
     Each of ``servers`` (the loop's ``_ring.Server`` objects, or anything
     with their ``record_calls`` and ``take_calls``) records the start,
@@ -748,8 +852,11 @@ class ServingTuner:
 
     def __init__(self, seg: Any, model: Any, servers: Sequence[Any], max_batch: int,
                  threads: int, overrides: Overrides, board: Optional[Board], period_ns: int,
-                 spin_yield: int) -> None:
+                 spin_yield: int, replica: int = 0) -> None:
         self.seg = seg
+        self.replica = replica
+        #: The replica whose decision this one applies (itself: it decides).
+        self.leader = replica
         self.servers = list(servers)
         for s in self.servers:
             s.record_calls(CALLS_PER_PERIOD)
@@ -771,21 +878,50 @@ class ServingTuner:
     def decision(self) -> Decision:
         return self.tuner.decision
 
+    def next_at(self, now_ns: int) -> int:
+        """When the next reading is due: the next point of the period's
+        grid (a follower's: FOLLOW_LAG of a period later)."""
+        lag = 0 if self.leader == self.replica else int(self.period_ns * FOLLOW_LAG)
+        return (now_ns - lag) // self.period_ns * self.period_ns + self.period_ns + lag
+
+    def _serving(self) -> List[int]:
+        """The replicas serving now (this one among them)."""
+        if self.seg.replicas_serving() <= 1:
+            return [self.replica]
+        return [r["replica"] for r in self.seg.replicas() if r["state"] == "serving"] \
+            or [self.replica]
+
+    def _leader_decision(self, leader: int) -> Optional[Decision]:
+        """The decision replica ``leader`` last published, or None."""
+        report = read_report(self.seg, leader)
+        try:
+            w, cap, spin, threads = report["decision"]  # type: ignore[index]
+        except (TypeError, ValueError, KeyError):
+            return None
+        return Decision(int(w), min(int(cap), self.tuner.max_batch), int(spin),
+                        max(1, min(int(threads), self.tuner.max_threads)))
+
     def tick(self, now_ns: int) -> None:
         """A reading, if a period passed since the last (several serving
         threads each reach housekeeping)."""
         if now_ns < self.next_tick:
             return
-        self.next_tick = now_ns + self.period_ns
+        serving = self._serving()
+        self.leader = min(serving)
+        self.next_tick = self.next_at(now_ns)
         calls = np.concatenate([s.take_calls() for s in self.servers]) if self.servers \
             else np.empty((0, 4), np.int64)
         cpus = usable_cpus()
         before = self.tuner.decision.threads
         paused, self.paused = self.paused, False
-        self.tuner.tick(Reading(now_ns, int(self.seg.stat("requests")),
-                                int(self.seg.n_attached()), cpus, runnable_tasks(cpus), calls,
-                                paused))
-        self.seg.set_crowding(self.tuner.crowding())
+        reading = Reading(now_ns, int(self.seg.stat("requests")), int(self.seg.n_attached()),
+                          cpus, runnable_tasks(cpus), calls, paused, len(serving))
+        followed = self._leader_decision(self.leader) if self.leader != self.replica else None
+        if followed is None:
+            self.tuner.tick(reading)
+            self.seg.set_crowding(self.tuner.crowding())
+        else:
+            self.tuner.follow(reading, followed, self.leader)
         if self.tuner.decision.threads != before:
             with self.turns:
                 self.turns.notify_all()

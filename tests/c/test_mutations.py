@@ -179,8 +179,14 @@ MUTATIONS = [
         shm_futex_wake(lock, 1);""",
         """    atomic_exchange_explicit(lock, 0, memory_order_release);"""),)),
     Mutation("no fair share between replicas", "fair_share", "plain", "collect.h", ((
-        """        n = shm_scan(s, v, own, batch, n, &cap, s->p.replicas > 1, cursor, now);""",
+        """        n = shm_scan(s, v, own, batch, n, &cap, s->p.replicas > 1 && max_wait_ns == 0,
+                   cursor, now);""",
         """        n = shm_scan(s, v, own, batch, n, &cap, 0, cursor, now);"""),)),
+    Mutation("the fair share cuts a waiting replica's batch", "waiting_cap", "plain",
+             "collect.h", ((
+                 """        n = shm_scan(s, v, own, batch, n, &cap, s->p.replicas > 1 && max_wait_ns == 0,
+                   cursor, now);""",
+                 """        n = shm_scan(s, v, own, batch, n, &cap, s->p.replicas > 1, cursor, now);"""),)),
     Mutation("the weights floor never comes down", "version_floor", "plain", "replicas.h", ((
         """    /* Nobody serves the floor: bring it down to us (unless it moved). */
     return atomic_compare_exchange_strong_explicit(

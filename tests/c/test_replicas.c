@@ -519,6 +519,24 @@ static void test_fair_share(void) {
     seg_free(&t);
 }
 
+/* A replica that waits for a fuller batch (max_wait_ns > 0) takes up to
+ * its cap, the tuner's even split of the whole population, and not the
+ * fair share of what is ready when it looks: in a closed loop the rest of
+ * its part is on its way (the clients it has just answered), and a call
+ * started with the first few of them wastes a call of a model whose cost
+ * is per call. */
+static void test_waiting_cap(void) {
+    start_test("waiting_cap", 60);
+    test_seg t;
+    shm_seg *s = two_replicas(&t, 8);
+    scanner_arg x = {.s = s, .v = 0};
+    uint32_t cursor = 0;
+    x.n = shm_collect(s, 0, x.own, x.batch, 6, &cursor, 0, 1 * MS, 1 * MS);
+    CHECK_MSG(x.n == 6, "a waiting replica with a cap of 6 took %d of 8 requests",
+              x.n);
+    seg_free(&t);
+}
+
 typedef struct {
     shm_seg *s;
     int rc;
@@ -635,6 +653,7 @@ const test_case replicas_tests[] = {
     {"requeue_words", test_requeue_words},
     {"version_floor", test_version_floor},
     {"fair_share", test_fair_share},
+    {"waiting_cap", test_waiting_cap},
     {"lock_wake", test_lock_wake},
     {"scribbled_tables", test_scribbled_tables},
     {"requeue_rings", test_requeue_rings},

@@ -1112,6 +1112,9 @@ def test_wait_turn_parks_the_threads_beyond_the_decision() -> None:
         def n_attached(self) -> int:
             return 0
 
+        def replicas_serving(self) -> int:
+            return 1
+
         def set_crowding(self, c: int) -> None:
             pass
 
@@ -1150,6 +1153,9 @@ def test_serving_tuner_reads_the_servers_calls() -> None:
         def n_attached(self) -> int:
             return 3
 
+        def replicas_serving(self) -> int:
+            return 1
+
         def set_crowding(self, c: int) -> None:
             self.crowding = c
 
@@ -1183,6 +1189,7 @@ from shmeval import _ring, tuning
 class Seg:
     def stat(self, name): return 0
     def n_attached(self): return 2
+    def replicas_serving(self): return 1
     def set_crowding(self, c): pass
 
 class Server:
@@ -1202,3 +1209,127 @@ print(sorted(set(sys.modules) - before))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"a reading imported {out.stdout.strip()}"
+
+
+# --- several replicas: one tuner decides, the others follow -------------------------------
+
+
+class ReplicaFeed(Feed):
+    """A Feed whose readings say how many replicas serve."""
+
+    def __init__(self, tuner: Tuner, replicas: int, **kw: int) -> None:
+        super().__init__(tuner, **kw)
+        self.replicas = replicas
+
+    def tick(self, rate: Callable[[Decision], float], rows: Sequence[int], fixed_ns: float,
+             per_row_ns: float, paused: bool = False) -> Decision:
+        self.now += PERIOD
+        self.requests += int(rate(self.tuner.decision) * PERIOD / 1e9)
+        r = Reading(self.now, self.requests, self.clients, self.cpus, self.runnable,
+                    calls_of(rows, fixed_ns, per_row_ns, self.now), paused, self.replicas)
+        return self.tuner.tick(r)
+
+
+def test_a_waiting_replica_waits_for_its_share_of_the_population() -> None:
+    """16 clients, 2 replicas, convoys of 2 and 6 per replica: the cap is
+    the even split of the population (8), not all of it, and the report
+    says when the settings changed, why, and how long the trials took."""
+    t = Tuner(256, 1, WAKE)
+    feed = ReplicaFeed(t, 2, clients=16)
+    # Both replicas' arrivals: one fixed cost gathers 3 requests per replica.
+    settle(feed, lambda d: 3 * waiting_pays(d), [2, 6] * 20)
+    assert t.phase == "settled" and t.decision.max_wait_ns > 0, t.why_wait
+    assert t.decision.batch_cap == 8
+    report = t.report()
+    assert report["replicas"] == 2
+    assert report["decision"] == [t.decision.max_wait_ns, 8, t.decision.spin_ns, 1]
+    assert report["why_changed"].startswith("wait: +30%"), report["why_changed"]
+    assert report["settle_s"] == pytest.approx(2 * TRIAL_PAIRS * PERIOD / 1e9)
+    assert 0 <= report["changed_s_ago"] == report["settled_s_ago"]
+
+
+def test_the_replicas_count_is_part_of_the_load() -> None:
+    """A replica more or less is a new load: the trials run again, and the
+    report names the change."""
+    t = Tuner(256, 1, WAKE)
+    feed = ReplicaFeed(t, 2, clients=16)
+    settle(feed, lambda d: 3 * waiting_pays(d), [2, 6] * 20)
+    assert t.phase == "settled"
+    feed.replicas = 1
+    settle(feed, lambda d: 3 * waiting_pays(d), [4, 12] * 20, ticks=8)
+    assert t.why_changed.startswith("trials from the simplest settings: the load changed: "
+                                    "replicas 2 -> 1"), t.why_changed
+
+
+def test_a_trial_within_noise_keeps_the_simpler_setting_and_says_so() -> None:
+    """Waiting ahead in one pair of three: dropped, and called a tie."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=4)
+    n = [0]
+
+    def alike(d: Decision) -> float:
+        n[0] += 1
+        return 10_000.0 + (500.0 if d.max_wait_ns and n[0] % 6 == 1 else -500.0)
+
+    settle(feed, alike, CONVOY)
+    assert t.decision.max_wait_ns == 0
+    assert "within noise: the simpler setting stays" in t.why_wait, t.why_wait
+
+
+def test_a_follower_applies_the_leaders_decision_and_runs_no_trials() -> None:
+    t = Tuner(256, 2, WAKE, Overrides(spin_ns=0))
+    leader = Decision(150_000, 8, 999, 2)
+    r = Reading(PERIOD, 100, 16, 2, 1.0, calls_of([4, 8] * 5, FIXED, PER_ROW, 0), False, 2)
+    t.follow(r, leader, 0)
+    assert t.decision == Decision(150_000, 8, 0, 2)   # its own override stays
+    assert t.trial is None and t.phase == "following replica 0"
+    assert t.why_changed == "following replica 0" and t.cost is not None
+
+
+class TwoReplicaSeg:
+    """A segment seen by two replicas' ServingTuners: both serving, and
+    each one's published report readable by the other."""
+
+    def __init__(self) -> None:
+        self.reports: dict[int, bytes] = {}
+
+    def stat(self, name: str) -> int:
+        return 0
+
+    def n_attached(self) -> int:
+        return 16
+
+    def replicas_serving(self) -> int:
+        return 2
+
+    def replicas(self) -> list:
+        return [{"replica": 0, "state": "serving"}, {"replica": 1, "state": "serving"}]
+
+    def set_crowding(self, c: int) -> None:
+        self.crowding = c
+
+    def set_report(self, r: int, text: bytes) -> None:
+        self.reports[r] = text
+
+    def report(self, r: int) -> bytes | None:
+        return self.reports.get(r)
+
+
+def test_serving_tuners_of_two_replicas_lead_and_follow() -> None:
+    """Replica 0 decides; replica 1 applies what 0 published, reading a
+    small part of a period after it on the same grid."""
+    seg = TwoReplicaSeg()
+    tuners = [tuning.ServingTuner(seg, fake_model, [], 64, 1, Overrides(), Board(seg, r),
+                                  PERIOD, YIELD_FLAG, r) for r in (0, 1)]
+    lead, follow = tuners
+    lead.tuner.decision = Decision(300_000, 8, 0, 1)
+    lead.tick(5 * PERIOD)
+    follow.tick(5 * PERIOD + 1)
+    assert follow.tuner.decision == Decision(300_000, 8, 0, 1)
+    assert follow.tuner.phase == "following replica 0"
+    # Readings on one grid: the leader's at its points, the follower's a
+    # FOLLOW_LAG of a period later.
+    lag = int(PERIOD * tuning.FOLLOW_LAG)
+    assert lead.next_at(5 * PERIOD + 7) == 6 * PERIOD
+    assert follow.next_at(5 * PERIOD + 7) == 5 * PERIOD + lag
+    assert follow.next_at(5 * PERIOD + lag) == 6 * PERIOD + lag

@@ -158,7 +158,8 @@ static inline int shm_collect(shm_seg *s, uint32_t v, shm_taken *own,
             return n > 0 ? (int)n : SHM_BEHIND;
         uint32_t before = n;
         uint32_t cap = max_batch;
-        n = shm_scan(s, v, own, batch, n, &cap, s->p.replicas > 1, cursor, now);
+        n = shm_scan(s, v, own, batch, n, &cap, s->p.replicas > 1 && max_wait_ns == 0,
+                   cursor, now);
         if (n > before && before == 0) first = now;
         if (n >= cap) return (int)n;
         if (n > 0 && (max_wait_ns == 0 || now - first >= max_wait_ns))
