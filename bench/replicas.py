@@ -483,17 +483,21 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[s
 
 # --- the report --------------------------------------------------------------------------
 
+def closed_loop_best(args: argparse.Namespace, workers: int, replicas: int) -> float:
+    """The most evaluations/s ``workers`` clients of one request each can
+    get from ``replicas`` replicas: every model busy all the time with an
+    even split of the requests (at most --max-batch rows each), nothing
+    lost between calls.  With a cost per call only, W clients never get
+    more than W per call's time, however many replicas serve them."""
+    c, r = float(args.call_ms) / 1e3, float(args.row_us) / 1e6
+    rows = min(workers / replicas, float(args.max_batch))
+    return replicas * rows / (c + r * rows)
+
+
 def even_split_multiple(args: argparse.Namespace, workers: int, replicas: int) -> float:
     """The multiple of one replica's evaluations/s that ``replicas`` replicas
-    reach at best: every model busy all the time, the ``workers`` requests
-    split evenly into one batch per replica, each at most --max-batch rows."""
-    c, r = float(args.call_ms) * 1e3, float(args.row_us)
-
-    def rate(n: int) -> float:
-        rows = min(workers / n, float(args.max_batch))
-        return n * rows / (c + r * rows)
-
-    return rate(replicas) / rate(1)
+    reach at best (closed_loop_best of each)."""
+    return closed_loop_best(args, workers, replicas) / closed_loop_best(args, workers, 1)
 
 
 def summarise(trials: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -523,6 +527,7 @@ def summarise(trials: list[dict[str, Any]], args: argparse.Namespace) -> list[di
             "rows_per_call": {f"p{q:g}": rows_per_call(calls, q / 100) for q in (10, 50, 90)},
             "model_bound": min(busy) >= MODEL_BOUND_SHARE,
             "even_split_multiple": even_split_multiple(args, workers, replicas),
+            "closed_loop_best": closed_loop_best(args, workers, replicas),
         })
     for row in rows:
         one = groups.get((row["workers"], 1, row["design"]))
@@ -562,10 +567,13 @@ def print_report(summary: list[dict[str, Any]], checked: list[dict[str, Any]],
                       key=lambda r: (r["replicas"], DESIGNS.index(r["design"])))
         print(f"\n{workers} workers")
         _print_table(
-            ["replicas", "design", "evals/s", "x 1 replica", "even split", "p50 ms", "p99 ms",
+            ["replicas", "design", "evals/s", "best", "of best", "x 1 replica", "even split",
+             "p50 ms", "p99 ms",
              "batch/replica", "rows/call p10-p50-p90", "model busy", "model-bound",
              "busy cores", "other load"],
             [[str(r["replicas"]), r["design"], f"{r['throughput']['median']:,.0f}",
+              f"{r['closed_loop_best']:,.0f}",
+              f"{r['throughput']['median'] / r['closed_loop_best']:.2f}",
               f"{r['multiple_of_one']:.2f}x", f"{r['even_split_multiple']:.2f}x",
               f"{r['p50_ms']['median']:.2f}", f"{r['p99_ms']['median']:.2f}",
               _range(r["mean_batch"], r["replica_mean_batch"], ".1f"),
