@@ -34,7 +34,9 @@ cdef class Layout:
     cdef cnp.npy_intp *in_shape
     cdef Py_ssize_t *in_at
     cdef int *in_type             # NumPy type numbers
+    cdef tuple in_scalars         # NumPy scalar types (a 0-d input of one state)
     cdef bint in_native           # every input a native built-in dtype
+    cdef object pack_one          # one request row, packed and reused (ClientPort._pack_fast)
 
     cdef cnp.npy_intp *_out_dims(self, Py_ssize_t j) noexcept
     cdef void _zero_gaps(self, char *row, uint64_t row_bytes) noexcept

@@ -56,6 +56,32 @@ def test_named_inputs_round_trip() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_threads_packing_named_inputs_at_once_get_their_own_answers() -> None:
+    """One state's request row is packed into a row the method keeps and
+    reuses; threads of one process packing at once each get their own
+    answers (a thread that finds the row in use packs into a new one), and
+    so does a scalar input given as a NumPy scalar."""
+    def model(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"s": x["a"].sum(axis=1) * 10 + x["k"]}
+
+    wrong: list[tuple[int, int, float]] = []
+    # Two slots for four threads: a thread waits for a slot between its
+    # packing and its copy into the slot, and another packs meanwhile.
+    with shmeval.Evaluator(model, inputs={"a": ((3,), "float64"), "k": ((), "int64")},
+                           outputs={"s": ((), "float64")}, max_batch=8,
+                           slots_per_client=2) as ev:
+        def worker(t: int) -> None:
+            for i in range(300):
+                v = float(t * 1000 + i)
+                out = ev.evaluate({"a": np.full(3, v), "k": np.int64(i % 7)})
+                if out["s"] != 30 * v + i % 7:
+                    wrong.append((t, i, float(out["s"])))
+
+        run_threads(worker, 4, timeout=50)
+    assert not wrong, f"{len(wrong)} answers of another thread's state, e.g. {wrong[:3]}"
+
+
+@pytest.mark.timeout(60)
 def test_the_model_gets_plain_c_arrays_of_any_rows() -> None:
     """Each named input reaches the model as a C-contiguous array with the
     strides of a fresh one (what torch.from_numpy and the frameworks take),

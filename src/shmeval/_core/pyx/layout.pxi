@@ -64,6 +64,7 @@ cdef class Layout:
             at += len(f.shape)
         self.in_names = tuple(f.name for f in inputs)
         self.in_dtypes = tuple(f.dtype for f in inputs)
+        self.in_scalars = tuple(f.dtype.type for f in inputs)
         self.in_native = all(f.dtype.isnative and f.dtype.num < cnp.NPY_NTYPES_LEGACY and
                              len(f.shape) <= 32 for f in inputs)
         self.n_in = nin

@@ -370,7 +370,9 @@ cdef class ClientPort:
         unless single; a NumPy scalar of its dtype for a 0-d input of one
         state) -- packed in C: a zeroed row per state, the method's index
         first where there are several, each input's bytes at its offset.
-        None otherwise (_pack converts, or says what is wrong)."""
+        One state's row is the layout's own (pack_one), reused while
+        nothing else holds it: its gaps and header are written once.  None
+        otherwise (_pack converts, or says what is wrong)."""
         cdef Py_ssize_t i, j, d, n = 1, lead = 0 if single else 1
         cdef uint64_t inb = self.seg.seg.p.in_bytes
         cdef uint32_t header = len(self.seg.layouts) > 1
@@ -378,8 +380,9 @@ cdef class ClientPort:
         cdef cnp.npy_intp dims[2]
         cdef char *dst
         cdef PyObject *item
-        cdef list arrays = []
+        cdef PyObject *src[32]         # the inputs, held by x while packing
         cdef char scalar[32]           # input j is a NumPy scalar (one state)
+        cdef bint fresh
         if type(x) is not dict or PyDict_Size(x) != lay.n_in or lay.n_in > 32 or \
                 not lay.in_native:
             return None
@@ -387,14 +390,16 @@ cdef class ClientPort:
             item = PyDict_GetItem(x, lay.in_names[j])
             if item == NULL:
                 return None
-            scalar[j] = single and lay.in_nd[j] == 0 and isinstance(<object>item, np.generic)
-            if scalar[j]:
-                if cnp.PyArray_DescrFromScalar(<object>item).type_num != lay.in_type[j]:
-                    return None
-                arrays.append(<object>item)
-                continue
+            src[j] = item
+            scalar[j] = False
             if type(<object>item) is not cnp.ndarray:
-                return None
+                # A NumPy scalar of exactly the input's type; anything else
+                # (a subclass, a Python number) goes to _pack.
+                scalar[j] = single and lay.in_nd[j] == 0 and \
+                    type(<object>item) is lay.in_scalars[j]
+                if not scalar[j]:
+                    return None
+                continue
             a = <cnp.ndarray>item
             # The type number, not the dtype object: an array that came
             # through pickle has a dtype equal to the declared one but not
@@ -411,24 +416,34 @@ cdef class ClientPort:
                     n = cnp.PyArray_DIM(a, 0)
                 elif cnp.PyArray_DIM(a, 0) != n:
                     return None
-            arrays.append(a)  # held while packing
-        dims[0] = n
-        dims[1] = <cnp.npy_intp>inb
-        rows = cnp.PyArray_EMPTY(2, dims, cnp.NPY_UINT8, 0)
+        # The layout's row is free when it alone references it (a caller
+        # that packed it holds it until its copy into the slots is done).
+        fresh = not single or lay.pack_one is None or \
+            Py_REFCNT(<PyObject *>lay.pack_one) != 1
+        if fresh:
+            dims[0] = n
+            dims[1] = <cnp.npy_intp>inb
+            rows = cnp.PyArray_EMPTY(2, dims, cnp.NPY_UINT8, 0)
+            if single and lay.pack_one is None:
+                lay.pack_one = rows
+        else:
+            rows = <cnp.ndarray>lay.pack_one
         dst = <char *>cnp.PyArray_DATA(rows)
         for i in range(n):
-            # Zeros where no input lies (the header's padding, the gaps
-            # before aligned inputs, the tail up to the largest method's
-            # row): a row's bytes, hashed by the cache, are its request's.
-            lay._zero_gaps(dst + i * inb, inb)
-            if header:
-                (<uint32_t *>(dst + i * inb))[0] = lay.index
+            if fresh:
+                # Zeros where no input lies (the header's padding, the gaps
+                # before aligned inputs, the tail up to the largest method's
+                # row): a row's bytes, hashed by the cache, are its
+                # request's.  Only the inputs write a reused row.
+                lay._zero_gaps(dst + i * inb, inb)
+                if header:
+                    (<uint32_t *>(dst + i * inb))[0] = lay.index
             for j in range(lay.n_in):
                 if scalar[j]:
-                    cnp.PyArray_ScalarAsCtype(arrays[j], dst + lay.in_off[j])
+                    cnp.PyArray_ScalarAsCtype(<object>src[j], dst + lay.in_off[j])
                 else:
                     memcpy(dst + i * inb + lay.in_off[j],
-                           <char *>cnp.PyArray_DATA(<cnp.ndarray>arrays[j])
+                           <char *>cnp.PyArray_DATA(<cnp.ndarray>src[j])
                            + i * lay.in_nbytes[j], lay.in_nbytes[j])
         return rows
 
