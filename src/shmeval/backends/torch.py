@@ -479,16 +479,14 @@ class TorchModel:
         output.  Returns the buckets this model wants when the evaluator
         has none: its own, or with ``compile`` or ``cuda_graphs`` powers of
         two up to max_batch.  On a GPU the model's device is the calling
-        thread's current device meanwhile, and the caller's own again
-        afterwards."""
+        thread's current device meanwhile (``torch.cuda.device``), and the
+        caller's own again afterwards, without making a context on the
+        caller's GPU where it has none (``torch.cuda.set_device`` would,
+        under CUDA 12: a replica on GPU 1 would hold one on GPU 0)."""
         if self.device.type != "cuda":
             return self._prepare(spec, buckets)
-        previous = torch.cuda.current_device()
-        self._use_device()
-        try:
+        with torch.cuda.device(self.device):
             return self._prepare(spec, buckets)
-        finally:
-            torch.cuda.set_device(previous)
 
     def _bind(self, spec: Spec) -> None:
         """Each method serves the spec's method of its name (the only one's
