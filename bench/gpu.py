@@ -8,6 +8,8 @@ and to write one JSON file.
    at batch 1 to 4096, ms per call and rows/s; beside it the plain forward
    on a batch already on the device (what the GPU itself does).  Run in a
    child process, so that its GPU memory is free again afterwards.
+   TorchModel waits for the GPU as --gpu-wait says (block, or spin first:
+   run it with each to compare; the JSON's "device" entry says which).
 2. 16 and 64 workers, one state per request, through shmeval (TorchModel,
    two serving threads), the multiprocessing.Queue evaluator, TorchRL's
    ProcessInferenceServer and a model per worker, all on the same device
@@ -141,8 +143,10 @@ def _timed(call: Any, sync: Any, sweep_s: float) -> float:
 
 
 def sweep_main(cfg: NetConfig, weights: Any, device: str, threads: Optional[int],
-               batches: Sequence[int], sweep_s: float, conn: Connection) -> None:
-    """Times TorchModel calls and the plain forward at each batch size."""
+               batches: Sequence[int], sweep_s: float, conn: Connection,
+               gpu_wait: Any = "spin") -> None:
+    """Times TorchModel calls (waiting for the GPU as ``gpu_wait`` says)
+    and the plain forward at each batch size."""
     child_setup()
     try:
         torch = import_torch(threads)
@@ -150,7 +154,7 @@ def sweep_main(cfg: NetConfig, weights: Any, device: str, threads: Optional[int]
         from shmeval.spec import Spec
 
         net = build_net(cfg, weights, device)
-        tm = TorchModel(net, device=device, lanes=1)
+        tm = TorchModel(net, device=device, lanes=1, gpu_wait=gpu_wait)
         tm.prepare(Spec.build(STATE_SHAPE, "float32", OUTPUTS, max(batches), 1, 1),
                    sorted(batches))
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -171,7 +175,7 @@ def sweep_main(cfg: NetConfig, weights: Any, device: str, threads: Optional[int]
             print(f"[model alone] batch {n:>5}: TorchModel {served * 1e3:8.3f} ms "
                   f"({n / served:>12,.0f} rows/s)   forward on the device {plain * 1e3:8.3f} ms "
                   f"({n / plain:>12,.0f} rows/s)", file=sys.stderr)
-        info = {"torch": torch.__version__, "cuda_graphs": tm.cuda_graphs,
+        info = {"torch": torch.__version__, "cuda_graphs": tm.cuda_graphs, "gpu_wait": gpu_wait,
                 "graph_captures": tm.graph_captures, "warmup_s": tm.warmup_s,
                 "device_name": (torch.cuda.get_device_name(device)
                                 if device.startswith("cuda") else "cpu")}
@@ -192,7 +196,7 @@ def model_alone(args: argparse.Namespace, cfg: NetConfig, weights: Any, timeout:
     parent_end, child_end = ctx.Pipe()
     p = ctx.Process(target=sweep_main, name="bench-model-alone", daemon=True,
                     args=(cfg, weights, args.device, args.threads, args.batches,
-                          args.sweep_seconds, child_end))
+                          args.sweep_seconds, child_end, args.gpu_wait))
     p.start()
     child_end.close()
     try:
@@ -547,6 +551,11 @@ class Run:
         r["targets"] = report_targets(all_ratios[top], TARGETS, top)
 
 
+def _gpu_wait(text: str) -> Any:
+    """--gpu-wait: "block", "spin" or a number of µs."""
+    return text if text in ("block", "spin") else float(text)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     add_arguments(parser, "16,64", 3.0, 2)
@@ -559,6 +568,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the least time each batch size of the model-alone phase is "
                              "timed for, TorchModel and the plain forward each "
                              f"(default {SWEEP_S:g})")
+    parser.add_argument("--gpu-wait", type=_gpu_wait, default="spin",
+                        help="how TorchModel waits for the GPU in the model-alone phase: "
+                             "block, spin (one wake-up's cost, then block; the default) or "
+                             "a spin budget in µs")
     parser.add_argument("--serving-threads", type=int,
                         help="shmeval's serving threads (default 2 on a GPU: one batch is "
                              "copied while the previous one computes; 1 on the CPU)")

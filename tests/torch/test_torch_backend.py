@@ -646,16 +646,28 @@ def test_the_replicas_gpu_is_made_current(torch: Any, backend: Any,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A TorchModel on cuda:N makes GPU N the current device of the thread
     that prepares it while it prepares (before any CUDA work:
-    torch.cuda.graph synchronises the current device; the caller's device
-    is restored afterwards) and of each serving thread as it takes its
-    lane; on the CPU it sets nothing.  Run without a GPU: torch.cuda.set_device
-    is recorded, and the CUDA work after it fails."""
+    torch.cuda.graph synchronises the current device; torch.cuda.device
+    gives the caller its device back afterwards, without making a context
+    there) and of each serving thread as it takes its lane; on the CPU it
+    sets nothing.  Run without a GPU: torch.cuda.set_device and
+    torch.cuda.device are recorded, and the CUDA work after them fails."""
     import threading
 
     made_current: list[tuple[str, Any]] = []
     monkeypatch.setattr(torch.cuda, "set_device",
                         lambda d: made_current.append((threading.current_thread().name, d)))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Device:  # torch.cuda.device: a class (torch's own code asks isinstance)
+        def __init__(self, d: Any) -> None:
+            self.d = d
+
+        def __enter__(self) -> None:
+            made_current.append((threading.current_thread().name, self.d))
+
+        def __exit__(self, *exc: Any) -> None:
+            made_current.append((threading.current_thread().name, "the caller's again"))
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
     spec = Spec.build(INPUT_SHAPE, F32, OUTPUTS, 8, 1, 1)
     on_cpu = backend.TorchModel(pv_net(), device="cpu")
     on_cpu.prepare(spec, None)
@@ -664,10 +676,11 @@ def test_the_replicas_gpu_is_made_current(torch: Any, backend: Any,
     on_gpu1.device = torch.device("cuda", 1)  # as if there were two GPUs
     try:
         on_gpu1.prepare(spec, None)
-    except Exception:  # without a GPU 1: at its first CUDA work (pinned memory here)
+    except Exception:  # without a GPU 1: at its first CUDA work (a lane's stream here)
         pass
-    # GPU 1 while preparing, the caller's GPU 0 again afterwards.
-    assert made_current == [("MainThread", torch.device("cuda", 1)), ("MainThread", 0)]
+    # GPU 1 while preparing, the caller's again afterwards.
+    assert made_current == [("MainThread", torch.device("cuda", 1)),
+                            ("MainThread", "the caller's again")]
     made_current.clear()
     import queue
 

@@ -61,7 +61,7 @@ from ..spec import Spec
 from ._contract import (PathLike, check_warm_outputs, checked_weights, npz_weights, own_buckets,
                         serving_sizes)
 from ._device import threads_per_call
-from ._torch_lanes import Lane, ThreadLane, build_lane, call_on_lane
+from ._torch_lanes import BUILD_LOCK, SPIN, GpuWait, Lane, ThreadLane, build_lane, call_on_lane
 from ._torch_method import ServedMethod, Target, function_of, naming, numpy_dtype, own_convolutions
 
 #: Autocast dtypes ``dtype=`` accepts.
@@ -217,10 +217,18 @@ class TorchModel:
     powers of two up to ``max_batch``.  ``lanes`` (CUDA only, default 2):
     lanes built at start-up, each a CUDA stream with its own page-locked
     buffers and graphs for every method, kept by the first thread that
-    calls on it: give the evaluator as many ``serving_threads``, so that
-    one batch is copied to the GPU while the previous one computes (a
-    thread beyond them builds a lane of its own at its first call, while
-    serving, with a warning).  ``intra_op_threads``:
+    calls on it: give the evaluator as many ``serving_threads`` (or pass
+    them to ``prepare``), so that one batch is copied to the GPU while the
+    previous one computes (a thread beyond them builds a lane of its own at
+    its first call, while serving, with a warning; lanes are built one at a
+    time in the process, and captured in CUDA's thread-local mode, so the
+    other threads' CUDA work goes on meanwhile).  ``gpu_wait`` (CUDA only):
+    how a serving thread waits for its call's work on the GPU
+    (``_torch_lanes.GpuWait``): ``"block"`` sleeps in the driver at once
+    (a blocking CUDA event; no CPU spent, a wake-up's latency added);
+    ``"spin"`` (the default) first looks at the event for one wake-up's
+    cost (measured here), yielding the CPU between looks; a number spins
+    that many µs first.  ``intra_op_threads``:
     ``torch.set_num_threads``, a process-wide setting.  ``"auto"`` (the
     default; on the CPU only, at ``prepare``): the CPUs this process may
     use split between the calls that may be in flight
@@ -228,6 +236,14 @@ class TorchModel:
     with two serving threads, where PyTorch's own default (one per core
     for every call) puts two threads of each call on every core.  An int
     sets that many at once; None leaves PyTorch's default.
+
+    A CUDA graph reads the tensors that existed when it was captured:
+    change the weights only through ``set_weights`` / ``load_weights``,
+    which copy into those tensors.  A module changed in another way after
+    ``prepare`` (``.half()``, ``.to(...)``, ``load_state_dict(...,
+    assign=True)``, a parameter or submodule replaced) leaves the graphs
+    reading memory that has been freed: they answer garbage or crash, and
+    nothing says why.
 
     After ``prepare``: ``compile_count`` (graphs ``torch.compile``
     produced; constant while serving), ``graph_captures`` (CUDA graphs
@@ -251,7 +267,7 @@ class TorchModel:
                  cuda_graphs: Optional[bool] = None, dtype: Union[None, str, Any] = None,
                  buckets: Optional[Sequence[int]] = None, lanes: int = 2,
                  intra_op_threads: Union[int, str, None] = "auto",
-                 freeze: Union[bool, str] = "auto") -> None:
+                 freeze: Union[bool, str] = "auto", gpu_wait: Union[str, float] = SPIN) -> None:
         if freeze not in (True, False, "auto"):
             raise ValueError(f"TorchModel(freeze=...) must be True, False or 'auto', "
                              f"got {freeze!r}")
@@ -274,6 +290,9 @@ class TorchModel:
         if type(lanes) is not int or lanes < 1:
             raise ValueError(f"TorchModel lanes must be a positive int, got {lanes!r}")
         self.lanes = lanes
+        #: How a serving thread waits for its call's work on the GPU
+        #: (``GpuWait``; may be replaced between calls, as benchmarks do).
+        self.gpu_wait = GpuWait.of(gpu_wait)
         if intra_op_threads is not None and intra_op_threads != "auto" and (
                 type(intra_op_threads) is not int or intra_op_threads < 1):
             raise ValueError(f"TorchModel intra_op_threads must be a positive int, 'auto' or "
@@ -419,7 +438,8 @@ class TorchModel:
             with torch.inference_mode():
                 if self._free_lanes is None:
                     return self._call_cpu(m, xs)
-                return call_on_lane(self._thread.lane or self._take_lane(), index, m, xs)
+                return call_on_lane(self._thread.lane or self._take_lane(), index, m, xs,
+                                    self.gpu_wait)
         except torch.cuda.OutOfMemoryError as e:
             # What this batch allocated is free again; the next, smaller or
             # not, may fit.  The evaluator fails this batch only.
@@ -463,15 +483,18 @@ class TorchModel:
 
     def _lane(self) -> Lane:
         """A lane for batches of up to ``_lane_rows`` of every method, with
-        its CUDA graphs when ``cuda_graphs`` is on."""
-        lane = build_lane(self.device, self._served, self._lane_rows, self._graph_sizes,
-                          self.cuda_graphs)
-        self.graph_captures += lane.captures
+        its CUDA graphs when ``cuda_graphs`` is on; built under BUILD_LOCK,
+        one lane at a time in this process (one capture at a time)."""
+        with BUILD_LOCK:
+            lane = build_lane(self.device, self._served, self._lane_rows, self._graph_sizes,
+                              self.cuda_graphs)
+            self.graph_captures += lane.captures
         return lane
 
     # -- start-up -------------------------------------------------------------------
 
-    def prepare(self, spec: Spec, buckets: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:
+    def prepare(self, spec: Spec, buckets: Optional[Sequence[int]],
+                serving_threads: Optional[int] = None) -> Optional[tuple[int, ...]]:
         """Checks every method's outputs against the spec, compiles for
         every batch size the evaluator will use and runs each once (each
         bucket, or 1 and max_batch without buckets); a mismatch raises
@@ -479,16 +502,23 @@ class TorchModel:
         output.  Returns the buckets this model wants when the evaluator
         has none: its own, or with ``compile`` or ``cuda_graphs`` powers of
         two up to max_batch.  On a GPU the model's device is the calling
-        thread's current device meanwhile, and the caller's own again
-        afterwards."""
+        thread's current device meanwhile (``torch.cuda.device``), and the
+        caller's own again afterwards, without making a context on the
+        caller's GPU where it has none (``torch.cuda.set_device`` would,
+        under CUDA 12: a replica on GPU 1 would hold one on GPU 0).  The
+        lanes are built here: ``serving_threads`` of them when given (the
+        threads that will call the model; ``lanes`` becomes that), so that
+        none is built while serving."""
+        if serving_threads is not None:
+            if type(serving_threads) is not int or serving_threads < 1:
+                raise ValueError(f"TorchModel.prepare: serving_threads must be a positive "
+                                 f"int, got {serving_threads!r}")
+            if self.device.type == "cuda":
+                self.lanes = serving_threads
         if self.device.type != "cuda":
             return self._prepare(spec, buckets)
-        previous = torch.cuda.current_device()
-        self._use_device()
-        try:
+        with torch.cuda.device(self.device):
             return self._prepare(spec, buckets)
-        finally:
-            torch.cuda.set_device(previous)
 
     def _bind(self, spec: Spec) -> None:
         """Each method serves the spec's method of its name (the only one's
