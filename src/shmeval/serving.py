@@ -13,6 +13,7 @@ of its creator; ``Evaluator.spawn`` in each serving process
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import threading
@@ -82,14 +83,19 @@ def prepare(model: Model, config: ServeConfig) -> ServeConfig:
     hook (build, check the outputs against the spec, warm up every batch
     size: errors surface at start-up, not at the first request), which may
     return the bucket sizes it wants batches padded to when the settings
-    name none."""
+    name none.  A hook that takes a ``serving_threads`` keyword is told
+    how many serving threads may call the model at once (TorchModel
+    builds a CUDA lane for each up front)."""
     policy = config.policy
     method_calls(model, config.spec)  # a method the model lacks fails here
     hook = getattr(model, "prepare", None)
     if hook is None:
         return config
     try:
-        wanted = hook(config.spec, policy.buckets)
+        if _takes_keyword(hook, "serving_threads"):
+            wanted = hook(config.spec, policy.buckets, serving_threads=policy.threads)
+        else:
+            wanted = hook(config.spec, policy.buckets)
     except ModelError:
         raise
     except Exception as e:
@@ -104,6 +110,17 @@ def prepare(model: Model, config: ServeConfig) -> ServeConfig:
         raise ModelError(f"prepare() returned buckets {b}: they must be positive and the "
                          f"largest must be >= max_batch ({policy.max_batch})")
     return config.with_policy(replace(policy, buckets=b))
+
+
+def _takes_keyword(f: Callable[..., Any], name: str) -> bool:
+    """Whether f can be called with the keyword ``name``."""
+    try:
+        params = inspect.signature(f).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get(name)
+    return (p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) or \
+        any(q.kind is q.VAR_KEYWORD for q in params.values())
 
 
 def fit_threads(model: Model, config: ServeConfig) -> ServeConfig:

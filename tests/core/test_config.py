@@ -93,3 +93,28 @@ def test_the_server_reads_its_settings_from_the_config() -> None:
         server.unlock()
     finally:
         segment.unlink(name)
+
+
+def test_a_prepare_hook_that_asks_is_told_the_serving_threads() -> None:
+    """The model's prepare hook gets serving_threads= where it takes that
+    keyword (TorchModel builds a CUDA lane per thread up front); a hook of
+    (spec, buckets) alone is called as before."""
+    from shmeval.serving import prepare
+
+    seen: list[Any] = []
+
+    class Asks:
+        def __call__(self, batch: Any) -> Any:
+            return fake_model(batch)
+
+        def prepare(self, spec: Any, buckets: Any, serving_threads: int = 0) -> None:
+            seen.append(serving_threads)
+
+    class Plain(Asks):
+        def prepare(self, spec: Any, buckets: Any) -> None:  # type: ignore[override]
+            seen.append("plain")
+
+    config = serve_config(serving_threads=3)
+    prepare(Asks(), config)
+    prepare(Plain(), config)
+    assert seen == [3, "plain"]
