@@ -179,6 +179,8 @@ cdef class ClientPort:
     cdef inline Layout _layout(self, object method)
     cdef inline cnp.ndarray _rows(self, object x, Layout lay, bint single)
     cdef object _pack_fast(self, object x, Layout lay, bint single)
+    cdef Py_ssize_t _named(self, object x, Layout lay, bint single, PyObject **src,
+                           char *scalar) except -2
     cdef inline cnp.ndarray _input(self, object x, bint single)
     cdef inline object _keys(self, object keys, Py_ssize_t n)
     cdef list _new_outs(self, Py_ssize_t n, Layout lay)

@@ -364,61 +364,26 @@ cdef class ClientPort:
         return _pack(x, lay.method, self.seg.seg.p.in_bytes, self.spec.header_bytes, single)
 
     cdef object _pack_fast(self, object x, Layout lay, bint single):
-        """The request rows of named inputs x in the common case -- a dict
-        holding exactly the method's inputs, each a C-contiguous array of
-        its dtype and shape (with one leading axis of the same length
-        unless single; a NumPy scalar of its dtype for a 0-d input of one
-        state) -- packed in C: a zeroed row per state, the method's index
-        first where there are several, each input's bytes at its offset.
-        One state's row is the layout's own (pack_one), reused while
-        nothing else holds it: its gaps and header are written once.  None
+        """The request rows of named inputs x in the common case (_named)
+        packed in C: a zeroed row per state, the method's index first
+        where there are several, each input's bytes at its offset.  One
+        state's row is the layout's own (pack_one), reused while nothing
+        else holds it: its gaps and header are written once.  None
         otherwise (_pack converts, or says what is wrong)."""
-        cdef Py_ssize_t i, j, d, n = 1, lead = 0 if single else 1
+        cdef Py_ssize_t i, j
         cdef uint64_t inb = self.seg.seg.p.in_bytes
         cdef uint32_t header = len(self.seg.layouts) > 1
-        cdef cnp.ndarray a, rows
+        cdef cnp.ndarray rows
         cdef cnp.npy_intp dims[2]
         cdef char *dst
-        cdef PyObject *item
         cdef PyObject *src[32]         # the inputs, held by x while packing
         cdef char scalar[32]           # input j is a NumPy scalar (one state)
-        cdef bint fresh
-        if type(x) is not dict or PyDict_Size(x) != lay.n_in or lay.n_in > 32 or \
-                not lay.in_native:
+        cdef Py_ssize_t n = self._named(x, lay, single, src, scalar)
+        if n < 0:
             return None
-        for j in range(lay.n_in):
-            item = PyDict_GetItem(x, lay.in_names[j])
-            if item == NULL:
-                return None
-            src[j] = item
-            scalar[j] = False
-            if type(<object>item) is not cnp.ndarray:
-                # A NumPy scalar of exactly the input's type; anything else
-                # (a subclass, a Python number) goes to _pack.
-                scalar[j] = single and lay.in_nd[j] == 0 and \
-                    type(<object>item) is lay.in_scalars[j]
-                if not scalar[j]:
-                    return None
-                continue
-            a = <cnp.ndarray>item
-            # The type number, not the dtype object: an array that came
-            # through pickle has a dtype equal to the declared one but not
-            # the same object.
-            if not cnp.PyArray_IS_C_CONTIGUOUS(a) or \
-                    cnp.PyArray_NDIM(a) != lay.in_nd[j] + lead or \
-                    cnp.PyArray_TYPE(a) != lay.in_type[j] or not cnp.PyArray_ISNOTSWAPPED(a):
-                return None
-            for d in range(lay.in_nd[j]):
-                if cnp.PyArray_DIM(a, d + lead) != lay.in_shape[lay.in_at[j] + d]:
-                    return None
-            if lead:
-                if j == 0:
-                    n = cnp.PyArray_DIM(a, 0)
-                elif cnp.PyArray_DIM(a, 0) != n:
-                    return None
         # The layout's row is free when it alone references it (a caller
         # that packed it holds it until its copy into the slots is done).
-        fresh = not single or lay.pack_one is None or \
+        cdef bint fresh = not single or lay.pack_one is None or \
             Py_REFCNT(<PyObject *>lay.pack_one) != 1
         if fresh:
             dims[0] = n
@@ -446,6 +411,51 @@ cdef class ClientPort:
                            <char *>cnp.PyArray_DATA(<cnp.ndarray>src[j])
                            + i * lay.in_nbytes[j], lay.in_nbytes[j])
         return rows
+
+    cdef Py_ssize_t _named(self, object x, Layout lay, bint single, PyObject **src,
+                           char *scalar) except -2:
+        """The states in named inputs x in the common case -- a dict holding
+        exactly the method's inputs, each a C-contiguous array of its dtype
+        and shape (with one leading axis of the same length unless single;
+        a NumPy scalar of exactly its type for a 0-d input of one state) --
+        with each input in src (borrowed: x holds them) and whether it is
+        a scalar in scalar; -1 otherwise."""
+        cdef Py_ssize_t j, d, n = 1, lead = 0 if single else 1
+        cdef cnp.ndarray a
+        cdef PyObject *item
+        if type(x) is not dict or PyDict_Size(x) != lay.n_in or lay.n_in > 32 or \
+                not lay.in_native:
+            return -1
+        for j in range(lay.n_in):
+            item = PyDict_GetItem(x, lay.in_names[j])
+            if item == NULL:
+                return -1
+            src[j] = item
+            scalar[j] = False
+            if type(<object>item) is not cnp.ndarray:
+                # Anything else (a subclass, a Python number) goes to _pack.
+                scalar[j] = single and lay.in_nd[j] == 0 and \
+                    type(<object>item) is lay.in_scalars[j]
+                if not scalar[j]:
+                    return -1
+                continue
+            a = <cnp.ndarray>item
+            # The type number, not the dtype object: an array that came
+            # through pickle has a dtype equal to the declared one but not
+            # the same object.
+            if not cnp.PyArray_IS_C_CONTIGUOUS(a) or \
+                    cnp.PyArray_NDIM(a) != lay.in_nd[j] + lead or \
+                    cnp.PyArray_TYPE(a) != lay.in_type[j] or not cnp.PyArray_ISNOTSWAPPED(a):
+                return -1
+            for d in range(lay.in_nd[j]):
+                if cnp.PyArray_DIM(a, d + lead) != lay.in_shape[lay.in_at[j] + d]:
+                    return -1
+            if lead:
+                if j == 0:
+                    n = cnp.PyArray_DIM(a, 0)
+                elif cnp.PyArray_DIM(a, 0) != n:
+                    return -1
+        return n
 
     cdef inline cnp.ndarray _input(self, object x, bint single):
         """x as a C-contiguous array of the declared dtype: one state
