@@ -5,7 +5,7 @@ evaluator drains them into large batches for the model and writes results
 back in place.  See README.md and docs/protocol.md.
 """
 from .client import Client, connect
-from .errors import (ClientTableFull, EvaluatorClosed, EvaluatorDied, ModelError,
+from .errors import (ClientTableFull, DeviceLost, EvaluatorClosed, EvaluatorDied, ModelError,
                      NotTheMainProcess, SegmentError, ShmevalError, ShmevalTimeout)
 from .config import BatchPolicy
 from .evaluator import Evaluator
@@ -17,5 +17,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Evaluator", "Client", "connect", "BatchPolicy", "Method", "use_batch_scheduling",
     "ShmevalError", "SegmentError", "ClientTableFull", "EvaluatorClosed", "EvaluatorDied",
-    "ModelError", "ShmevalTimeout", "NotTheMainProcess", "__version__",
+    "ModelError", "DeviceLost", "ShmevalTimeout", "NotTheMainProcess", "__version__",
 ]

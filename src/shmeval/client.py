@@ -23,7 +23,7 @@ from .errors import EvaluatorClosed, ShmevalError
 from .spec import Spec
 from .stats import summarize
 from .checks import AUTO
-from .stats import read_report
+from .stats import DEVICE_LOST, read_report
 from .waiting import check_spin_auto
 
 Outputs = Dict[str, np.ndarray]
@@ -227,7 +227,10 @@ class Client(_ring.ClientBase):
         ``stopped_because`` saying that its process vanished.
         ``tuner``, while any setting is ``"auto"``: what the tuner chose and
         why (the first replica's; with several, each replica's in its
-        ``replicas`` entry).  ``client_spin``, once this process has
+        ``replicas`` entry).  A replica that ended itself because its
+        model's device failed (``DeviceLost``) has that error in its
+        ``replicas`` entry as ``device_lost`` until it is restarted.
+        ``client_spin``, once this process has
         evaluated through this handle: its spin budgets (``spin_us="auto"``:
         the short and the long arm, each one's mean wait and the arm that
         serves; see ``_ring.SpinArms``)."""
@@ -254,10 +257,18 @@ class Client(_ring.ClientBase):
                               for lay, counts in zip(seg.layouts, seg.method_stats())]
         st = summarize(raw)
         reports = [read_report(seg, r) for r in range(len(raw["replicas"]))]
-        if reports and reports[0] is not None:
-            st["tuner"] = reports[0]
-        if len(reports) > 1:
-            for entry, report in zip(st["replicas"], reports):
+        # A replica that ended itself because its device failed published
+        # that error in place of its tuner's report.
+        for entry, report in zip(st["replicas"], reports):
+            if report is not None and DEVICE_LOST in report:
+                entry["device_lost"] = report[DEVICE_LOST]
+                if st["state"] == "died":
+                    st["stopped_because"] = f"its model's device failed: {report[DEVICE_LOST]}"
+        tuners = [r if r is None or DEVICE_LOST not in r else None for r in reports]
+        if tuners and tuners[0] is not None:
+            st["tuner"] = tuners[0]
+        if len(tuners) > 1:
+            for entry, report in zip(st["replicas"], tuners):
                 if report is not None:
                     entry["tuner"] = report
         port = self._port

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 from . import _ring, segment
 from .errors import EvaluatorClosed, EvaluatorDied, NoFreeSlots
 from .spec import Spec
+from .stats import device_lost
 from .waiting import spin_budget, usable_cpus
 
 if TYPE_CHECKING:
@@ -250,12 +251,22 @@ def check_state(seg: "_ring.Segment", address: str) -> None:
 
 
 def why_died(seg: "_ring.Segment", address: str) -> str:
-    """EvaluatorDied's message: what the segment says stopped it."""
+    """EvaluatorDied's message: what the segment says stopped it; first, the
+    error of a model's device that failed (errors.DeviceLost), which ended
+    the replica that published it."""
     reason, detail = seg.stop_reason()
     who = f"the evaluator serving {address}"
     if reason == _ring.STOP_OWNER_DIED:
         return (f"{who} stopped because the process that created it (pid "
                 f"{seg.owner_pid}) died")
+    if reason in (_ring.STOP_CRASHED, _ring.STOP_EXITED):
+        replicas = seg.replicas()
+        for rep in replicas:
+            lost = device_lost(seg, rep["replica"])
+            if lost is not None:
+                where = f" (replica {rep['replica']})" if len(replicas) > 1 else ""
+                return (f"{who} died: its model's device failed{where}, which no later call "
+                        f"in that process recovers from (DeviceLost): {lost}")
     if reason == _ring.STOP_CRASHED:
         return f"{who} died: its serving loop raised (the traceback is on its stderr)"
     if reason == _ring.STOP_EXITED:

@@ -57,6 +57,22 @@ class ModelError(ShmevalError):
         self.message = message
 
 
+class DeviceLost(ModelError):
+    """The model's device failed in a way that no later call in the process
+    recovers from: a sticky CUDA error (a device-side assert, an illegal
+    memory access, a kernel that faulted, an uncorrectable ECC error), an
+    XLA runtime error of status INTERNAL, TensorFlow's InternalError
+    (``shmeval.backends._fatal.device_lost`` tells them apart).
+
+    Raised in the serving process, never to a client: the serving loop ends
+    there, its batches are put back rather than failed, and they are served
+    by the other replicas or by the restarted process
+    (``Evaluator.spawn(restarts=)``).  Once no replica is left, waiting
+    clients raise EvaluatorDied with ``message``, the device's error (its
+    type and message), in its text.
+    """
+
+
 # A line of a Python stack inside an error message ('  File "x.py", line 3,
 # in f'), and the blank or source lines that follow it.
 _FRAME = re.compile(r'^\s*File "[^"]*", line \d+')
@@ -112,25 +128,27 @@ def _middle_cut(text: str, limit: int) -> str:
 _CYTHON_FILES = ("_ring.pyx", ".pxi")
 
 
-def exception_text(e: BaseException, limit: int) -> str:
+def exception_text(e: BaseException, limit: int, frames: bool = True) -> str:
     """The text a client gets for an exception raised in the evaluator, in at
     most `limit` bytes of UTF-8: the exception's type and message first,
-    whole when they fit, then, as room allows, the last frames of where it
-    was raised.  A message that does not fit loses the stack frames written
-    inside it first, then its middle (its start and its end stay, so a
-    cause written after a stack, as TensorFlow writes it, survives), and
-    says what was cut."""
+    whole when they fit, then, as room allows (and unless not `frames`),
+    the last frames of where it was raised.  A message that does not fit
+    loses the stack frames written inside it first, then its middle (its
+    start and its end stay, so a cause written after a stack, as
+    TensorFlow writes it, survives), and says what was cut."""
     text = f"{type(e).__name__}: {e}"
     if not _fits(text, limit):
         text = f"{type(e).__name__}: {_drop_frames(str(e))}"
     if not _fits(text, limit):
         return _middle_cut(text, limit)
+    if not frames:
+        return text
     # The model's frames: not the serving loop's own.
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith(_PACKAGE) and not f.filename.endswith(_CYTHON_FILES)]
-    frames = frames[-3:]
-    if frames:
-        where = "".join(traceback.format_list(frames)).rstrip("\n")
+    model_frames = [f for f in traceback.extract_tb(e.__traceback__)
+                    if not f.filename.startswith(_PACKAGE)
+                    and not f.filename.endswith(_CYTHON_FILES)][-3:]
+    if model_frames:
+        where = "".join(traceback.format_list(model_frames)).rstrip("\n")
         more = f"\n\nWhere it was raised in the evaluator (last frames):\n{where}"
         if _fits(text + more, limit):
             text += more

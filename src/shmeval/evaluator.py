@@ -86,7 +86,11 @@ class Evaluator(Client):
     calls it again on halves of the batch to find the rows that raise,
     which alone get ModelError (at most ``serving.ISOLATE_CALLS`` extra
     calls per batch, paused for a model that raises on everything;
-    docs/guide.md, *Errors*).
+    docs/guide.md, *Errors*).  An error after which the model's device is
+    unusable (a sticky CUDA error: ``shmeval.DeviceLost``) fails nothing:
+    it ends the serving process, whose requests go to its restart or to the
+    other replicas (a thread evaluator stops; its clients raise
+    EvaluatorDied naming the error).
 
     The settings are keyword arguments: the fields of
     :class:`~shmeval.config.ServeConfig` (``spawn``:

@@ -13,8 +13,10 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, Optional
 
 from . import _ring, segment
@@ -22,7 +24,7 @@ from ._main_script import unreachable_reason
 from .backends._device import share_gpus
 from .config import SpawnConfig
 from .errors import EvaluatorDied, ModelError, NotTheMainProcess
-from .restarts import Restart
+from .restarts import EXIT_DEVICE_LOST, Restart
 from .serving import Model, ServingLoop, prepare
 
 #: How often a restarted replica looks whether the others put back what its
@@ -152,7 +154,19 @@ def serve_in_process(address: str, factory: Callable[..., Model], config: SpawnC
         raise SystemExit(1)
     if restart is None:
         seg.stat_put("warmup_ns", time.perf_counter_ns() - t0)
-    loop.run(lambda: conn.send(("ready", os.getpid())))
+    try:
+        loop.run(lambda: conn.send(("ready", os.getpid())))
+    except BaseException:
+        if loop.lost is None:
+            raise
+        # The model's device is lost (errors.DeviceLost): the process ends
+        # at once, with its own exit code, so that its batches are put back
+        # and the owner restarts it.  Not through the interpreter's
+        # shutdown, whose clean-up calls into the failed device (the
+        # framework frees its memory there) and may hang or abort.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(EXIT_DEVICE_LOST)
 
 
 def take_back(seg: "_ring.Segment", replica: int) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from . import _ring
+from .stats import device_lost
 
 #: The wait before the first restart, doubled for each one after it.
 BACKOFF_S = 0.2
@@ -26,6 +27,9 @@ BACKOFF_MAX_S = 5.0
 POLL_S = 0.1
 #: How long a process whose sentinel fired may take to be reaped.
 REAP_S = 5.0
+#: The exit code of a serving process that ended itself because its
+#: model's device failed (errors.DeviceLost; launch.serve_in_process).
+EXIT_DEVICE_LOST = 71
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,8 @@ class RestartRecord:
     time: float      # time.time() when the new process was started
     replica: int
     pid: int         # the process that died
-    why: str         # how it ended: "killed by signal 9", "exited with code 1"
+    why: str         # how it ended: "killed by signal 9", "exited with code 1",
+                     # "its device failed: RuntimeError: CUDA error: ..."
     new_pid: int     # the new process (0 when it failed to start)
     error: str       # why the new process failed to start ("" when it serves)
 
@@ -133,6 +138,9 @@ class Healer:
         dead.join(REAP_S)
         pid, exitcode = dead.pid, dead.exitcode
         why = describe_exit(exitcode)
+        lost = device_lost(self.seg, r) if exitcode == EXIT_DEVICE_LOST else None
+        if lost is not None:
+            why = f"its device failed: {lost}"
         while self.left > 0:
             delay = min(BACKOFF_S * 2 ** len(self.records), BACKOFF_MAX_S)
             if self.stop.wait(delay):

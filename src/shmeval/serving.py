@@ -10,6 +10,13 @@ for 100 ms: reclaims the client entries of dead or detached processes, finds
 replicas that died, ticks the tuner).  A thread evaluator runs it in a thread
 of its creator; ``Evaluator.spawn`` in each serving process
 (:mod:`shmeval.launch`).
+
+A model error that leaves its device unusable (``backends._fatal``: a
+sticky CUDA error, say) ends the loop with ``DeviceLost`` instead of
+failing the batch: the batches this replica holds stay in its batch tables
+and are put back once its process is gone, for the other replicas or the
+restarted process, and the error is published in the segment, for the
+``EvaluatorDied`` of clients left with no replica.
 """
 from __future__ import annotations
 
@@ -25,9 +32,11 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 
 from . import _ring, segment
+from .backends._fatal import device_lost
 from .config import ServeConfig
-from .errors import ModelError, exception_text
+from .errors import DeviceLost, ModelError, exception_text
 from .restarts import Restart
+from .stats import DEVICE_LOST_BYTES, publish_device_lost
 from .spec import MethodSpec, Spec
 from .tuning import Board, Decision, ServingTuner, model_concurrency
 
@@ -192,6 +201,12 @@ class ServingLoop:
                                    policy.overrides(), Board(seg, replica), HOUSEKEEPING_NS,
                                    _ring.SPIN_YIELD, replica)
                       if policy.tuned else None)
+        if self.tuner is None:
+            # Nothing of a dead process of this replica is left in its
+            # report (a lost device: publish_device_lost).
+            seg.set_report(replica, b"")
+        #: Why this replica ended itself, if its model's device failed.
+        self.lost: Optional[DeviceLost] = None
 
     def run(self, started: Optional[Callable[[], None]] = None) -> None:
         """Serves until closed; calls ``started()`` once this replica
@@ -208,10 +223,11 @@ class ServingLoop:
             t.start()
         if started is not None:
             started()
+        raised: list[BaseException] = []
         try:
             self.serve(self.servers[0])
-        except BaseException:
-            self.stop_reason = _ring.STOP_CRASHED
+        except BaseException as e:
+            raised.append(e)
             raise
         finally:
             self.group.stop = True
@@ -219,8 +235,14 @@ class ServingLoop:
                 self.tuner.release()
             for t in others:
                 t.join(THREAD_JOIN_S)
-            if self.errors:
+            errors = raised + self.errors
+            if errors:
                 self.stop_reason = _ring.STOP_CRASHED
+            self.lost = next((e for e in errors if isinstance(e, DeviceLost)), None)
+            if self.lost is not None:
+                # Before leaving: a client the last replica's leaving wakes
+                # reads it (entry.why_died), and so does the owner's healer.
+                publish_device_lost(self.seg, self.replica, self.lost.message)
             self.leave(joined=not any(t.is_alive() for t in others))
         if self.errors:
             raise self.errors[0]
@@ -417,11 +439,18 @@ class ServingLoop:
             except (EOFError, OSError):  # the owner is gone
                 self.control = conn = None
                 break
-            reply = (ticket,) + self.apply(method, arg, version)
+            lost: Optional[DeviceLost] = None
+            try:
+                reply = (ticket,) + self.apply(method, arg, version)
+            except DeviceLost as e:
+                lost, reply = e, (ticket, False, f"{method} failed in the evaluator, whose "
+                                                 f"device is lost: {e.message}")
             try:
                 conn.send(reply)
             except OSError:
                 self.control = conn = None
+            if lost is not None:
+                raise lost
             done = ticket
             req, _ = seg.control_pending(self.replica)
         waiting = conn is not None and (req - done) % 2**32 != 0
@@ -454,6 +483,8 @@ class ServingLoop:
         try:
             fn(arg)
         except Exception as e:
+            if device_lost(e):
+                raise self.device_failed(e)
             return False, f"{method} failed in the evaluator: {type(e).__name__}: {e}"
         self.version = version
         self.group.version = version
@@ -483,7 +514,11 @@ class ServingLoop:
         (isolate()).  A call of one row (no padding) fails at once, and so
         does every batch while isolating is paused: after ISOLATE_GIVE_UP
         failed batches in a row where no row could be answered, for
-        ISOLATE_PAUSE_NS."""
+        ISOLATE_PAUSE_NS.  An error that leaves the device unusable
+        (backends._fatal) raises DeviceLost instead, the batch still held:
+        no row is to blame, and no later call would succeed."""
+        if device_lost(e):
+            raise self.device_failed(e)
         now = _ring.now_ns()
         if rows == 1 or now < self.isolate_paused_until:
             server.record(n, rows, model_ns, True)
@@ -528,6 +563,8 @@ class ServingLoop:
                 try:
                     got = self.call_part(batch[lo:hi], part, method)
                 except Exception as e:
+                    if device_lost(e):  # the device failed meanwhile
+                        raise self.device_failed(e)
                     todo.append((lo, hi, e, True))
                     continue
                 for dst, src in zip(arrays, got):
@@ -585,6 +622,17 @@ class ServingLoop:
             server.complete(arrays, self.version)
         except ValueError as e:  # a shape check_outputs let through: fail, keep serving
             server.fail(f"ModelError: {e}")
+
+    def device_failed(self, e: BaseException) -> DeviceLost:
+        """The DeviceLost that ends this replica for the model's error e
+        (backends._fatal.device_lost): e's type and message, without the
+        stack frames (its traceback goes to the process's stderr); e itself
+        when the model raised DeviceLost."""
+        if isinstance(e, DeviceLost):
+            return e
+        lost = DeviceLost(exception_text(e, DEVICE_LOST_BYTES, frames=False))
+        lost.__cause__ = e
+        return lost
 
     def error_text(self, e: Exception) -> str:
         """A failed request's text for e: its type and message first, fitted

@@ -1,6 +1,9 @@
 """Turns the segment's raw counters and histograms into ``ev.stats()``, and
-reads and writes the tuner's report (``stats()["tuner"]``), which a serving
-loop publishes in its replica's entry of the segment as JSON."""
+reads and writes the report a serving loop publishes in its replica's entry
+of the segment as JSON: its tuner's (``stats()["tuner"]``), or, once the
+replica ended itself because its model's device failed, that error
+(``DEVICE_LOST``), which says why in ``EvaluatorDied`` and in
+``stats()``."""
 from __future__ import annotations
 
 import json
@@ -16,6 +19,11 @@ _STOPS = {_ring.STOP_CLOSED: "closed by its owner",
           _ring.STOP_OWNER_DIED: "the process that created it died",
           _ring.STOP_CRASHED: "its serving loop raised",
           _ring.STOP_EXITED: "its process ended"}
+#: The key of a replica's report that holds the error of its lost device
+#: (errors.DeviceLost), the whole report once the replica ended itself.
+DEVICE_LOST = "device_lost"
+#: At most this many bytes of that error are published.
+DEVICE_LOST_BYTES = 1024
 
 
 def _stopped_because(stop: Any) -> Any:
@@ -188,3 +196,19 @@ def read_report(seg: Any, replica: int) -> Optional[Dict[str, Any]]:
     except ValueError:
         return None
     return report if isinstance(report, dict) else None
+
+
+def publish_device_lost(seg: Any, replica: int, text: str) -> None:
+    """Replica ``replica`` ended itself because its model's device failed
+    (errors.DeviceLost, whose message is ``text``): its report says so from
+    now on, in place of its tuner's, until a restarted process of the
+    replica publishes its own."""
+    seg.set_report(replica, fit_report({DEVICE_LOST: text}, _ring.REPORT_BYTES))
+
+
+def device_lost(seg: Any, replica: int) -> Optional[str]:
+    """The error of replica ``replica``'s lost device, as it published it
+    when it ended itself (None when it did not)."""
+    report = read_report(seg, replica)
+    text = report.get(DEVICE_LOST) if report is not None else None
+    return text if isinstance(text, str) else None

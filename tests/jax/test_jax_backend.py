@@ -11,7 +11,8 @@
   updates leave the params alone, nothing is traced again; the same
   through the evaluator, and under load from spawn workers that never
   import JAX;
-- a batch whose host callback raises, or that gives NaN, fails alone.
+- a batch whose host callback raises, or that gives NaN, fails alone; a
+  runtime error of XLA's status INTERNAL is told apart as a lost device.
 
 JAX is imported by fixtures, not at module import, so collecting the suite
 does not load it into the pytest process (other tests fork).
@@ -147,6 +148,28 @@ def test_bad_batches_fail_alone(jax: Any, backend: Any) -> None:
                            max_clients=2, slots_per_client=4) as ev:
         serves_after_bad_batches(ev, {1: ["state out of range"], 5: ["'value' holds NaN"]})
         assert ev.stats()["failed_requests"] == 2
+
+
+def test_device_errors_are_told_apart(jax: Any) -> None:
+    """JAX's own runtime error: of XLA's status INTERNAL it ends the serving
+    process (the device failed), of another status it fails the batch, and
+    so does a host callback that raised, which XLA also reports as
+    INTERNAL (test_bad_batches_fail_alone serves one)."""
+    from shmeval.backends._fatal import device_lost
+
+    error = jax.errors.JaxRuntimeError
+    assert device_lost(error("INTERNAL: Failed to launch CUDA kernel: CUDA_ERROR_ILLEGAL_ADDRESS"))
+    assert device_lost(error("INTERNAL: stream did not block host until done"))
+    assert not device_lost(error("RESOURCE_EXHAUSTED: Out of memory allocating 8589934592 bytes"))
+
+    def refuse(x: Any) -> Any:
+        raise ValueError("the callback refuses")
+
+    f = jax.jit(lambda x: jax.pure_callback(refuse, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+    with pytest.raises(error) as ei:
+        f(jax.numpy.ones(3)).block_until_ready()
+    assert str(ei.value).startswith("INTERNAL:")   # as XLA reports it
+    assert not device_lost(ei.value)
 
 
 def test_weights(jax: Any, backend: Any, tmp_path: Any) -> None:

@@ -12,7 +12,9 @@
   updates leave the weights alone; the same through the evaluator, and
   under load from spawn workers that never import torch;
 - a batch that raises, returns an output on another device, the wrong
-  shape or dtype, NaN, or runs out of memory fails alone;
+  shape or dtype, NaN, or runs out of memory fails alone; an error after
+  which the device is lost (a device-side assert) ends the serving
+  process instead, and the restarted one answers;
 - on the CPU a module serves frozen where its frozen trace answers as it
   does (else unfrozen, saying why), and is frozen again after updates;
   small batches take its form on PyTorch's own convolution where that is
@@ -23,10 +25,12 @@ suite does not load it into the pytest process (other tests fork).
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from pathlib import Path
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -262,6 +266,54 @@ def test_bad_batches_fail_alone(torch: Any, backend: Any) -> None:
             7: ["'policy'", "torch.complex64", "cannot be cast"],
         })
         assert ev.stats()["failed_requests"] == 7
+
+
+def test_a_lost_device_ends_the_process_and_the_restart_answers(tmp_path: Any) -> None:
+    """The module raises PyTorch's error after a device-side assert (and
+    would on every call after it): the serving process ends instead of
+    failing the batch, and the restarted one answers every request, the
+    lost batch's too, as the module does."""
+    factory = functools.partial(torch_models.failing_device_factory, str(tmp_path / "failed"))
+    with shmeval.Evaluator.spawn(factory, restarts=1, input_shape=INPUT_SHAPE, outputs=OUTPUTS,
+                                 max_batch=8, slots_per_client=8, serving_threads=1) as ev:
+        old = ev.pid
+        serve_and_compare(ev, reference(pv_net(0, "dict")), tuple(OUTPUTS), sizes=(5, 9, 3))
+        assert (tmp_path / "failed").exists()  # the device did fail
+        st = ev.stats()
+        assert st["failed_requests"] == 0 and st["isolation_calls"] == 0
+        assert st["requests"] == 5 + 9 + 3 + 2 * 12
+        deadline = time.monotonic() + TIMEOUT
+        while not ev.stats()["restarts"]:  # the answers may come before the record
+            assert time.monotonic() < deadline, "the process was not restarted"
+            time.sleep(0.01)
+        rec, = ev.stats()["restarts"]
+        assert rec["pid"] == old != ev.pid
+        assert rec["why"].startswith("its device failed: RuntimeError: "
+                                     + torch_models.DEVICE_ASSERT), rec
+
+
+def test_device_errors_are_told_apart(torch: Any) -> None:
+    """PyTorch's own exception types: a sticky CUDA error ends the serving
+    process, running out of memory does not (that batch fails alone:
+    test_bad_batches_fail_alone)."""
+    from shmeval.backends._fatal import device_lost
+
+    suffix = ("\nCUDA kernel errors might be asynchronously reported at some other API call"
+              "\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.")
+    assert device_lost(torch.AcceleratorError(
+        "CUDA error: device-side assert triggered\nSearch for `cudaErrorAssert' in "
+        "https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html" + suffix))
+    assert device_lost(torch.AcceleratorError(
+        "CUDA error: an illegal memory access was encountered" + suffix))
+    assert not device_lost(torch.AcceleratorError(
+        "CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in "
+        "https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html" + suffix))
+    assert not device_lost(torch.cuda.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB"))
+    try:
+        torch.zeros(3)[torch.tensor([5])]
+    except IndexError as e:  # the CPU's index check, before any device is involved
+        assert not device_lost(e)
 
 
 def version_weights(version: int) -> list[np.ndarray]:

@@ -120,6 +120,54 @@ def misbehaving_net() -> Any:
     return Misbehaving().eval()
 
 
+#: What PyTorch raises, from then on, once a kernel's assert failed on the GPU.
+DEVICE_ASSERT = "CUDA error: device-side assert triggered"
+
+
+def failing_device_net(fail_at: int, flag: str) -> Any:
+    """pv_net (dict outputs) on a device that fails for good at its
+    ``fail_at``-th call on served states (the warm-up's batches of zeros do
+    not count): that call and every later one raise PyTorch's error after a
+    device-side assert.  Only in the first process to get there (``flag``,
+    a path, says one did): a restarted process works."""
+    import os
+
+    import torch
+
+    net = pv_net(0, "dict")
+
+    class FailingDevice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+            self.calls = 0
+            self.lost = False
+            self.failing = not os.path.exists(flag)
+
+        def forward(self, x: Any) -> Any:
+            if bool(x.any()):
+                self.calls += 1
+            if self.failing and (self.lost or self.calls >= fail_at):
+                if not self.lost:
+                    open(flag, "w").close()
+                self.lost = True
+                raise RuntimeError(DEVICE_ASSERT)
+            return self.net(x)
+
+    return FailingDevice().eval()
+
+
+def failing_device_factory(flag: str) -> Any:
+    """Evaluator.spawn's factory of a TorchModel over failing_device_net,
+    served as the module is (a frozen trace would leave its failure out)."""
+    import torch
+
+    from shmeval.backends.torch import TorchModel
+
+    torch.set_num_threads(1)
+    return TorchModel(failing_device_net(3, flag), freeze=False)
+
+
 #: A MuZero-style net's sizes: observations of OBS values, hidden states of
 #: HIDDEN, ACTIONS actions.
 OBS, HIDDEN, ACTIONS = 8, 6, 4
