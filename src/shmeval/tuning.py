@@ -21,7 +21,11 @@ What it decides, and from what:
   at least half the time (``BUSY_SHARE``): the clients are then a closed
   loop held up by the model, most requests arrive while a call runs, and
   ``λ`` is what the model lets through, not what the clients would send,
-  so ``λa`` understates what a wait gathers.  When it waits it waits at
+  so ``λa`` understates what a wait gathers.  While the calls have not
+  spanned sizes a factor of two apart the split of their cost is unknown,
+  and a whole call's cost stands in for ``a`` (it bounds it): a closed
+  loop of a model whose cost is all per call keeps its greedy batches
+  that close together, and that is where waiting pays most.  When it waits it waits at
   most one fixed cost (longer, and running the rows in hand with a second
   call for the latecomers costs no more: the ski-rental bound) and stops
   as soon as the whole population of requests, the attached clients or
@@ -716,6 +720,13 @@ class Tuner:
         assert self.cost is not None
         d = self.decision
         fixed = self.cost.known_fixed
+        if self.cost.per_row is None:
+            # The calls have not spanned sizes far enough apart to split
+            # their cost: the whole of one bounds its fixed part.  A closed
+            # loop of a model whose cost is all per call (a GPU's) keeps
+            # its greedy batches within a factor of two of each other,
+            # which is where waiting pays most; the trial decides.
+            fixed = self.cost.at_mean
         # This replica's part: the arrivals and the population are every
         # replica's together, and the replicas take turns collecting.
         gathered = self.rate * fixed / 1e9 / self.replicas
@@ -728,7 +739,7 @@ class Tuner:
         if fixed <= 0 or share <= self.small_batch or \
                 gathered <= self.small_batch and busy < BUSY_SHARE:
             self.why_wait = (
-                "greedy: the calls show no fixed cost (one batch size)" if fixed <= 0 else
+                "greedy: the calls show no fixed cost" if fixed <= 0 else
                 f"greedy: the batches hold every request ({share})"
                 if share <= self.small_batch else
                 f"greedy: one fixed cost ({fixed / 1e3:.0f} µs) gathers {gathered:.1f} requests, "

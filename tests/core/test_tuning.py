@@ -289,11 +289,24 @@ def test_no_waiting_when_every_request_is_in_each_batch() -> None:
 
 
 def test_no_waiting_without_a_fixed_cost() -> None:
+    """Calls of 1 to 8 rows that cost only per row: nothing to wait for."""
     t = Tuner(256, 1, WAKE)
     feed = Feed(t, clients=16)
-    seen = settle(feed, lambda d: 60_000.0, [1] * 40)
+    seen = settle(feed, lambda d: 60_000.0, [1, 2, 4, 8] * 10, fixed=0.0)
     assert not any(d.max_wait_ns for d in seen)
     assert "no fixed cost" in t.why_wait
+
+
+def test_calls_of_one_size_are_tried_with_their_whole_cost_as_the_wait() -> None:
+    """Every call of one size (a closed loop's greedy batches of a model
+    whose cost is per call stay within a factor of two): the split is
+    unknown, the whole call bounds its fixed part, and the trial decides."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=16)
+    settle(feed, lambda d: 4 * waiting_pays(d), [8] * 40)
+    assert t.cost is not None and t.cost.per_row is None
+    assert t.decision.max_wait_ns == pytest.approx(FIXED + 8 * PER_ROW, rel=0.01), t.why_wait
+    assert t.why_wait.startswith("waiting"), t.why_wait
 
 
 def test_the_cap_grows_when_batches_stop_at_it() -> None:
