@@ -63,9 +63,9 @@ reads the completions every 0.25 s.  The runs go in rounds over the replica
 counts, so that the machine's drift touches every cell alike.
 
     python bench/replicas_tuned.py --json bench/results/replicas-tuned.json
-        # 3 models x 6 cells x 5 runs of about 20 s: about 35 minutes
+        # 3 models x 6 cells x 5 runs of about 17 s: about 25 minutes
     python bench/replicas_tuned.py --models call --runs 3 \\
-        --json bench/results/replicas-tuned-call.json        # about 8 minutes
+        --json bench/results/replicas-tuned-call.json        # about 5 minutes
     python bench/replicas_tuned.py --models row=2/500,call=8/0  # a model of one's own
     python bench/replicas_tuned.py --quick                     # seconds: what the test runs
 
