@@ -483,21 +483,27 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[s
 
 # --- the report --------------------------------------------------------------------------
 
-def closed_loop_best(args: argparse.Namespace, workers: int, replicas: int) -> float:
+def closed_loop_best(call_s: float, row_s: float, workers: int, replicas: int,
+                     max_batch: int) -> float:
     """The most evaluations/s ``workers`` clients of one request each can
-    get from ``replicas`` replicas: every model busy all the time with an
-    even split of the requests (at most --max-batch rows each), nothing
-    lost between calls.  With a cost per call only, W clients never get
-    more than W per call's time, however many replicas serve them."""
-    c, r = float(args.call_ms) / 1e3, float(args.row_us) / 1e6
-    rows = min(workers / replicas, float(args.max_batch))
-    return replicas * rows / (c + r * rows)
+    get from ``replicas`` replicas of a model costing ``call_s`` per call
+    and ``row_s`` per row: every model busy all the time with an even
+    split of the requests (at most ``max_batch`` rows each), nothing lost
+    between calls.  With a cost per call only, W clients never get more
+    than W per call's time, however many replicas serve them."""
+    rows = min(workers / replicas, float(max_batch))
+    return replicas * rows / (call_s + row_s * rows)
+
+
+def _best(args: argparse.Namespace, workers: int, replicas: int) -> float:
+    return closed_loop_best(args.call_ms / 1e3, args.row_us / 1e6, workers, replicas,
+                            args.max_batch)
 
 
 def even_split_multiple(args: argparse.Namespace, workers: int, replicas: int) -> float:
     """The multiple of one replica's evaluations/s that ``replicas`` replicas
     reach at best (closed_loop_best of each)."""
-    return closed_loop_best(args, workers, replicas) / closed_loop_best(args, workers, 1)
+    return _best(args, workers, replicas) / _best(args, workers, 1)
 
 
 def summarise(trials: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -527,7 +533,7 @@ def summarise(trials: list[dict[str, Any]], args: argparse.Namespace) -> list[di
             "rows_per_call": {f"p{q:g}": rows_per_call(calls, q / 100) for q in (10, 50, 90)},
             "model_bound": min(busy) >= MODEL_BOUND_SHARE,
             "even_split_multiple": even_split_multiple(args, workers, replicas),
-            "closed_loop_best": closed_loop_best(args, workers, replicas),
+            "closed_loop_best": _best(args, workers, replicas),
         })
     for row in rows:
         one = groups.get((row["workers"], 1, row["design"]))

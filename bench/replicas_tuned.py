@@ -93,7 +93,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from replicas import (CELL_WEIGHTS, JOIN_TIMEOUT_S, OUTPUTS, POOL_SIZE, READY_TIMEOUT_S,
-                      SleepModel)
+                      SleepModel, closed_loop_best)
 from tf_throughput import STATE_SHAPE, _await, _int_list, _join, _on_sigterm, _print_table, \
     _stat, random_states
 
@@ -106,6 +106,9 @@ from shmeval.segment import SHM_DIR
 MAX_BATCH = 256
 #: The parent reads the completions this often.
 SAMPLE_S = 0.25
+#: Between the attach and the load: longer than the evaluator's idle timeout
+#: (0.1 s) plus a housekeeping period (0.2 s).
+QUIET_S = 0.5
 #: The issue's targets: the trials settle within this many seconds of load,
 #: and this share of the runs of a cell (4 of 5) reach the same verdict.
 SETTLE_TARGET_S = 5.0
@@ -128,13 +131,6 @@ class Model(NamedTuple):
 
 PRESETS = {"call": Model("call", 4.0, 0.0), "mixed": Model("mixed", 2.0, 100.0),
            "row": Model("row", 2.0, 2000.0)}
-
-
-def closed_loop_best(model: Model, workers: int, replicas: int, max_batch: int) -> float:
-    """Evaluations/s of N replicas that are never idle, each with an even
-    share of the W requests (at most ``max_batch``) per call."""
-    rows = min(workers / replicas, float(max_batch))
-    return replicas * rows / (model.call_ms / 1e3 + model.row_us / 1e6 * rows)
 
 
 # --- the worker ---------------------------------------------------------------------------
@@ -313,6 +309,10 @@ def one_run(workers: Workers, model: Model, replicas: int, run: int,
         t_attach = time.monotonic()
         workers.attach(address)
         attach_s = time.monotonic() - t_attach
+        # Quiet before the load: the tuner's window of the attach calls
+        # ends, and the next one waits an idle timeout and counts as paused,
+        # so that its first trial reads the load, not the attach.
+        time.sleep(QUIET_S)
 
         n_samples = round(args.seconds / SAMPLE_S)
         after_k = min(n_samples - 1, int(np.ceil(args.after / SAMPLE_S - 1e-9)))
@@ -345,7 +345,8 @@ def one_run(workers: Workers, model: Model, replicas: int, run: int,
         rows.append((after["requests"] - before["requests"]) / batches if batches else None)
     known = [r for r in rows if r is not None]
     mean_rows = statistics.mean(known) if known else None
-    best = closed_loop_best(model, workers.n, replicas, args.max_batch)
+    best = closed_loop_best(model.call_ms / 1e3, model.row_us / 1e6, workers.n, replicas,
+                            args.max_batch)
     settled = leader["phase"] == "settled"
     return {
         "model": model.name, "call_ms": model.call_ms, "row_us": model.row_us,
