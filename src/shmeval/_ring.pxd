@@ -182,8 +182,8 @@ cdef class ClientPort:
     cdef list _new_outs(self, Py_ssize_t n, Layout lay)
     cdef list _spare_outs(self, Py_ssize_t n, Layout lay)
     cdef void _keep_spare(self, list outs) noexcept
-    cdef bint _is_output(self, cnp.ndarray arr, Py_ssize_t j, Py_ssize_t rows)
-    cdef bint _unreferenced(self, int older)
+    cdef inline bint _is_output(self, PyObject *arr, Py_ssize_t j, Py_ssize_t rows) noexcept
+    cdef bint _unreferenced(self, int older) noexcept
 
 
 @cython.final

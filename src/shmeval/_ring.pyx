@@ -36,6 +36,44 @@ cdef extern from "Python.h":
     Py_ssize_t Py_REFCNT(PyObject *o)
     unsigned long long PyLong_AsUnsignedLongLongMask(object o) except? <unsigned long long>-1
 
+# The request path reads arrays, lists, tuples and dicts through borrowed
+# pointers: a reference taken there would cost its increment and decrement,
+# and would itself show in the reference counts that
+# ClientPort._unreferenced reads.
+cdef extern from *:
+    """
+    /* The ndarray a is C-contiguous, writeable, of type number `type` and
+     * of shape dims[0:nd], after a first axis of `rows` (rows < 0: none). */
+    static inline int shmeval_is_array_of(PyObject *a, int type, int nd,
+                                          const npy_intp *dims, Py_ssize_t rows) {
+        PyArrayObject *x = (PyArrayObject *)a;
+        const int want = NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_WRITEABLE;
+        const npy_intp *have = PyArray_DIMS(x);
+        int d;
+        if ((PyArray_FLAGS(x) & want) != want || PyArray_TYPE(x) != type)
+            return 0;
+        if (rows >= 0) {
+            if (PyArray_NDIM(x) != nd + 1 || have[0] != rows)
+                return 0;
+            have++;
+        } else if (PyArray_NDIM(x) != nd) {
+            return 0;
+        }
+        for (d = 0; d < nd; d++)
+            if (have[d] != dims[d])
+                return 0;
+        return 1;
+    }
+    """
+    bint _is_array_of "shmeval_is_array_of"(PyObject *a, int type, int nd,
+                                              const cnp.npy_intp *dims,
+                                              Py_ssize_t rows) noexcept nogil
+    PyObject *_list_item "PyList_GET_ITEM"(PyObject *l, Py_ssize_t i) noexcept nogil
+    PyObject *_tuple_item "PyTuple_GET_ITEM"(PyObject *t, Py_ssize_t i) noexcept nogil
+    Py_ssize_t _dict_size "PyDict_GET_SIZE"(PyObject *d) noexcept nogil
+    bint _dict_next "PyDict_Next"(PyObject *d, Py_ssize_t *pos, PyObject **key,
+                                  PyObject **value) noexcept
+
 cdef extern from "<pthread.h>" nogil:
     int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
                        void (*child)() noexcept nogil)

@@ -494,29 +494,19 @@ cdef class ClientPort:
             for j in range(lay.n_out):
                 x = PyList_GET_ITEM(outs, j)
                 # One reference from the list: nobody else.
-                if Py_REFCNT(x) != 1 or not self._is_output(<cnp.ndarray>x, j, n):
+                if Py_REFCNT(x) != 1 or not self._is_output(x, j, n):
                     break
             else:
                 del self.spares[i]
                 return outs
         return self._new_outs(n, lay)
 
-    cdef bint _is_output(self, cnp.ndarray arr, Py_ssize_t j, Py_ssize_t rows):
-        """arr is still what output j was made as: C-contiguous, writeable,
-        of its type and shape, with a first axis of rows (rows < 0: none)."""
-        cdef Py_ssize_t d, lead = 0 if rows < 0 else 1
-        cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(arr)
+    cdef inline bint _is_output(self, PyObject *arr, Py_ssize_t j, Py_ssize_t rows) noexcept:
+        """arr (an ndarray, borrowed) is still what output j was made as:
+        C-contiguous, writeable, of its type and shape, with a first axis of
+        rows (rows < 0: none)."""
         cdef Layout lay = self.lay0  # (fast: the only method's)
-        cdef cnp.npy_intp *want = lay._out_dims(j)
-        if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or not cnp.PyArray_ISWRITEABLE(arr) or \
-                cnp.PyArray_TYPE(arr) != lay.out_type[j] or \
-                cnp.PyArray_NDIM(arr) != lay.out_nd[j] + lead or \
-                (lead and dims[0] != rows):
-            return False
-        for d in range(lay.out_nd[j]):
-            if dims[d + lead] != want[d]:
-                return False
-        return True
+        return _is_array_of(arr, lay.out_type[j], lay.out_nd[j], lay._out_dims(j), rows)
 
     cdef void _keep_spare(self, list outs) noexcept:
         """A freed Pending's output arrays, for a later submit: the newest
@@ -528,7 +518,7 @@ cdef class ClientPort:
         except BaseException:  # pragma: no cover - out of memory
             pass
 
-    cdef bint _unreferenced(self, int older):
+    cdef bint _unreferenced(self, int older) noexcept:
         """True when a cached result (the last, or with older the one before;
         its dict and arrays) is referenced by nothing but this port,
         unchanged: then it can hold the next result.  Allocating the arrays
@@ -538,22 +528,28 @@ cdef class ClientPort:
         reference counts and makes this allocate afresh.  Two results are
         cached, the last and the one before, because a loop
         `out = ev.evaluate(s)` still holds the last one during the call."""
-        cdef Py_ssize_t j
+        cdef Py_ssize_t j, pos = 0
         cdef PyObject *x
+        cdef PyObject *name
+        cdef PyObject *value
+        cdef Layout lay = self.lay0
         # Borrowed pointers: a Python-level reference here would itself
         # show in the counts.
         cdef PyObject *cached = <PyObject *>(self.prev if older else self.last)
         cdef PyObject *cached_outs = <PyObject *>(self.prev_outs if older else self.last_outs)
         if cached == <PyObject *>None or Py_REFCNT(cached) != 1 or \
-                PyDict_Size(<object>cached) != self.lay0.n_out:
+                _dict_size(cached) != lay.n_out:
             return False
-        for j in range(self.lay0.n_out):
-            x = PyList_GET_ITEM(<object>cached_outs, j)
-            # One reference from the cached list, one from the dict: nobody else.
-            if Py_REFCNT(x) != 2 or PyDict_GetItem(<object>cached, self.lay0.out_names[j]) != x:
+        for j in range(lay.n_out):
+            x = _list_item(cached_outs, j)
+            # The dict's entries in the order they were made (each output's
+            # name, to its array; a caller's change to the dict shows here)
+            # and referenced from the cached list and the dict: nobody else.
+            if not _dict_next(cached, &pos, &name, &value) or value != x or \
+                    name != _tuple_item(<PyObject *>lay.out_names, j) or Py_REFCNT(x) != 2:
                 return False
             # Unchanged in place too (a caller may set .shape or resize).
-            if not self._is_output(<cnp.ndarray>x, j, -1):
+            if not _is_array_of(x, lay.out_type[j], lay.out_nd[j], lay._out_dims(j), -1):
                 return False
         return True
 
