@@ -11,6 +11,7 @@ from cpython.ref cimport PyObject
 from shmeval._core.ring cimport shm_seg, shm_taken, shm_ticker, SHM_MAX_SLOTS_PER_CLIENT
 
 
+@cython.final
 cdef class Layout:
     """One method's rows (spec.MethodSpec), in C."""
     cdef readonly uint32_t index  # the method's index (its requests' header)
@@ -41,6 +42,7 @@ cdef class Layout:
     cdef dict _unpack(self, const char *rows, uint64_t row_bytes, Py_ssize_t n)
 
 
+@cython.final  # its cdef methods are called as C functions
 cdef class Segment:
     """One mapping of a shared segment in this process."""
     cdef shm_seg seg
@@ -60,7 +62,7 @@ cdef class Segment:
 
     cdef uint32_t _begin(self, uint32_t c, uint32_t k) except? 0xffffffff
     cdef int _begin_all(self, uint32_t c, const uint32_t *ks, Py_ssize_t m,
-                        uint32_t *gens) except -1
+                        uint32_t *gens) noexcept
     cdef void _cache_as(self, uint32_t c, uint32_t k, uint64_t k1, uint64_t k2,
                         bint hashed) noexcept
     cdef int _map(self, int fd, uint64_t size) except -1
@@ -72,10 +74,10 @@ cdef class Segment:
     cdef int _replica(self, uint32_t r) except -1
     cdef uint64_t _spin(self, uint64_t spin_ns, uint32_t ncpu) noexcept nogil
     cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
-                   uint64_t timeout_ns, uint32_t ncpu)
+                   uint64_t timeout_ns, uint32_t ncpu) noexcept
     cdef object _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
                        Py_ssize_t row, bint trusted=*)
-    cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row)
+    cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row) noexcept
     cdef int _check_dst(self, Layout lay, list dst, Py_ssize_t row) except -1
     cdef int _cache_get(self, Layout lay, uint32_t c, const char *state, object key, list dst,
                         Py_ssize_t row, uint64_t *k1, uint64_t *k2,
@@ -100,6 +102,7 @@ cdef enum:
     SPIN_COVER_MAX = 4
 
 
+@cython.final
 cdef class SpinArms:
     """A client's spin budget with spin_us "auto": a short and a long arm."""
     cdef readonly uint64_t short_ns
@@ -172,8 +175,9 @@ cdef class ClientPort:
                             Pending p, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -1
     cdef inline int _take(self, Py_ssize_t m, bint block, uint32_t *ks) except -1
+    cdef int _put_back(self, const uint32_t *ks, Py_ssize_t m) except -1
     cdef int _collect(self, Pending p) except -1
-    cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns)
+    cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns) noexcept
     cdef inline Layout _layout(self, object method)
     cdef inline cnp.ndarray _rows(self, object x, Layout lay, bint single)
     cdef object _pack_fast(self, object x, Layout lay, bint single)
@@ -212,7 +216,7 @@ cdef class Pending:
     cdef int32_t rows[SHM_MAX_SLOTS_PER_CLIENT]
     cdef uint8_t state[SHM_MAX_SLOTS_PER_CLIENT]
 
-    cdef inline void _armed(self, Py_ssize_t m, bint own)
+    cdef inline void _armed(self, Py_ssize_t m, bint own) noexcept
     cdef int _collect(self, double deadline, object timeout) except -1
     cdef inline Py_ssize_t _claim(self) noexcept
     cdef inline void _claim_at(self, Py_ssize_t i) noexcept

@@ -42,6 +42,11 @@ cdef extern from "Python.h":
 # ClientPort._unreferenced reads.
 cdef extern from *:
     """
+    /* The data of a NumPy array (an ndarray's borrowed pointer). */
+    static inline char *shmeval_array_bytes(PyObject *a) {
+        return PyArray_BYTES((PyArrayObject *)a);
+    }
+
     /* The ndarray a is C-contiguous, writeable, of type number `type` and
      * of shape dims[0:nd], after a first axis of `rows` (rows < 0: none). */
     static inline int shmeval_is_array_of(PyObject *a, int type, int nd,
@@ -65,6 +70,7 @@ cdef extern from *:
         return 1;
     }
     """
+    char *_array_bytes "shmeval_array_bytes"(PyObject *a) noexcept nogil
     bint _is_array_of "shmeval_is_array_of"(PyObject *a, int type, int nd,
                                               const cnp.npy_intp *dims,
                                               Py_ssize_t rows) noexcept nogil
@@ -168,13 +174,27 @@ _MESSAGES = {
 }
 
 
-cdef int _check(int rc, str what) except -1:
-    """The single mapping from core status codes to exceptions."""
+cdef inline int _check(int rc, str what) except -1:
+    """The single mapping from core status codes to exceptions: rc itself
+    when it is no error."""
     if rc >= 0:
         return rc
+    return _raise_status(rc, what)
+
+
+cdef int _raise_status(int rc, str what) except -1:
+    """Raises the exception of the error status rc (_check)."""
     if rc == SHM_E_FULL:
         raise ClientTableFull(f"{what}: the client table is full; raise max_clients")
     raise SegmentError(f"{what}: {_MESSAGES.get(rc, 'error %d' % rc)}")
+
+
+cdef int _begin_failed(int rc) except -1:
+    """Raises what the failed begin of a slot (shm_slot_begin's status rc)
+    means: the entry was reclaimed (EvaluatorClosed), or _check's error."""
+    if rc == SHM_STALE:
+        raise EvaluatorClosed(_MESSAGES[SHM_STALE])
+    return _raise_status(rc, "begin")
 
 
 cdef int _params(shm_params *p, object in_bytes, object out_bytes, object max_clients,

@@ -35,7 +35,7 @@ cdef class Pending:
     def __init__(self):
         raise TypeError("a Pending is made by Client.submit")
 
-    cdef inline void _armed(self, Py_ssize_t m, bint own):
+    cdef inline void _armed(self, Py_ssize_t m, bint own) noexcept:
         """Requests 0..m-1 (ks, gens, rows set) are in flight.  own: a
         submit's, each slot's owner on the port, which the entry's harvests
         and slot waits ask."""

@@ -192,6 +192,7 @@ cdef class ClientPort:
         entry's harvests may collect (port.owner).  p: a new Pending, or the
         blocking calls' (_sync_pending), set up afresh here."""
         cdef Py_ssize_t m, i
+        cdef int rc
         cdef Py_ssize_t rows[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint64_t k1s[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint64_t k2s[SHM_MAX_SLOTS_PER_CLIENT]
@@ -213,14 +214,10 @@ cdef class ClientPort:
         m = self._lookup(a, start, n, keys, p, rows, k1s, k2s)
         if m:
             self._take(m, block, p.ks)
-            try:
-                self.seg._begin_all(self.c, p.ks, m, p.gens)
-            except BaseException:
-                for i in range(m):
-                    self.free.append(p.ks[i])
-                if self.waiters:
-                    self.entry.notify_waiters()
-                raise
+            rc = self.seg._begin_all(self.c, p.ks, m, p.gens)
+            if rc < 0:
+                self._put_back(p.ks, m)
+                _begin_failed(rc)
             for i in range(m):
                 shm_copy(shm_slot_in(&self.seg.seg, self.c, p.ks[i]), src + rows[i] * inb, inb)
                 if cache:
@@ -282,9 +279,17 @@ cdef class ClientPort:
             for i in range(m):
                 ks[i] = slots[i]
         if self.retired:  # closed meanwhile (Client.close waits for taken slots)
-            for i in range(m):
-                self.free.append(ks[i])
+            self._put_back(ks, m)
             self.entry.check_port()  # raises
+        return 0
+
+    cdef int _put_back(self, const uint32_t *ks, Py_ssize_t m) except -1:
+        """Slots ks[0:m], taken and not begun (or aborted), are free again."""
+        cdef Py_ssize_t i
+        for i in range(m):
+            self.free.append(ks[i])
+        if self.waiters:
+            self.entry.notify_waiters()
         return 0
 
     # ------------------------------------------------------------ collect
@@ -325,7 +330,7 @@ cdef class ClientPort:
             p._m = p.unclaimed = 0
             self.sync_busy = False
 
-    cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns):
+    cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns) noexcept:
         """Segment._wait for slot k of this entry with the spin budget of
         the arms (SpinArms), which get the wait's ns when it ends answered
         and spinning was allowed."""

@@ -22,27 +22,27 @@ cdef class Segment:
         a slot reclaimed meanwhile, and perhaps reused by another process,
         is then never read or released as this request's."""
         cdef uint32_t gen = 0
-        cdef int rc = shm_slot_begin(&self.seg, c, k, _current_pid, &gen)
-        if rc == SHM_STALE:
-            raise EvaluatorClosed(_MESSAGES[SHM_STALE])
-        _check(rc, "begin")
-        self.ck1[k] = 0  # not cached unless the caller sets its keys
+        cdef int rc = self._begin_all(c, &k, 1, &gen)
+        if rc < 0:
+            _begin_failed(rc)
         return gen
 
     cdef int _begin_all(self, uint32_t c, const uint32_t *ks, Py_ssize_t m,
-                        uint32_t *gens) except -1:
+                        uint32_t *gens) noexcept:
         """Begins slots ks[0:m] (their generations into gens), all or none:
         when one begin fails, the slots begun before it go back to FREE
-        (shm_slot_abort) before the error is raised, so the caller can put
-        every slot back on its free list and each can be begun again."""
+        (shm_slot_abort) and its status is returned (_begin_failed raises
+        it), so the caller can put every slot back on its free list and
+        each can be begun again.  0 when all are begun."""
         cdef Py_ssize_t i, j
+        cdef int rc
         for i in range(m):
-            try:
-                gens[i] = self._begin(c, ks[i])
-            except BaseException:
+            rc = shm_slot_begin(&self.seg, c, ks[i], _current_pid, &gens[i])
+            if rc < 0:
                 for j in range(i):
                     shm_slot_abort(&self.seg, c, ks[j], gens[j])
-                raise
+                return rc
+            self.ck1[ks[i]] = 0  # not cached unless the caller sets its keys
         return 0
 
     cdef inline void _cache_as(self, uint32_t c, uint32_t k, uint64_t k1, uint64_t k2,
@@ -414,6 +414,7 @@ cdef class Segment:
         cdef char *src = <char *>cnp.PyArray_DATA(rows)
         cdef list gens = []
         cdef bint cached = k1 is not None and self.seg.p.cache_log2 != 0
+        cdef int rc
         if not cnp.PyArray_IS_C_CONTIGUOUS(rows):
             raise ValueError("rows buffer not C-contiguous")
         if n > SHM_MAX_SLOTS_PER_CLIENT:
@@ -427,7 +428,9 @@ cdef class Segment:
             raise ValueError("fewer cache keys than rows")
         for i in range(n):
             ks[i] = slots[i]
-        self._begin_all(c, ks, n, gs)
+        rc = self._begin_all(c, ks, n, gs)
+        if rc < 0:
+            _begin_failed(rc)
         for i in range(n):
             gens.append(gs[i])
             shm_copy(shm_slot_in(&self.seg, c, ks[i]), src + idx[i] * inb, inb)
@@ -478,7 +481,7 @@ cdef class Segment:
                                ncpu)
 
     cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
-                   uint64_t timeout_ns, uint32_t ncpu):
+                   uint64_t timeout_ns, uint32_t ncpu) noexcept:
         cdef int rc
         cdef shm_ticker *t = self._ticker_for(c, timeout_ns)
         spin_ns = self._spin(spin_ns, ncpu)
@@ -762,12 +765,13 @@ cdef class Segment:
                 raise ValueError("output buffer too small or not C-contiguous")
         return 0
 
-    cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row):
+    cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row) noexcept:
         """Copies one answer of lay's method (output-area bytes at src) into
-        row `row` of the arrays dst (checked by the caller)."""
+        row `row` of the arrays dst (checked by the caller, or made by
+        ClientPort: one array per output, big enough)."""
         cdef uint32_t j
         for j in range(lay.n_out):
-            memcpy(<char *>cnp.PyArray_DATA(<cnp.ndarray>dst[j]) + row * lay.out_nbytes[j],
+            memcpy(_array_bytes(PyList_GET_ITEM(dst, j)) + row * lay.out_nbytes[j],
                    src + lay.out_off[j], lay.out_nbytes[j])
 
     cdef int _cache_get(self, Layout lay, uint32_t c, const char *state, object key, list dst,
