@@ -59,6 +59,7 @@ cdef class Segment:
     cdef uint64_t ck1[SHM_MAX_SLOTS_PER_CLIENT]  # each slot's request's keys
     cdef uint64_t ck2[SHM_MAX_SLOTS_PER_CLIENT]  # (ck1 0: not to be cached)
     cdef uint64_t key_tag         # the caller's keys' scheme (set_key_scheme)
+    cdef object error_text        # a FAILED answer's text, from _fetch to _take_error
 
     cdef uint32_t _begin(self, uint32_t c, uint32_t k) except? 0xffffffff
     cdef int _begin_all(self, uint32_t c, const uint32_t *ks, Py_ssize_t m,
@@ -75,8 +76,10 @@ cdef class Segment:
     cdef uint64_t _spin(self, uint64_t spin_ns, uint32_t ncpu) noexcept nogil
     cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
                    uint64_t timeout_ns, uint32_t ncpu) noexcept
-    cdef object _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
-                       Py_ssize_t row, bint trusted=*)
+    cdef int _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
+                    Py_ssize_t row, bint trusted, uint64_t *version) except -1000
+    cdef object _fetched(self, int rc, uint64_t version)
+    cdef inline object _take_error(self)
     cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row) noexcept
     cdef int _check_dst(self, Layout lay, list dst, Py_ssize_t row) except -1
     cdef int _cache_get(self, Layout lay, uint32_t c, const char *state, object key, list dst,
@@ -165,7 +168,7 @@ cdef class ClientPort:
                                object method=*)
     cpdef Pending submit(self, object states, bint block=*, bint versioned=*, object keys=*,
                          object method=*)
-    cpdef give_back(self, uint32_t k)
+    cdef inline int _give_back(self, uint32_t k) except -1
     cdef Pending _post(self, Pending p, Layout lay, cnp.ndarray a, Py_ssize_t start,
                        Py_ssize_t n, object keys, list outs, object versions, bint block,
                        bint own)
@@ -176,7 +179,6 @@ cdef class ClientPort:
                             uint64_t *k2s) except -1
     cdef inline int _take(self, Py_ssize_t m, bint block, uint32_t *ks) except -1
     cdef int _put_back(self, const uint32_t *ks, Py_ssize_t m) except -1
-    cdef int _collect(self, Pending p) except -1
     cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns) noexcept
     cdef inline Layout _layout(self, object method)
     cdef inline cnp.ndarray _rows(self, object x, Layout lay, bint single)
@@ -205,9 +207,9 @@ cdef class Pending:
     cdef int64_t version           # the model version of the last answer
     cdef bint own                  # a submit's: the port's owner of its slots
     cdef Py_ssize_t fetched        # requests fetched
-    cdef Py_ssize_t unclaimed      # requests in flight that nobody is fetching
-    cdef Py_ssize_t error_row      # the last failed row, and its batch's error text
-    cdef object error
+    cdef Py_ssize_t unclaimed      # requests in flight that nobody is waiting for
+    cdef object error              # the last failed row's batch's error text (None: none),
+    cdef Py_ssize_t error_row      # ... and that row
     cdef object exc                # what result() raises
     cdef object result_
     cdef object __weakref__
@@ -222,7 +224,7 @@ cdef class Pending:
     cdef inline void _claim_at(self, Py_ssize_t i) noexcept
     cdef inline void _unclaim(self, Py_ssize_t i) noexcept
     cdef int _give_up(self, Py_ssize_t i) except -1
-    cdef inline int _record(self, Py_ssize_t i, object r) except -1
+    cdef inline int _record(self, Py_ssize_t i, int rc, uint64_t version) except -1
     cdef inline void _disown(self, Py_ssize_t i) noexcept
     cdef object _finish(self)
 

@@ -36,10 +36,9 @@ cdef extern from "Python.h":
     Py_ssize_t Py_REFCNT(PyObject *o)
     unsigned long long PyLong_AsUnsignedLongLongMask(object o) except? <unsigned long long>-1
 
-# The request path reads arrays, lists, tuples and dicts through borrowed
-# pointers: a reference taken there would cost its increment and decrement,
-# and would itself show in the reference counts that
-# ClientPort._unreferenced reads.
+# The request path reads arrays, lists and dicts through borrowed pointers:
+# a reference taken there would cost its increment and decrement, and would
+# itself show in the reference counts that ClientPort._unreferenced reads.
 cdef extern from *:
     """
     /* The data of a NumPy array (an ndarray's borrowed pointer). */

@@ -10,11 +10,12 @@ cdef class ClientPort:
     begin, copy, publish, one doorbell), which returns a ``Pending``, the
     typed record of what is in flight; ``Pending._collect`` waits for and
     copies out every answer (wait, fetch, release).  The failure handling
-    of each step is written once, there: slots not begun go back to the
-    free list, requests in flight that nobody will collect to the
-    abandoned list.  What only Python can judge -- a wait that ended
-    without an answer (timed out, closed, reclaimed), or too few free slots
-    -- goes to the process's ``shmeval.entry.ProcessEntry`` (``entry``).
+    of each step is written once: slots not begun go back to the free list
+    (``_post``), requests in flight that nobody will collect to the
+    abandoned list (``_release``, for the blocking calls).  What only
+    Python can judge -- a wait that ended without an answer (timed out,
+    closed, reclaimed), or too few free slots -- goes to the process's
+    ``shmeval.entry.ProcessEntry`` (``entry``).
 
     ``free`` is the entry's list of free slot indices (single list
     operations are atomic under the GIL); ``waiters`` counts threads waiting
@@ -66,6 +67,8 @@ cdef class ClientPort:
         cdef list outs
         cdef Pending p
         cdef Py_ssize_t j
+        cdef object error
+        cdef int64_t version
         # A result nobody references is reused; it is taken out of the
         # port while in use, so that another thread cannot take it too.
         if self.fast and self._unreferenced(0):
@@ -79,8 +82,9 @@ cdef class ClientPort:
         p = self._sync_pending()
         try:
             self._post(p, lay, a, 0, 1, None if key is None else (key,), outs, None, True, False)
-            self._collect(p)
-            error, version = p.error, p.version
+            p._collect(0.0, None)
+            error = p.error
+            version = p.version
         finally:
             self._release(p)
         if error is not None:
@@ -122,7 +126,7 @@ cdef class ClientPort:
             while start < n:
                 m = min(n - start, <Py_ssize_t>self.slots)
                 self._post(p, lay, a, start, m, keys, outs, versions, True, False)
-                self._collect(p)
+                p._collect(0.0, None)
                 if p.error is not None:
                     error = p.error
                 start += m
@@ -157,11 +161,15 @@ cdef class ClientPort:
         return self._post(Pending.__new__(Pending), lay, a, 0, n, keys, self._spare_outs(n, lay),
                           versions, block, True)
 
-    cpdef give_back(self, uint32_t k):
+    def give_back(self, uint32_t k):
         """Slot k is free again (its answer was copied out)."""
+        self._give_back(k)
+
+    cdef inline int _give_back(self, uint32_t k) except -1:
         self.free.append(k)
         if self.waiters:
             self.entry.notify_waiters()
+        return 0
 
     def owners(self):
         """The Pendings of submit with requests in flight on this entry
@@ -293,20 +301,6 @@ cdef class ClientPort:
         return 0
 
     # ------------------------------------------------------------ collect
-    cdef int _collect(self, Pending p) except -1:
-        """Collects a blocking call's Pending: every answer, waiting as long
-        as the evaluator lives.  Whatever interrupts it (an exception, an
-        evaluator that closed or died), the requests still in flight go to
-        the abandoned list, whose slots come back once answered."""
-        if p._m == 0:
-            return 0
-        try:
-            p._collect(0.0, None)
-        except BaseException:
-            p._abandon()
-            raise
-        return 0
-
     cdef inline Pending _sync_pending(self):
         """The Pending of a blocking call: the port's own when no other
         thread is using it (a blocking call's Pending never outlives the
@@ -321,13 +315,19 @@ cdef class ClientPort:
         return p
 
     cdef inline void _release(self, Pending p) noexcept:
-        """A blocking call is over with p: the port's own Pending lets go of
-        the caller's arrays (a result the port keeps must be referenced
-        only by the caller and the port) and is free again."""
+        """A blocking call is over with p, answered or not.  Requests it
+        left in flight (an exception, an evaluator that closed or died) go
+        to the abandoned list, whose slots come back once answered.  The
+        port's own Pending lets go of the caller's arrays (a result the port
+        keeps must be referenced only by the caller and the port), forgets
+        the call's outcome and is free again."""
+        if p.unclaimed:
+            p._abandon()
         if p is self.sync:
             p._outs = p._versions = None
-            p.error = p.exc = None
-            p._m = p.unclaimed = 0
+            if p.exc is not None:
+                p.exc = None
+            p._m = p.fetched = 0
             self.sync_busy = False
 
     cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns) noexcept:

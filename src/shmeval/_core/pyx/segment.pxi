@@ -527,8 +527,10 @@ cdef class Segment:
         by index) into dst[j][row] and frees the slot.  Returns the model
         version (DONE), the error text as str (FAILED), or STALE when the
         slot was reclaimed (nothing is delivered)."""
+        cdef uint64_t version = 0
         self._slot(c, k)
-        return self._fetch(self.layouts[method], c, k, gen, dst, row)
+        return self._fetched(self._fetch(self.layouts[method], c, k, gen, dst, row, False,
+                                         &version), version)
 
     def answer(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
                uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu):
@@ -536,25 +538,36 @@ cdef class Segment:
         version (>= 0), the error text (str), or TIMEOUT / CLOSED / STALE
         (< 0); after TIMEOUT and CLOSED the slot is still in flight."""
         cdef int rc
+        cdef uint64_t version = 0
         self._slot(c, k)
         rc = self._wait(c, k, gen, spin_ns, timeout_ns, ncpu)
         if rc < 0:
             return rc
-        return self._fetch(self.layouts[0], c, k, gen, dst, row)
+        return self._fetched(self._fetch(self.layouts[0], c, k, gen, dst, row, False, &version),
+                             version)
 
-    cdef object _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
-                       Py_ssize_t row, bint trusted=False):
+    cdef object _fetched(self, int rc, uint64_t version):
+        """What fetch() returns for _fetch's status rc."""
+        if rc == SLOT_DONE:
+            return version
+        if rc == SLOT_FAILED:
+            return self._take_error()
+        return rc
+
+    cdef int _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
+                    Py_ssize_t row, bint trusted, uint64_t *version) except -1000:
         """Copies out the answer of the request begun with generation gen and
-        releases the slot; STALE (and nothing delivered) when the slot was
-        reclaimed before or during the copy: the release validates the copy
-        (shm_slot_release).  lay: the request's method; trusted: dst are
+        releases the slot.  Returns DONE (its model version in version),
+        FAILED (its batch's error text for _take_error), or STALE, and
+        nothing delivered, when the slot was reclaimed before or during the
+        copy: the release validates the copy (shm_slot_release).  No boxed
+        value per answer.  lay: the request's method; trusted: dst are
         arrays of its declared outputs (ClientPort made them), so their size
         needs no check."""
         cdef uint32_t st, w
         cdef int rc
         cdef shm_slot_meta *m
         cdef char *out
-        cdef uint64_t version = 0
         w = shm_slot_peek(&self.seg, c, k)
         if w >> SLOT_GEN_SHIFT != gen:
             return SHM_STALE  # not worth a copy
@@ -565,23 +578,31 @@ cdef class Segment:
             if not trusted:
                 self._check_dst(lay, dst, row)
             self._deliver(lay, out, dst, row)
-            version = m.model_version
-            result = version
+            version[0] = m.model_version
         elif st == SLOT_FAILED:
-            result = out[:min(m.err_len, self.seg.l.out_area)].decode("utf-8", "replace")
+            self.error_text = out[:min(m.err_len, self.seg.l.out_area)].decode("utf-8", "replace")
         else:
-            _check(SHM_E_STATE, "fetch")
+            _raise_status(SHM_E_STATE, "fetch")
         rc = shm_slot_release(&self.seg, c, k, gen)
-        if rc == SHM_STALE:
-            return SHM_STALE  # reclaimed during the copy: the copy is not ours
-        _check(rc, "fetch")
+        if rc < 0:
+            self.error_text = None
+            if rc == SHM_STALE:
+                return SHM_STALE  # reclaimed during the copy: the copy is not ours
+            _raise_status(rc, "fetch")
         if st == SLOT_DONE:
             # The copy is validated: ours, whole, and of this version.
-            if version > self.seen_version:
-                self.seen_version = version
+            if version[0] > self.seen_version:
+                self.seen_version = version[0]
             if self.ck1[k]:
-                self._cache_put(lay, c, self.ck1[k], self.ck2[k], version, dst, row)
-        return result
+                self._cache_put(lay, c, self.ck1[k], self.ck2[k], version[0], dst, row)
+        return st
+
+    cdef inline object _take_error(self):
+        """The error text of the FAILED answer _fetch has just returned,
+        taken: the caller reads it before any Python code runs."""
+        cdef object text = self.error_text
+        self.error_text = None
+        return text
 
     def release(self, uint32_t c, uint32_t k, uint32_t gen):
         """Frees a finished slot begun with generation gen without reading
