@@ -198,64 +198,69 @@ cdef class ClientPort:
         holds them, the others through the evaluator -- and their Pending
         returned with those in flight.  own: a submit's Pending, which the
         entry's harvests may collect (port.owner).  p: a new Pending, or the
-        blocking calls' (_sync_pending), set up afresh here."""
+        blocking calls' (_sync_pending): with nothing in flight and no
+        exception recorded (_release), set up afresh here."""
         cdef Py_ssize_t m, i
         cdef int rc
         cdef Py_ssize_t rows[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint64_t k1s[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint64_t k2s[SHM_MAX_SLOTS_PER_CLIENT]
-        cdef uint64_t inb = self.seg.seg.p.in_bytes
-        cdef bint cache = self.seg.seg.p.cache_log2 != 0
+        cdef Segment seg = self.seg
+        cdef uint64_t inb = seg.seg.p.in_bytes
+        cdef bint cache = seg.seg.p.cache_log2 != 0
         cdef const char *src = <const char *>cnp.PyArray_DATA(a)
-        p.port = self
-        p.seg = self.seg
-        p.lay = lay
+        if p.port is None:  # a new one
+            p.port = self
+            p.seg = seg
+        if p.lay is not lay:
+            p.lay = lay
         p._n = n
         p._m = p.fetched = p.unclaimed = 0
         p._outs = outs
         p._versions = versions
-        p.error_row = -1
-        p.error = p.exc = p.result_ = None
+        if p.error is not None:  # a round of evaluate_many before this one
+            p.error = None
         p.version = 0
-        if shm_ev_state(&self.seg.seg) >= EV_CLOSING:
+        if shm_ev_state(&seg.seg) >= EV_CLOSING:
             self.entry.check_state()  # raises: closed, or died
-        m = self._lookup(a, start, n, keys, p, rows, k1s, k2s)
+        if cache:
+            m = self._lookup(a, start, n, keys, p, rows, k1s, k2s)
+        else:
+            m = n
+            for i in range(n):
+                rows[i] = start + i
         if m:
             self._take(m, block, p.ks)
-            rc = self.seg._begin_all(self.c, p.ks, m, p.gens)
+            rc = seg._begin_all(self.c, p.ks, m, p.gens)
             if rc < 0:
                 self._put_back(p.ks, m)
                 _begin_failed(rc)
             for i in range(m):
-                shm_copy(shm_slot_in(&self.seg.seg, self.c, p.ks[i]), src + rows[i] * inb, inb)
+                shm_copy(shm_slot_in(&seg.seg, self.c, p.ks[i]), src + rows[i] * inb, inb)
                 if cache:
-                    self.seg._cache_as(self.c, p.ks[i], k1s[i], k2s[i], keys is None)
+                    seg._cache_as(self.c, p.ks[i], k1s[i], k2s[i], keys is None)
                 p.rows[i] = <int32_t>rows[i]
             # Publish in a tight loop after all the copies, so that an
             # evaluator scanning meanwhile rarely splits the rows over two
             # batches; then one doorbell.  (A slot reclaimed meanwhile is
             # not published; its wait says so.)
             for i in range(m):
-                shm_slot_publish(&self.seg.seg, self.c, p.ks[i], p.gens[i])
-            shm_notify_evaluator(&self.seg.seg, <uint32_t>m)
+                shm_slot_publish(&seg.seg, self.c, p.ks[i], p.gens[i])
+            shm_notify_evaluator(&seg.seg, <uint32_t>m)
         p._armed(m, own)
         return p
 
     cdef inline Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
                             Pending p, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -1:
-        """Answers the rows start..start+n of a that the evaluation cache
-        holds (by keys[i], or by the hashes of their bytes) into p; the
-        others go to rows, their cache keys to k1s, k2s.  Returns how many
-        are left to send."""
+        """Answers the rows start..start+n of a that the evaluation cache (a
+        segment with one) holds (by keys[i], or by the hashes of their
+        bytes) into p; the others go to rows, their cache keys to k1s, k2s.
+        Returns how many are left to send."""
         cdef Py_ssize_t i, m = 0
         cdef uint64_t v = 0
         cdef uint64_t inb = self.seg.seg.p.in_bytes
         cdef const char *src = <const char *>cnp.PyArray_DATA(a)
-        if not self.seg.seg.p.cache_log2:
-            for i in range(n):
-                rows[i] = start + i
-            return n
         try:
             for i in range(start, start + n):
                 if self.seg._cache_get(p.lay, self.c, src + i * inb,
