@@ -30,7 +30,7 @@ cdef class Pending:
     A request is a state posted (one the evaluation cache did not answer at
     the submit): request i is output row ``rows[i]``, in slot ``ks[i]``
     begun with generation ``gens[i]``.  ``evaluate`` and ``evaluate_many``
-    post and collect through a Pending too (ClientPort._post, Pending._collect);
+    post and collect through a Pending too (ClientPort._post, then _collect);
     what is unusual (a timeout, a closed or dead evaluator, a reclaimed
     entry) is judged by the process's ``shmeval.entry.ProcessEntry``.
     """
@@ -150,7 +150,7 @@ cdef class Pending:
             port._give_back(k)
 
     cdef inline Py_ssize_t _claim(self) noexcept:
-        """Claims the oldest request nobody is fetching; -1 if none."""
+        """Claims the oldest request nobody is waiting for; -1 if none."""
         cdef Py_ssize_t i
         if self.unclaimed:
             for i in range(self._m):
