@@ -11,6 +11,7 @@ from cpython.ref cimport PyObject
 from shmeval._core.ring cimport shm_seg, shm_taken, shm_ticker, SHM_MAX_SLOTS_PER_CLIENT
 
 
+@cython.final
 cdef class Layout:
     """One method's rows (spec.MethodSpec), in C."""
     cdef readonly uint32_t index  # the method's index (its requests' header)
@@ -43,6 +44,7 @@ cdef class Layout:
     cdef dict _unpack(self, const char *rows, uint64_t row_bytes, Py_ssize_t n)
 
 
+@cython.final  # its cdef methods are called as C functions
 cdef class Segment:
     """One mapping of a shared segment in this process."""
     cdef shm_seg seg
@@ -59,10 +61,11 @@ cdef class Segment:
     cdef uint64_t ck1[SHM_MAX_SLOTS_PER_CLIENT]  # each slot's request's keys
     cdef uint64_t ck2[SHM_MAX_SLOTS_PER_CLIENT]  # (ck1 0: not to be cached)
     cdef uint64_t key_tag         # the caller's keys' scheme (set_key_scheme)
+    cdef object error_text        # a FAILED answer's text, from _fetch to _take_error
 
     cdef uint32_t _begin(self, uint32_t c, uint32_t k) except? 0xffffffff
     cdef int _begin_all(self, uint32_t c, const uint32_t *ks, Py_ssize_t m,
-                        uint32_t *gens) except -1
+                        uint32_t *gens) noexcept
     cdef void _cache_as(self, uint32_t c, uint32_t k, uint64_t k1, uint64_t k2,
                         bint hashed) noexcept
     cdef int _map(self, int fd, uint64_t size) except -1
@@ -74,10 +77,12 @@ cdef class Segment:
     cdef int _replica(self, uint32_t r) except -1
     cdef uint64_t _spin(self, uint64_t spin_ns, uint32_t ncpu) noexcept nogil
     cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
-                   uint64_t timeout_ns, uint32_t ncpu)
-    cdef object _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
-                       Py_ssize_t row, bint trusted=*)
-    cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row)
+                   uint64_t timeout_ns, uint32_t ncpu) noexcept
+    cdef int _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
+                    Py_ssize_t row, bint trusted, uint64_t *version) except -1000
+    cdef object _fetched(self, int rc, uint64_t version)
+    cdef inline object _take_error(self)
+    cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row) noexcept
     cdef int _check_dst(self, Layout lay, list dst, Py_ssize_t row) except -1
     cdef int _cache_get(self, Layout lay, uint32_t c, const char *state, object key, list dst,
                         Py_ssize_t row, uint64_t *k1, uint64_t *k2,
@@ -102,6 +107,7 @@ cdef enum:
     SPIN_COVER_MAX = 4
 
 
+@cython.final
 cdef class SpinArms:
     """A client's spin budget with spin_us "auto": a short and a long arm."""
     cdef readonly uint64_t short_ns
@@ -164,7 +170,7 @@ cdef class ClientPort:
                                object method=*)
     cpdef Pending submit(self, object states, bint block=*, bint versioned=*, object keys=*,
                          object method=*)
-    cpdef give_back(self, uint32_t k)
+    cdef inline int _give_back(self, uint32_t k) except -1
     cdef Pending _post(self, Pending p, Layout lay, cnp.ndarray a, Py_ssize_t start,
                        Py_ssize_t n, object keys, list outs, object versions, bint block,
                        bint own)
@@ -174,8 +180,8 @@ cdef class ClientPort:
                             Pending p, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -1
     cdef inline int _take(self, Py_ssize_t m, bint block, uint32_t *ks) except -1
-    cdef int _collect(self, Pending p) except -1
-    cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns)
+    cdef int _put_back(self, const uint32_t *ks, Py_ssize_t m) except -1
+    cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns) noexcept
     cdef inline Layout _layout(self, object method)
     cdef inline cnp.ndarray _rows(self, object x, Layout lay, bint single)
     cdef object _pack_fast(self, object x, Layout lay, bint single)
@@ -186,8 +192,8 @@ cdef class ClientPort:
     cdef list _new_outs(self, Py_ssize_t n, Layout lay)
     cdef list _spare_outs(self, Py_ssize_t n, Layout lay)
     cdef void _keep_spare(self, list outs) noexcept
-    cdef bint _is_output(self, cnp.ndarray arr, Py_ssize_t j, Py_ssize_t rows)
-    cdef bint _unreferenced(self, int older)
+    cdef inline bint _is_output(self, PyObject *arr, Py_ssize_t j, Py_ssize_t rows) noexcept
+    cdef bint _unreferenced(self, int older) noexcept
 
 
 @cython.final
@@ -205,9 +211,9 @@ cdef class Pending:
     cdef int64_t version           # the model version of the last answer
     cdef bint own                  # a submit's: the port's owner of its slots
     cdef Py_ssize_t fetched        # requests fetched
-    cdef Py_ssize_t unclaimed      # requests in flight that nobody is fetching
-    cdef Py_ssize_t error_row      # the last failed row, and its batch's error text
-    cdef object error
+    cdef Py_ssize_t unclaimed      # requests in flight that nobody is waiting for
+    cdef object error              # the last failed row's batch's error text (None: none),
+    cdef Py_ssize_t error_row      # ... and that row
     cdef object exc                # what result() raises
     cdef object result_
     cdef object __weakref__
@@ -216,13 +222,13 @@ cdef class Pending:
     cdef int32_t rows[SHM_MAX_SLOTS_PER_CLIENT]
     cdef uint8_t state[SHM_MAX_SLOTS_PER_CLIENT]
 
-    cdef inline void _armed(self, Py_ssize_t m, bint own)
+    cdef inline void _armed(self, Py_ssize_t m, bint own) noexcept
     cdef int _collect(self, double deadline, object timeout) except -1
     cdef inline Py_ssize_t _claim(self) noexcept
     cdef inline void _claim_at(self, Py_ssize_t i) noexcept
     cdef inline void _unclaim(self, Py_ssize_t i) noexcept
     cdef int _give_up(self, Py_ssize_t i) except -1
-    cdef inline int _record(self, Py_ssize_t i, object r) except -1
+    cdef inline int _record(self, Py_ssize_t i, int rc, uint64_t version) except -1
     cdef inline void _disown(self, Py_ssize_t i) noexcept
     cdef object _finish(self)
 

@@ -36,6 +36,49 @@ cdef extern from "Python.h":
     Py_ssize_t Py_REFCNT(PyObject *o)
     unsigned long long PyLong_AsUnsignedLongLongMask(object o) except? <unsigned long long>-1
 
+# The request path reads arrays, lists and dicts through borrowed pointers:
+# a reference taken there would cost its increment and decrement, and would
+# itself show in the reference counts that ClientPort._unreferenced reads.
+cdef extern from *:
+    """
+    /* The data of a NumPy array (an ndarray's borrowed pointer). */
+    static inline char *shmeval_array_bytes(PyObject *a) {
+        return PyArray_BYTES((PyArrayObject *)a);
+    }
+
+    /* The ndarray a is C-contiguous, writeable, of type number `type` and
+     * of shape dims[0:nd], after a first axis of `rows` (rows < 0: none). */
+    static inline int shmeval_is_array_of(PyObject *a, int type, int nd,
+                                          const npy_intp *dims, Py_ssize_t rows) {
+        PyArrayObject *x = (PyArrayObject *)a;
+        const int want = NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_WRITEABLE;
+        const npy_intp *have = PyArray_DIMS(x);
+        int d;
+        if ((PyArray_FLAGS(x) & want) != want || PyArray_TYPE(x) != type)
+            return 0;
+        if (rows >= 0) {
+            if (PyArray_NDIM(x) != nd + 1 || have[0] != rows)
+                return 0;
+            have++;
+        } else if (PyArray_NDIM(x) != nd) {
+            return 0;
+        }
+        for (d = 0; d < nd; d++)
+            if (have[d] != dims[d])
+                return 0;
+        return 1;
+    }
+    """
+    char *_array_bytes "shmeval_array_bytes"(PyObject *a) noexcept nogil
+    bint _is_array_of "shmeval_is_array_of"(PyObject *a, int type, int nd,
+                                              const cnp.npy_intp *dims,
+                                              Py_ssize_t rows) noexcept nogil
+    PyObject *_list_item "PyList_GET_ITEM"(PyObject *l, Py_ssize_t i) noexcept nogil
+    PyObject *_tuple_item "PyTuple_GET_ITEM"(PyObject *t, Py_ssize_t i) noexcept nogil
+    Py_ssize_t _dict_size "PyDict_GET_SIZE"(PyObject *d) noexcept nogil
+    bint _dict_next "PyDict_Next"(PyObject *d, Py_ssize_t *pos, PyObject **key,
+                                  PyObject **value) noexcept
+
 cdef extern from "<pthread.h>" nogil:
     int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
                        void (*child)() noexcept nogil)
@@ -130,13 +173,27 @@ _MESSAGES = {
 }
 
 
-cdef int _check(int rc, str what) except -1:
-    """The single mapping from core status codes to exceptions."""
+cdef inline int _check(int rc, str what) except -1:
+    """The single mapping from core status codes to exceptions: rc itself
+    when it is no error."""
     if rc >= 0:
         return rc
+    return _raise_status(rc, what)
+
+
+cdef int _raise_status(int rc, str what) except -1:
+    """Raises the exception of the error status rc (_check)."""
     if rc == SHM_E_FULL:
         raise ClientTableFull(f"{what}: the client table is full; raise max_clients")
     raise SegmentError(f"{what}: {_MESSAGES.get(rc, 'error %d' % rc)}")
+
+
+cdef int _begin_failed(int rc) except -1:
+    """Raises what the failed begin of a slot (shm_slot_begin's status rc)
+    means: the entry was reclaimed (EvaluatorClosed), or _check's error."""
+    if rc == SHM_STALE:
+        raise EvaluatorClosed(_MESSAGES[SHM_STALE])
+    return _raise_status(rc, "begin")
 
 
 cdef int _params(shm_params *p, object in_bytes, object out_bytes, object max_clients,

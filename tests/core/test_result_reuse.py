@@ -112,3 +112,36 @@ def test_results_kept_in_a_list_are_never_overwritten() -> None:
         assert len({id(r) for r in kept}) == len(kept)
         for tag, r in zip(range(1, 20), kept):
             check_answer(r, tag)
+
+
+def twin_model(x: np.ndarray) -> dict[str, np.ndarray]:
+    """Two outputs of one dtype and shape: a = the state's tag, b = -tag."""
+    return {"a": x[:, 0, :3, 0].copy(), "b": -x[:, 0, :3, 0]}
+
+
+def swap(out: dict[str, np.ndarray]) -> None:
+    out["a"], out["b"] = out["b"], out["a"]
+
+
+def reinsert(out: dict[str, np.ndarray]) -> None:
+    out["a"] = out.pop("a")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("change", [swap, reinsert])
+def test_rearranged_results_come_back_under_their_names(change: Any) -> None:
+    """A dropped result whose arrays the caller moved between names (each
+    still referenced once by the dict, of the same dtype and shape) is
+    never handed back with an answer under another output's name."""
+    twins = {"a": ((3,), "float32"), "b": ((3,), "float32")}
+    with make_ev(twin_model, outputs=twins) as ev:
+        ev.evaluate(make_state(0))  # registers; later results take the fast path
+        ev.evaluate(make_state(0))
+        for tag in range(1, 6):
+            out = ev.evaluate(make_state(tag))
+            change(out)
+            del out
+            out = ev.evaluate(make_state(tag + 10))
+            np.testing.assert_array_equal(out["a"], np.full(3, tag + 10, np.float32))
+            np.testing.assert_array_equal(out["b"], np.full(3, -(tag + 10), np.float32))
+            del out

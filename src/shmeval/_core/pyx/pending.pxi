@@ -1,10 +1,13 @@
 # Included by shmeval/_ring.pyx: Pending, the answers to one submit collected later.
 
 # A Pending's requests: each is in flight and claimed by nobody, claimed by
-# the thread fetching it (or given up by a failure or a finalizer), or
+# the thread waiting for it (or given up by a failure or a finalizer), or
 # fetched.  Claims are plain stores made with the GIL held and no Python
-# code between the look and the store, so each request is fetched once
-# however many threads collect.
+# code between the look and the store, so that one thread waits for each
+# request however many threads collect (a wait may release the GIL).  A
+# request is fetched unclaimed: with the GIL held and no Python code from
+# the look at its state to its record as fetched, so each is fetched once,
+# and one whose fetch raises stays in flight.
 cdef enum:
     REQ_LEFT = 0
     REQ_CLAIMED = 1
@@ -27,7 +30,7 @@ cdef class Pending:
     A request is a state posted (one the evaluation cache did not answer at
     the submit): request i is output row ``rows[i]``, in slot ``ks[i]``
     begun with generation ``gens[i]``.  ``evaluate`` and ``evaluate_many``
-    post and collect through a Pending too (ClientPort._post, _collect);
+    post and collect through a Pending too (ClientPort._post, then _collect);
     what is unusual (a timeout, a closed or dead evaluator, a reclaimed
     entry) is judged by the process's ``shmeval.entry.ProcessEntry``.
     """
@@ -35,7 +38,7 @@ cdef class Pending:
     def __init__(self):
         raise TypeError("a Pending is made by Client.submit")
 
-    cdef inline void _armed(self, Py_ssize_t m, bint own):
+    cdef inline void _armed(self, Py_ssize_t m, bint own) noexcept:
         """Requests 0..m-1 (ks, gens, rows set) are in flight.  own: a
         submit's, each slot's owner on the port, which the entry's harvests
         and slot waits ask."""
@@ -99,9 +102,9 @@ cdef class Pending:
 
     cdef int _collect(self, double deadline, object timeout) except -1:
         """Waits for and copies out every request in flight, claiming each
-        first, so that another thread collecting the same Pending never
-        fetches it twice.  A wait that ends without an answer goes to the
-        entry's judgement (``ProcessEntry.judge``), which raises for a
+        for its wait, so that another thread collecting the same Pending
+        never waits for it too.  A wait that ends without an answer goes to
+        the entry's judgement (``ProcessEntry.judge``), which raises for a
         closed, dead or reclaimed entry and returns on a timeout of a
         healthy evaluator; with a deadline (CLOCK_MONOTONIC s, 0: none)
         ShmevalTimeout is raised once it passes, the requests still in
@@ -109,8 +112,7 @@ cdef class Pending:
         cdef Py_ssize_t i
         cdef uint32_t k, gen
         cdef int rc
-        cdef uint64_t wait_ns
-        cdef object r
+        cdef uint64_t wait_ns, version = 0
         cdef ClientPort port = self.port
         while True:
             if self.exc is not None:
@@ -118,7 +120,7 @@ cdef class Pending:
             if self.fetched == self._m:
                 return 0
             i = self._claim()
-            if i < 0:  # another thread is fetching the last requests
+            if i < 0:  # another thread is waiting for the last requests
                 _sleep(0.001)
                 continue
             k, gen = self.ks[i], self.gens[i]
@@ -126,31 +128,29 @@ cdef class Pending:
             if deadline:
                 wait_ns = <uint64_t>max(0.0, min(<double>wait_ns,
                                                  (deadline - _monotonic()) * 1e9))
-            try:
-                rc = port._wait_one(k, gen, wait_ns)
-                r = rc if rc < 0 else self.seg._fetch(self.lay, port.c, k, gen, self._outs,
-                                                      self.rows[i], True)
-            except BaseException:
-                self._unclaim(i)
-                raise
-            if type(r) is int and <int>r < 0:
-                if r != SHM_STALE:
-                    self._unclaim(i)  # still in flight
-                else:  # not ours any more
+            rc = port._wait_one(k, gen, wait_ns)
+            # The GIL is held from here to the record (or the judgement).
+            self._unclaim(i)
+            if rc >= 0:
+                rc = self.seg._fetch(self.lay, port.c, k, gen, self._outs, self.rows[i], True,
+                                     &version)
+            if rc < 0:
+                if rc == SHM_STALE:  # not ours any more
+                    self._claim_at(i)
                     self._give_up(i)
                 try:
-                    port.entry.judge(r)
+                    port.entry.judge(rc)
                 except ShmevalError as e:
                     self._fail(e)
                     raise
                 if deadline and _monotonic() >= deadline:
                     raise ShmevalTimeout(f"{self!r}: no answer within {timeout} s")
                 continue
-            port.give_back(k)
-            self._record(i, r)
+            self._record(i, rc, version)
+            port._give_back(k)
 
     cdef inline Py_ssize_t _claim(self) noexcept:
-        """Claims the oldest request nobody is fetching; -1 if none."""
+        """Claims the oldest request nobody is waiting for; -1 if none."""
         cdef Py_ssize_t i
         if self.unclaimed:
             for i in range(self._m):
@@ -167,18 +167,21 @@ cdef class Pending:
         self.state[i] = REQ_LEFT
         self.unclaimed += 1
 
-    cdef inline int _record(self, Py_ssize_t i, object r) except -1:
-        """Request i fetched: r is its model version, or its batch's error
-        text."""
+    cdef inline int _record(self, Py_ssize_t i, int rc, uint64_t version) except -1:
+        """Request i, unclaimed, fetched: Segment._fetch's status rc, DONE
+        with its model version, or FAILED with its batch's error text."""
         cdef Py_ssize_t row = self.rows[i]
-        if type(r) is str:
-            if row > self.error_row:  # the last failed row's, as evaluate_many
-                self.error_row, self.error = row, r
+        cdef object text
+        if rc == SLOT_FAILED:
+            text = self.seg._take_error()
+            if self.error is None or row > self.error_row:  # the last failed row's
+                self.error_row, self.error = row, text
         else:
-            self.version = <int64_t>r
+            self.version = <int64_t>version
             if self._versions is not None:
-                (<int64_t *>cnp.PyArray_DATA(self._versions))[row] = <int64_t>r
+                (<int64_t *>cnp.PyArray_DATA(self._versions))[row] = <int64_t>version
         self.state[i] = REQ_FETCHED
+        self.unclaimed -= 1
         self.fetched += 1
         self._disown(i)
         return 0
@@ -234,7 +237,8 @@ cdef class Pending:
         evaluate_many fails then."""
         cdef Py_ssize_t i, got = 0
         cdef uint32_t w, st, k, gen
-        cdef object r
+        cdef int rc
+        cdef uint64_t version = 0
         cdef ClientPort port = self.port
         if not self.unclaimed or port.pid != _current_pid:
             return 0
@@ -246,22 +250,19 @@ cdef class Pending:
             st = w & SLOT_STATE_MASK
             if w >> SLOT_GEN_SHIFT == gen and st != SLOT_DONE and st != SLOT_FAILED:
                 continue  # not answered yet
-            self._claim_at(i)
-            try:
-                r = (self.seg._fetch(self.lay, port.c, k, gen, self._outs, self.rows[i], True)
-                     if w >> SLOT_GEN_SHIFT == gen else SHM_STALE)
-            except BaseException:
-                self._unclaim(i)
-                raise
-            if type(r) is int and <int>r < 0:  # reclaimed: the slot is not ours any more
+            rc = (self.seg._fetch(self.lay, port.c, k, gen, self._outs, self.rows[i], True,
+                                  &version)
+                  if w >> SLOT_GEN_SHIFT == gen else SHM_STALE)
+            if rc < 0:  # reclaimed: the slot is not ours any more
+                self._claim_at(i)
                 self._give_up(i)
                 try:
                     port.entry.judge(SHM_STALE)
                 except ShmevalError as e:
                     self._fail(e)
                 return got
-            port.give_back(k)
-            self._record(i, r)
+            self._record(i, rc, version)
+            port._give_back(k)
             got += 1
         return got
 

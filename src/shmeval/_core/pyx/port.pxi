@@ -10,11 +10,12 @@ cdef class ClientPort:
     begin, copy, publish, one doorbell), which returns a ``Pending``, the
     typed record of what is in flight; ``Pending._collect`` waits for and
     copies out every answer (wait, fetch, release).  The failure handling
-    of each step is written once, there: slots not begun go back to the
-    free list, requests in flight that nobody will collect to the
-    abandoned list.  What only Python can judge -- a wait that ended
-    without an answer (timed out, closed, reclaimed), or too few free slots
-    -- goes to the process's ``shmeval.entry.ProcessEntry`` (``entry``).
+    of each step is written once: slots not begun go back to the free list
+    (``_post``), requests in flight that nobody will collect to the
+    abandoned list (``_release``, for the blocking calls).  What only
+    Python can judge -- a wait that ended without an answer (timed out,
+    closed, reclaimed), or too few free slots -- goes to the process's
+    ``shmeval.entry.ProcessEntry`` (``entry``).
 
     ``free`` is the entry's list of free slot indices (single list
     operations are atomic under the GIL); ``waiters`` counts threads waiting
@@ -66,6 +67,8 @@ cdef class ClientPort:
         cdef list outs
         cdef Pending p
         cdef Py_ssize_t j
+        cdef object error
+        cdef int64_t version
         # A result nobody references is reused; it is taken out of the
         # port while in use, so that another thread cannot take it too.
         if self.fast and self._unreferenced(0):
@@ -79,8 +82,9 @@ cdef class ClientPort:
         p = self._sync_pending()
         try:
             self._post(p, lay, a, 0, 1, None if key is None else (key,), outs, None, True, False)
-            self._collect(p)
-            error, version = p.error, p.version
+            p._collect(0.0, None)
+            error = p.error
+            version = p.version
         finally:
             self._release(p)
         if error is not None:
@@ -122,7 +126,7 @@ cdef class ClientPort:
             while start < n:
                 m = min(n - start, <Py_ssize_t>self.slots)
                 self._post(p, lay, a, start, m, keys, outs, versions, True, False)
-                self._collect(p)
+                p._collect(0.0, None)
                 if p.error is not None:
                     error = p.error
                 start += m
@@ -157,11 +161,15 @@ cdef class ClientPort:
         return self._post(Pending.__new__(Pending), lay, a, 0, n, keys, self._spare_outs(n, lay),
                           versions, block, True)
 
-    cpdef give_back(self, uint32_t k):
+    def give_back(self, uint32_t k):
         """Slot k is free again (its answer was copied out)."""
+        self._give_back(k)
+
+    cdef inline int _give_back(self, uint32_t k) except -1:
         self.free.append(k)
         if self.waiters:
             self.entry.notify_waiters()
+        return 0
 
     def owners(self):
         """The Pendings of submit with requests in flight on this entry
@@ -190,67 +198,69 @@ cdef class ClientPort:
         holds them, the others through the evaluator -- and their Pending
         returned with those in flight.  own: a submit's Pending, which the
         entry's harvests may collect (port.owner).  p: a new Pending, or the
-        blocking calls' (_sync_pending), set up afresh here."""
+        blocking calls' (_sync_pending): with nothing in flight and no
+        exception recorded (_release), set up afresh here."""
         cdef Py_ssize_t m, i
+        cdef int rc
         cdef Py_ssize_t rows[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint64_t k1s[SHM_MAX_SLOTS_PER_CLIENT]
         cdef uint64_t k2s[SHM_MAX_SLOTS_PER_CLIENT]
-        cdef uint64_t inb = self.seg.seg.p.in_bytes
-        cdef bint cache = self.seg.seg.p.cache_log2 != 0
+        cdef Segment seg = self.seg
+        cdef uint64_t inb = seg.seg.p.in_bytes
+        cdef bint cache = seg.seg.p.cache_log2 != 0
         cdef const char *src = <const char *>cnp.PyArray_DATA(a)
-        p.port = self
-        p.seg = self.seg
-        p.lay = lay
+        if p.port is None:  # a new one
+            p.port = self
+            p.seg = seg
+        if p.lay is not lay:
+            p.lay = lay
         p._n = n
         p._m = p.fetched = p.unclaimed = 0
         p._outs = outs
         p._versions = versions
-        p.error_row = -1
-        p.error = p.exc = p.result_ = None
+        if p.error is not None:  # a round of evaluate_many before this one
+            p.error = None
         p.version = 0
-        if shm_ev_state(&self.seg.seg) >= EV_CLOSING:
+        if shm_ev_state(&seg.seg) >= EV_CLOSING:
             self.entry.check_state()  # raises: closed, or died
-        m = self._lookup(a, start, n, keys, p, rows, k1s, k2s)
+        if cache:
+            m = self._lookup(a, start, n, keys, p, rows, k1s, k2s)
+        else:
+            m = n
+            for i in range(n):
+                rows[i] = start + i
         if m:
             self._take(m, block, p.ks)
-            try:
-                self.seg._begin_all(self.c, p.ks, m, p.gens)
-            except BaseException:
-                for i in range(m):
-                    self.free.append(p.ks[i])
-                if self.waiters:
-                    self.entry.notify_waiters()
-                raise
+            rc = seg._begin_all(self.c, p.ks, m, p.gens)
+            if rc < 0:
+                self._put_back(p.ks, m)
+                _begin_failed(rc)
             for i in range(m):
-                shm_copy(shm_slot_in(&self.seg.seg, self.c, p.ks[i]), src + rows[i] * inb, inb)
+                shm_copy(shm_slot_in(&seg.seg, self.c, p.ks[i]), src + rows[i] * inb, inb)
                 if cache:
-                    self.seg._cache_as(self.c, p.ks[i], k1s[i], k2s[i], keys is None)
+                    seg._cache_as(self.c, p.ks[i], k1s[i], k2s[i], keys is None)
                 p.rows[i] = <int32_t>rows[i]
             # Publish in a tight loop after all the copies, so that an
             # evaluator scanning meanwhile rarely splits the rows over two
             # batches; then one doorbell.  (A slot reclaimed meanwhile is
             # not published; its wait says so.)
             for i in range(m):
-                shm_slot_publish(&self.seg.seg, self.c, p.ks[i], p.gens[i])
-            shm_notify_evaluator(&self.seg.seg, <uint32_t>m)
+                shm_slot_publish(&seg.seg, self.c, p.ks[i], p.gens[i])
+            shm_notify_evaluator(&seg.seg, <uint32_t>m)
         p._armed(m, own)
         return p
 
     cdef inline Py_ssize_t _lookup(self, cnp.ndarray a, Py_ssize_t start, Py_ssize_t n, object keys,
                             Pending p, Py_ssize_t *rows, uint64_t *k1s,
                             uint64_t *k2s) except -1:
-        """Answers the rows start..start+n of a that the evaluation cache
-        holds (by keys[i], or by the hashes of their bytes) into p; the
-        others go to rows, their cache keys to k1s, k2s.  Returns how many
-        are left to send."""
+        """Answers the rows start..start+n of a that the evaluation cache (a
+        segment with one) holds (by keys[i], or by the hashes of their
+        bytes) into p; the others go to rows, their cache keys to k1s, k2s.
+        Returns how many are left to send."""
         cdef Py_ssize_t i, m = 0
         cdef uint64_t v = 0
         cdef uint64_t inb = self.seg.seg.p.in_bytes
         cdef const char *src = <const char *>cnp.PyArray_DATA(a)
-        if not self.seg.seg.p.cache_log2:
-            for i in range(n):
-                rows[i] = start + i
-            return n
         try:
             for i in range(start, start + n):
                 if self.seg._cache_get(p.lay, self.c, src + i * inb,
@@ -282,26 +292,20 @@ cdef class ClientPort:
             for i in range(m):
                 ks[i] = slots[i]
         if self.retired:  # closed meanwhile (Client.close waits for taken slots)
-            for i in range(m):
-                self.free.append(ks[i])
+            self._put_back(ks, m)
             self.entry.check_port()  # raises
         return 0
 
-    # ------------------------------------------------------------ collect
-    cdef int _collect(self, Pending p) except -1:
-        """Collects a blocking call's Pending: every answer, waiting as long
-        as the evaluator lives.  Whatever interrupts it (an exception, an
-        evaluator that closed or died), the requests still in flight go to
-        the abandoned list, whose slots come back once answered."""
-        if p._m == 0:
-            return 0
-        try:
-            p._collect(0.0, None)
-        except BaseException:
-            p._abandon()
-            raise
+    cdef int _put_back(self, const uint32_t *ks, Py_ssize_t m) except -1:
+        """Slots ks[0:m], taken and not begun (or aborted), are free again."""
+        cdef Py_ssize_t i
+        for i in range(m):
+            self.free.append(ks[i])
+        if self.waiters:
+            self.entry.notify_waiters()
         return 0
 
+    # ------------------------------------------------------------ collect
     cdef inline Pending _sync_pending(self):
         """The Pending of a blocking call: the port's own when no other
         thread is using it (a blocking call's Pending never outlives the
@@ -316,16 +320,22 @@ cdef class ClientPort:
         return p
 
     cdef inline void _release(self, Pending p) noexcept:
-        """A blocking call is over with p: the port's own Pending lets go of
-        the caller's arrays (a result the port keeps must be referenced
-        only by the caller and the port) and is free again."""
+        """A blocking call is over with p, answered or not.  Requests it
+        left in flight (an exception, an evaluator that closed or died) go
+        to the abandoned list, whose slots come back once answered.  The
+        port's own Pending lets go of the caller's arrays (a result the port
+        keeps must be referenced only by the caller and the port), forgets
+        the call's outcome and is free again."""
+        if p.unclaimed:
+            p._abandon()
         if p is self.sync:
             p._outs = p._versions = None
-            p.error = p.exc = None
-            p._m = p.unclaimed = 0
+            if p.exc is not None:
+                p.exc = None
+            p._m = p.fetched = 0
             self.sync_busy = False
 
-    cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns):
+    cdef inline int _wait_one(self, uint32_t k, uint32_t gen, uint64_t timeout_ns) noexcept:
         """Segment._wait for slot k of this entry with the spin budget of
         the arms (SpinArms), which get the wait's ns when it ends answered
         and spinning was allowed."""
@@ -519,29 +529,19 @@ cdef class ClientPort:
             for j in range(lay.n_out):
                 x = PyList_GET_ITEM(outs, j)
                 # One reference from the list: nobody else.
-                if Py_REFCNT(x) != 1 or not self._is_output(<cnp.ndarray>x, j, n):
+                if Py_REFCNT(x) != 1 or not self._is_output(x, j, n):
                     break
             else:
                 del self.spares[i]
                 return outs
         return self._new_outs(n, lay)
 
-    cdef bint _is_output(self, cnp.ndarray arr, Py_ssize_t j, Py_ssize_t rows):
-        """arr is still what output j was made as: C-contiguous, writeable,
-        of its type and shape, with a first axis of rows (rows < 0: none)."""
-        cdef Py_ssize_t d, lead = 0 if rows < 0 else 1
-        cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(arr)
+    cdef inline bint _is_output(self, PyObject *arr, Py_ssize_t j, Py_ssize_t rows) noexcept:
+        """arr (an ndarray, borrowed) is still what output j was made as:
+        C-contiguous, writeable, of its type and shape, with a first axis of
+        rows (rows < 0: none)."""
         cdef Layout lay = self.lay0  # (fast: the only method's)
-        cdef cnp.npy_intp *want = lay._out_dims(j)
-        if not cnp.PyArray_IS_C_CONTIGUOUS(arr) or not cnp.PyArray_ISWRITEABLE(arr) or \
-                cnp.PyArray_TYPE(arr) != lay.out_type[j] or \
-                cnp.PyArray_NDIM(arr) != lay.out_nd[j] + lead or \
-                (lead and dims[0] != rows):
-            return False
-        for d in range(lay.out_nd[j]):
-            if dims[d + lead] != want[d]:
-                return False
-        return True
+        return _is_array_of(arr, lay.out_type[j], lay.out_nd[j], lay._out_dims(j), rows)
 
     cdef void _keep_spare(self, list outs) noexcept:
         """A freed Pending's output arrays, for a later submit: the newest
@@ -553,7 +553,7 @@ cdef class ClientPort:
         except BaseException:  # pragma: no cover - out of memory
             pass
 
-    cdef bint _unreferenced(self, int older):
+    cdef bint _unreferenced(self, int older) noexcept:
         """True when a cached result (the last, or with older the one before;
         its dict and arrays) is referenced by nothing but this port,
         unchanged: then it can hold the next result.  Allocating the arrays
@@ -563,22 +563,28 @@ cdef class ClientPort:
         reference counts and makes this allocate afresh.  Two results are
         cached, the last and the one before, because a loop
         `out = ev.evaluate(s)` still holds the last one during the call."""
-        cdef Py_ssize_t j
+        cdef Py_ssize_t j, pos = 0
         cdef PyObject *x
+        cdef PyObject *name
+        cdef PyObject *value
+        cdef Layout lay = self.lay0
         # Borrowed pointers: a Python-level reference here would itself
         # show in the counts.
         cdef PyObject *cached = <PyObject *>(self.prev if older else self.last)
         cdef PyObject *cached_outs = <PyObject *>(self.prev_outs if older else self.last_outs)
         if cached == <PyObject *>None or Py_REFCNT(cached) != 1 or \
-                PyDict_Size(<object>cached) != self.lay0.n_out:
+                _dict_size(cached) != lay.n_out:
             return False
-        for j in range(self.lay0.n_out):
-            x = PyList_GET_ITEM(<object>cached_outs, j)
-            # One reference from the cached list, one from the dict: nobody else.
-            if Py_REFCNT(x) != 2 or PyDict_GetItem(<object>cached, self.lay0.out_names[j]) != x:
+        for j in range(lay.n_out):
+            x = _list_item(cached_outs, j)
+            # The dict's entries in the order they were made (each output's
+            # name, to its array; a caller's change to the dict shows here)
+            # and referenced from the cached list and the dict: nobody else.
+            if not _dict_next(cached, &pos, &name, &value) or value != x or \
+                    name != _tuple_item(<PyObject *>lay.out_names, j) or Py_REFCNT(x) != 2:
                 return False
             # Unchanged in place too (a caller may set .shape or resize).
-            if not self._is_output(<cnp.ndarray>x, j, -1):
+            if not _is_array_of(x, lay.out_type[j], lay.out_nd[j], lay._out_dims(j), -1):
                 return False
         return True
 

@@ -22,27 +22,27 @@ cdef class Segment:
         a slot reclaimed meanwhile, and perhaps reused by another process,
         is then never read or released as this request's."""
         cdef uint32_t gen = 0
-        cdef int rc = shm_slot_begin(&self.seg, c, k, _current_pid, &gen)
-        if rc == SHM_STALE:
-            raise EvaluatorClosed(_MESSAGES[SHM_STALE])
-        _check(rc, "begin")
-        self.ck1[k] = 0  # not cached unless the caller sets its keys
+        cdef int rc = self._begin_all(c, &k, 1, &gen)
+        if rc < 0:
+            _begin_failed(rc)
         return gen
 
     cdef int _begin_all(self, uint32_t c, const uint32_t *ks, Py_ssize_t m,
-                        uint32_t *gens) except -1:
+                        uint32_t *gens) noexcept:
         """Begins slots ks[0:m] (their generations into gens), all or none:
         when one begin fails, the slots begun before it go back to FREE
-        (shm_slot_abort) before the error is raised, so the caller can put
-        every slot back on its free list and each can be begun again."""
+        (shm_slot_abort) and its status is returned (_begin_failed raises
+        it), so the caller can put every slot back on its free list and
+        each can be begun again.  0 when all are begun."""
         cdef Py_ssize_t i, j
+        cdef int rc
         for i in range(m):
-            try:
-                gens[i] = self._begin(c, ks[i])
-            except BaseException:
+            rc = shm_slot_begin(&self.seg, c, ks[i], _current_pid, &gens[i])
+            if rc < 0:
                 for j in range(i):
                     shm_slot_abort(&self.seg, c, ks[j], gens[j])
-                raise
+                return rc
+            self.ck1[ks[i]] = 0  # not cached unless the caller sets its keys
         return 0
 
     cdef inline void _cache_as(self, uint32_t c, uint32_t k, uint64_t k1, uint64_t k2,
@@ -414,6 +414,7 @@ cdef class Segment:
         cdef char *src = <char *>cnp.PyArray_DATA(rows)
         cdef list gens = []
         cdef bint cached = k1 is not None and self.seg.p.cache_log2 != 0
+        cdef int rc
         if not cnp.PyArray_IS_C_CONTIGUOUS(rows):
             raise ValueError("rows buffer not C-contiguous")
         if n > SHM_MAX_SLOTS_PER_CLIENT:
@@ -427,7 +428,9 @@ cdef class Segment:
             raise ValueError("fewer cache keys than rows")
         for i in range(n):
             ks[i] = slots[i]
-        self._begin_all(c, ks, n, gs)
+        rc = self._begin_all(c, ks, n, gs)
+        if rc < 0:
+            _begin_failed(rc)
         for i in range(n):
             gens.append(gs[i])
             shm_copy(shm_slot_in(&self.seg, c, ks[i]), src + idx[i] * inb, inb)
@@ -478,7 +481,7 @@ cdef class Segment:
                                ncpu)
 
     cdef int _wait(self, uint32_t c, uint32_t k, uint32_t gen, uint64_t spin_ns,
-                   uint64_t timeout_ns, uint32_t ncpu):
+                   uint64_t timeout_ns, uint32_t ncpu) noexcept:
         cdef int rc
         cdef shm_ticker *t = self._ticker_for(c, timeout_ns)
         spin_ns = self._spin(spin_ns, ncpu)
@@ -524,8 +527,10 @@ cdef class Segment:
         by index) into dst[j][row] and frees the slot.  Returns the model
         version (DONE), the error text as str (FAILED), or STALE when the
         slot was reclaimed (nothing is delivered)."""
+        cdef uint64_t version = 0
         self._slot(c, k)
-        return self._fetch(self.layouts[method], c, k, gen, dst, row)
+        return self._fetched(self._fetch(self.layouts[method], c, k, gen, dst, row, False,
+                                         &version), version)
 
     def answer(self, uint32_t c, uint32_t k, uint32_t gen, list dst, Py_ssize_t row,
                uint64_t spin_ns, uint64_t timeout_ns, uint32_t ncpu):
@@ -533,25 +538,36 @@ cdef class Segment:
         version (>= 0), the error text (str), or TIMEOUT / CLOSED / STALE
         (< 0); after TIMEOUT and CLOSED the slot is still in flight."""
         cdef int rc
+        cdef uint64_t version = 0
         self._slot(c, k)
         rc = self._wait(c, k, gen, spin_ns, timeout_ns, ncpu)
         if rc < 0:
             return rc
-        return self._fetch(self.layouts[0], c, k, gen, dst, row)
+        return self._fetched(self._fetch(self.layouts[0], c, k, gen, dst, row, False, &version),
+                             version)
 
-    cdef object _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
-                       Py_ssize_t row, bint trusted=False):
+    cdef object _fetched(self, int rc, uint64_t version):
+        """What fetch() returns for _fetch's status rc."""
+        if rc == SLOT_DONE:
+            return version
+        if rc == SLOT_FAILED:
+            return self._take_error()
+        return rc
+
+    cdef int _fetch(self, Layout lay, uint32_t c, uint32_t k, uint32_t gen, list dst,
+                    Py_ssize_t row, bint trusted, uint64_t *version) except -1000:
         """Copies out the answer of the request begun with generation gen and
-        releases the slot; STALE (and nothing delivered) when the slot was
-        reclaimed before or during the copy: the release validates the copy
-        (shm_slot_release).  lay: the request's method; trusted: dst are
+        releases the slot.  Returns DONE (its model version in version),
+        FAILED (its batch's error text for _take_error), or STALE, and
+        nothing delivered, when the slot was reclaimed before or during the
+        copy: the release validates the copy (shm_slot_release).  No boxed
+        value per answer.  lay: the request's method; trusted: dst are
         arrays of its declared outputs (ClientPort made them), so their size
         needs no check."""
         cdef uint32_t st, w
         cdef int rc
         cdef shm_slot_meta *m
         cdef char *out
-        cdef uint64_t version = 0
         w = shm_slot_peek(&self.seg, c, k)
         if w >> SLOT_GEN_SHIFT != gen:
             return SHM_STALE  # not worth a copy
@@ -562,23 +578,31 @@ cdef class Segment:
             if not trusted:
                 self._check_dst(lay, dst, row)
             self._deliver(lay, out, dst, row)
-            version = m.model_version
-            result = version
+            version[0] = m.model_version
         elif st == SLOT_FAILED:
-            result = out[:min(m.err_len, self.seg.l.out_area)].decode("utf-8", "replace")
+            self.error_text = out[:min(m.err_len, self.seg.l.out_area)].decode("utf-8", "replace")
         else:
-            _check(SHM_E_STATE, "fetch")
+            _raise_status(SHM_E_STATE, "fetch")
         rc = shm_slot_release(&self.seg, c, k, gen)
-        if rc == SHM_STALE:
-            return SHM_STALE  # reclaimed during the copy: the copy is not ours
-        _check(rc, "fetch")
+        if rc < 0:
+            self.error_text = None
+            if rc == SHM_STALE:
+                return SHM_STALE  # reclaimed during the copy: the copy is not ours
+            _raise_status(rc, "fetch")
         if st == SLOT_DONE:
             # The copy is validated: ours, whole, and of this version.
-            if version > self.seen_version:
-                self.seen_version = version
+            if version[0] > self.seen_version:
+                self.seen_version = version[0]
             if self.ck1[k]:
-                self._cache_put(lay, c, self.ck1[k], self.ck2[k], version, dst, row)
-        return result
+                self._cache_put(lay, c, self.ck1[k], self.ck2[k], version[0], dst, row)
+        return st
+
+    cdef inline object _take_error(self):
+        """The error text of the FAILED answer _fetch has just returned,
+        taken: the caller reads it before any Python code runs."""
+        cdef object text = self.error_text
+        self.error_text = None
+        return text
 
     def release(self, uint32_t c, uint32_t k, uint32_t gen):
         """Frees a finished slot begun with generation gen without reading
@@ -762,12 +786,13 @@ cdef class Segment:
                 raise ValueError("output buffer too small or not C-contiguous")
         return 0
 
-    cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row):
+    cdef void _deliver(self, Layout lay, const char *src, list dst, Py_ssize_t row) noexcept:
         """Copies one answer of lay's method (output-area bytes at src) into
-        row `row` of the arrays dst (checked by the caller)."""
+        row `row` of the arrays dst (checked by the caller, or made by
+        ClientPort: one array per output, big enough)."""
         cdef uint32_t j
         for j in range(lay.n_out):
-            memcpy(<char *>cnp.PyArray_DATA(<cnp.ndarray>dst[j]) + row * lay.out_nbytes[j],
+            memcpy(_array_bytes(PyList_GET_ITEM(dst, j)) + row * lay.out_nbytes[j],
                    src + lay.out_off[j], lay.out_nbytes[j])
 
     cdef int _cache_get(self, Layout lay, uint32_t c, const char *state, object key, list dst,
