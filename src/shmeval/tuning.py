@@ -499,10 +499,11 @@ class Tuner:
         self.phase = f"following replica {leader}"
 
     def _lasting_change(self, now_ns: int) -> bool:
-        """The load has differed from the trials' for HORIZON_NS (at once
-        before the first trials)."""
-        if self.load is None:
-            return True
+        """The load has differed from the trials' for HORIZON_NS; before
+        the first trials, it has been served for HORIZON_NS.  Clients that
+        start together send their first requests at once, and the batches
+        of that burst hold every one of them: a decision read from them
+        alone is greedy for any model."""
         if not self._changed():
             self._changed_at = None
             return False

@@ -36,6 +36,8 @@ from shmeval.waiting import SLEEP, SPIN, SPIN_LONG_WAKES, YIELD
 from helpers import INPUT_SHAPE, OUTPUTS, fake_factory, fake_model, make_state, run_python
 
 PERIOD = 200_000_000   # ns between readings (the evaluator's housekeeping period)
+#: Readings before the first trials: the load served for a horizon first.
+FIRST = tuning.HORIZON_NS // PERIOD
 YIELD_FLAG = 1 << 63
 WAKE = 20_000
 
@@ -483,7 +485,7 @@ def test_a_passing_disturbance_runs_no_trials() -> None:
 def test_a_lasting_change_during_a_trial_starts_it_over() -> None:
     t = Tuner(256, 2, WAKE)
     feed = Feed(t, clients=16)
-    feed.run(3, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
+    feed.run(3 + FIRST, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
     assert t.trial is not None and t.trial.knob == "threads"
     counted = len(t.trial.rates)
     feed.clients = 64
@@ -502,7 +504,7 @@ def test_clients_coming_back_do_not_start_a_trial_over() -> None:
     finishing in a benchmark whose workers reattach every few seconds."""
     t = Tuner(256, 2, WAKE)
     feed = Feed(t, clients=16)
-    feed.run(3, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
+    feed.run(3 + FIRST, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
     assert t.trial is not None and t.trial.knob == "threads"
     trial, counted = t.trial, len(t.trial.rates)
     for attached in (0, 1, 4, 9):
@@ -521,7 +523,7 @@ def test_a_trial_waits_out_a_pause_of_the_clients() -> None:
     # start it over, and it is decided on the windows with requests.
     t = Tuner(256, 2, WAKE)
     feed = Feed(t, clients=16)
-    feed.run(3, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
+    feed.run(3 + FIRST, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
     assert t.trial is not None and t.trial.knob == "threads"
     counted = len(t.trial.rates)
     feed.clients = 0
@@ -541,7 +543,7 @@ def test_a_trial_leaves_out_the_windows_around_a_pause() -> None:
     of a second call in flight (which pays) against it."""
     t = Tuner(256, 2, WAKE)
     feed = Feed(t, clients=16)
-    feed.run(3, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
+    feed.run(3 + FIRST, lambda d: 10_000.0 * d.threads, [16] * 40, FIXED, PER_ROW)
     assert t.trial is not None and t.trial.knob == "threads"
     for i in range(40 * TRIAL_PAIRS):
         phase = i % 3
@@ -1278,11 +1280,12 @@ def test_a_trial_within_noise_keeps_the_simpler_setting_and_says_so() -> None:
     """Waiting ahead in one pair of three: dropped, and called a tie."""
     t = Tuner(256, 1, WAKE)
     feed = Feed(t, clients=4)
-    n = [0]
 
     def alike(d: Decision) -> float:
-        n[0] += 1
-        return 10_000.0 + (500.0 if d.max_wait_ns and n[0] % 6 == 1 else -500.0)
+        if not d.max_wait_ns:
+            return 10_000.0
+        first = t.trial is not None and not t.trial.rates
+        return 10_500.0 if first else 9_500.0
 
     settle(feed, alike, CONVOY)
     assert t.decision.max_wait_ns == 0
@@ -1346,3 +1349,17 @@ def test_serving_tuners_of_two_replicas_lead_and_follow() -> None:
     assert lead.next_at(5 * PERIOD + 7) == 6 * PERIOD
     assert follow.next_at(5 * PERIOD + 7) == 5 * PERIOD + lag
     assert follow.next_at(5 * PERIOD + lag) == 6 * PERIOD + lag
+
+
+def test_the_first_trials_read_a_horizon_of_load_not_the_start_burst() -> None:
+    """Clients that start together send their first requests at once: the
+    first batches hold all 16.  Read alone they say "greedy: the batches
+    hold every request"; the first trials wait for a horizon of load, by
+    when the convoys of the steady state (4 and 12) show, and waiting,
+    which pays, is tried and kept."""
+    t = Tuner(256, 1, WAKE)
+    feed = Feed(t, clients=16)
+    feed.run(2, lambda d: 3 * waiting_pays(d), [16] * 40, FIXED, PER_ROW)
+    assert t.trial is None and t.phase == "measuring"
+    settle(feed, lambda d: 3 * waiting_pays(d), [4, 12] * 20)
+    assert t.phase == "settled" and t.decision.max_wait_ns > 0, t.why_wait
