@@ -582,30 +582,32 @@ class Tuner:
         return c.at_mean * rows / c.mean_rows if c.mean_rows else c.at_mean
 
     def _changed(self) -> bool:
-        """The load differs from the one the trials measured by CHANGE_RATIO:
-        clients, the model's cost at the same rows (and by a wake-up's cost
-        at least: the trials weigh the model's cost against wake-ups, and a
-        call of a few µs moves by more than the ratio with the host's cache
-        misses and steal), the CPUs."""
+        """The load differs from the one the trials measured (_moves)."""
+        return self.load is None or bool(self._moves())
+
+    def _moves(self) -> List[str]:
+        """What differs from the load the trials measured, by CHANGE_RATIO
+        for the clients and the model's cost at the same rows (and by a
+        wake-up's cost at least: the trials weigh the model's cost against
+        wake-ups, and a call of a few µs moves by more than the ratio with
+        the host's cache misses and steal), at all for the CPUs and the
+        replicas; each as "what before -> now"."""
         m = self.load
-        if m is None:
-            return True
+        assert m is not None
         cost = self._predicted(m.rows)
-        return (_moved(m.clients, self.clients)
-                or (_moved(m.cost, cost) and abs(cost - m.cost) >= self.wake_ns)
-                or m.cpus != self.cpus or m.replicas != self.replicas)
+        moved = [f"{name} {a:g} -> {b:g}" for name, a, b, far in (
+            ("clients", m.clients, self.clients, _moved(m.clients, self.clients)),
+            ("replicas", m.replicas, self.replicas, m.replicas != self.replicas),
+            ("cpus", m.cpus, self.cpus, m.cpus != self.cpus)) if far]
+        if _moved(m.cost, cost) and abs(cost - m.cost) >= self.wake_ns:
+            moved.append(f"model µs per call {m.cost / 1e3:.0f} -> {cost / 1e3:.0f}")
+        return moved
 
     def _what_changed(self) -> str:
-        """What moved the load away from the one the trials measured."""
-        m = self.load
-        if m is None:
+        """Why the trials run again."""
+        if self.load is None:
             return "the first trials"
-        moved = [f"{name} {a:g} -> {b:g}" for name, a, b in (
-            ("clients", m.clients, self.clients), ("replicas", m.replicas, self.replicas),
-            ("cpus", m.cpus, self.cpus)) if a != b]
-        cost = self._predicted(m.rows)
-        if _moved(m.cost, cost):
-            moved.append(f"model µs per call {m.cost / 1e3:.0f} -> {cost / 1e3:.0f}")
+        moved = self._moves()
         return "the load changed: " + ", ".join(moved) if moved else "the load changed"
 
     def _start_trials(self) -> None:
